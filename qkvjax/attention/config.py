@@ -1,0 +1,112 @@
+"""AttentionConfig: everything one attention layer needs, validated once, before anything is traced."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from qkvjax.attention.schemes import SCHEMES, Scheme, get_scheme
+
+DTYPES = ("float32", "bfloat16", "float16")
+IMPLEMENTATIONS = (None, "xla", "cudnn")
+
+
+def _canonical_dtype(value, field: str) -> str:
+    try:
+        name = jnp.dtype(value).name
+    except TypeError:
+        name = str(value)
+    if name not in DTYPES:
+        raise ValueError(f"AttentionConfig.{field}={value!r} is not supported; allowed: {list(DTYPES)}")
+    return name
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    """One attention layer.
+
+    Attributes:
+      num_heads: N, query heads.
+      head_dim: H, width of each head.
+      num_kv_heads: K, key/value heads. None means K = N (multi-head); 1 is multi-query (Shazeer 2019);
+        otherwise grouped-query (Ainslie et al. 2023) and K must divide N.
+      scheme: the tying scheme, a key of ``qkvjax.SCHEMES``.
+      use_bias: biases on every projection.
+      dropout_rate: dropout on the attention weights (needs a ``dropout`` RNG when not deterministic).
+      rope: rotary position embedding on queries and keys (Su et al. 2021, arXiv:2104.09864).
+      rope_base: the rotary wavelength base.
+      dtype: compute dtype; softmax is always taken in float32.
+      param_dtype: dtype of the parameters.
+      implementation: passed to ``jax.nn.dot_product_attention`` (None = its default, 'cudnn' = cuDNN flash
+        attention on NVIDIA GPUs) for schemes whose logits are plain q.k.
+    """
+
+    num_heads: int
+    head_dim: int
+    num_kv_heads: int | None = None
+    scheme: str = "separate"
+    use_bias: bool = False
+    dropout_rate: float = 0.0
+    rope: bool = False
+    rope_base: float = 10000.0
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+    implementation: str | None = None
+
+    def __post_init__(self):
+        for name in ("num_heads", "head_dim"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"AttentionConfig.{name}={value!r}; allowed: an integer >= 1")
+        kv = self.num_kv_heads
+        if kv is not None and (isinstance(kv, bool) or not isinstance(kv, int) or kv < 1):
+            raise ValueError(f"AttentionConfig.num_kv_heads={kv!r}; allowed: None or an integer >= 1")
+        if kv is not None and self.num_heads % kv:
+            divisors = [d for d in range(1, self.num_heads + 1) if self.num_heads % d == 0]
+            raise ValueError(
+                f"AttentionConfig.num_kv_heads={kv} does not divide num_heads={self.num_heads}; "
+                f"allowed: None or one of {divisors}"
+            )
+        if self.scheme not in SCHEMES:
+            raise ValueError(f"AttentionConfig.scheme={self.scheme!r} is unknown; allowed: {sorted(SCHEMES)}")
+        scheme = get_scheme(self.scheme)
+        if scheme.ties_query_to_kv and self.kv_heads != self.num_heads:
+            shared = next(g for g in scheme.groups if "q" in g and len(g) > 1)
+            raise ValueError(
+                f"scheme {self.scheme!r} uses one projection w_{shared} for queries and "
+                f"{'keys' if 'k' in shared else 'values'}, so it needs num_kv_heads == num_heads "
+                f"({self.num_heads}); got num_kv_heads={kv}. Use None, or a scheme without a shared query "
+                f"projection: {sorted(n for n, s in SCHEMES.items() if not s.ties_query_to_kv)}"
+            )
+        if scheme.bilinear and self.rope:
+            raise ValueError(
+                f"scheme {self.scheme!r} merges W^Q (W^K)^T into one (D, D) form per head, so there are no "
+                "separate queries and keys to rotate; rope=True is not allowed with it"
+            )
+        if self.rope and self.head_dim % 2:
+            raise ValueError(f"rope=True needs an even head_dim; got head_dim={self.head_dim}")
+        if self.rope and not self.rope_base > 0:
+            raise ValueError(f"AttentionConfig.rope_base={self.rope_base!r}; allowed: a number > 0")
+        if not 0.0 <= self.dropout_rate < 1.0:
+            raise ValueError(f"AttentionConfig.dropout_rate={self.dropout_rate!r}; allowed: 0 <= rate < 1")
+        object.__setattr__(self, "dtype", _canonical_dtype(self.dtype, "dtype"))
+        object.__setattr__(self, "param_dtype", _canonical_dtype(self.param_dtype, "param_dtype"))
+        if self.implementation not in IMPLEMENTATIONS:
+            raise ValueError(
+                f"AttentionConfig.implementation={self.implementation!r}; allowed: {list(IMPLEMENTATIONS)}"
+            )
+
+    @property
+    def kv_heads(self) -> int:
+        """K, with None resolved to N."""
+        return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
+
+    @property
+    def group_size(self) -> int:
+        """G = N // K."""
+        return self.num_heads // self.kv_heads
+
+    @property
+    def tying(self) -> Scheme:
+        return get_scheme(self.scheme)

@@ -1,0 +1,224 @@
+"""Tying schemes as data, and what each one costs.
+
+Scaled dot-product attention (Vaswani et al. 2017, arXiv:1706.03762) gives each head n three roles::
+
+    q_t = x_t W^Q_n,   k_s = x_s W^K_n,   v_s = x_s W^V_n,   o_t = sum_s softmax_s(q_t . k_s / sqrt(H)) v_s
+
+A *scheme* says which roles share one projection: a partition of {q, k, v}. ``separate`` = {q}{k}{v};
+``shared_qk`` = {q,k}{v}; ``shared_kv`` = {q}{k,v}; ``shared_qv`` = {q,v}{k}; ``shared_qkv`` = {q,k,v}. The module
+makes one kernel per group, named ``w_`` + the group's roles, and caches one tensor per group that produces keys
+or values. Two variations ride on top of a partition:
+
+* ``normalize_keys`` / ``mask_self`` -- Reformer's shared-QK attention (Kitaev et al. 2020, arXiv:2001.04451,
+  section 2): keys are ``k / |k|`` and a token attends to itself only when it has no other allowed target.
+* ``bilinear`` -- the query and key roles are replaced by one full-rank form per head,
+  ``score(t, s) = x_t^T W_QK[n] x_s / sqrt(H)`` with ``W_QK[n] = W^Q_n (W^K_n)^T`` of shape (D, D); only the value
+  role keeps a projection. The key side of the cache is then the input ``x`` itself.
+
+Adding a scheme is one :func:`register_scheme` call; nothing else in the package branches on a scheme's name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+import jax.numpy as jnp
+
+if TYPE_CHECKING:
+    from qkvjax.attention.config import AttentionConfig
+
+ROLES = ("q", "k", "v")
+
+
+@dataclasses.dataclass(frozen=True)
+class Scheme:
+    """One tying scheme.
+
+    Attributes:
+      name: registry key, also the value of ``AttentionConfig.scheme``.
+      groups: the partition, one string of roles per distinct projection, e.g. ``("qk", "v")``. For a
+        ``bilinear`` scheme the groups cover only the roles that keep a projection (``("v",)``).
+      summary: one line for tables and ``--help``.
+      reference: where the idea comes from.
+      bilinear: scores come from a per-head (D, D) form instead of projected queries and keys.
+      normalize_keys: keys are divided by their length (Reformer).
+      mask_self: in self-attention a token may attend to itself only if nothing else is allowed (Reformer).
+    """
+
+    name: str
+    groups: tuple[str, ...]
+    summary: str
+    reference: str
+    bilinear: bool = False
+    normalize_keys: bool = False
+    mask_self: bool = False
+
+    def __post_init__(self):
+        roles = [r for g in self.groups for r in g]
+        expected = {"v"} if self.bilinear else set(ROLES)
+        if sorted(roles) != sorted(expected) or any(not g for g in self.groups):
+            raise ValueError(
+                f"scheme {self.name!r}: groups {self.groups} must partition the roles {sorted(expected)} "
+                "(each role in exactly one non-empty group)"
+            )
+        if self.bilinear and (self.normalize_keys or self.mask_self):
+            raise ValueError(f"scheme {self.name!r}: a bilinear scheme has no keys to normalise or mask")
+
+    def group_of(self, role: str) -> str | None:
+        """The group that produces ``role``, or None (q and k of a bilinear scheme)."""
+        return next((g for g in self.groups if role in g), None)
+
+    @property
+    def query_groups(self) -> tuple[str, ...]:
+        """Groups applied to the query-side input."""
+        return tuple(g for g in self.groups if "q" in g)
+
+    @property
+    def kv_groups(self) -> tuple[str, ...]:
+        """Groups applied to the key/value-side input; each is one cached tensor when decoding."""
+        return tuple(g for g in self.groups if set(g) & {"k", "v"})
+
+    @property
+    def ties_query_to_kv(self) -> bool:
+        """One projection makes both queries and keys or values, so query heads and kv heads must coincide."""
+        return any("q" in g and len(g) > 1 for g in self.groups)
+
+    def heads(self, group: str, num_heads: int, num_kv_heads: int) -> int:
+        """Heads a group's kernel produces: N if it makes queries, else K."""
+        return num_heads if "q" in group else num_kv_heads
+
+
+SCHEMES: dict[str, Scheme] = {}
+
+
+def register_scheme(scheme: Scheme) -> Scheme:
+    if scheme.name in SCHEMES:
+        raise ValueError(f"scheme {scheme.name!r} is already registered")
+    SCHEMES[scheme.name] = scheme
+    return scheme
+
+
+def get_scheme(name: str) -> Scheme:
+    try:
+        return SCHEMES[name]
+    except KeyError:
+        raise ValueError(f"unknown attention scheme {name!r}; allowed: {sorted(SCHEMES)}") from None
+
+
+register_scheme(Scheme("separate", ("q", "k", "v"), "W^Q, W^K, W^V", "Vaswani et al. 2017"))
+register_scheme(Scheme("shared_qk", ("qk", "v"), "W^Q = W^K: scores are a symmetric bilinear form", "tying"))
+register_scheme(
+    Scheme(
+        "reformer_qk",
+        ("qk", "v"),
+        "W^Q = W^K, unit-length keys, no self-attention unless nothing else is allowed",
+        "Kitaev et al. 2020",
+        normalize_keys=True,
+        mask_self=True,
+    )
+)
+register_scheme(Scheme("shared_kv", ("q", "kv"), "W^K = W^V: K = V, one cached tensor", "tying"))
+register_scheme(Scheme("shared_qv", ("qv", "k"), "W^Q = W^V", "tying"))
+register_scheme(Scheme("shared_qkv", ("qkv",), "W^Q = W^K = W^V: one matrix for all roles", "tying"))
+register_scheme(
+    Scheme(
+        "bilinear",
+        ("v",),
+        "per-head full-rank W_QK (D x D) = W^Q (W^K)^T merged, plus W^V",
+        "merged bilinear form",
+        bilinear=True,
+    )
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionCost:
+    """What one attention layer costs.
+
+    ``flops_per_token`` counts a forward pass (a multiply-add is 2 FLOPs) for one token that is projected in
+    every role it plays and, as a query, attends to ``seq_len`` keys (no causal discount): projections +
+    scores (q.k and the weighted sum of values) + output projection.
+    """
+
+    scheme: str
+    params: int
+    projection_flops: int
+    score_flops: int
+    output_flops: int
+    kv_cache_bytes_per_token: int
+
+    @property
+    def flops_per_token(self) -> int:
+        return self.projection_flops + self.score_flops + self.output_flops
+
+
+def attention_cost(config: AttentionConfig, d_model: int, seq_len: int) -> AttentionCost:
+    """Parameters, forward FLOPs per token and KV-cache bytes per token of one layer, read off the scheme."""
+    scheme = get_scheme(config.scheme)
+    n, k, h, d = config.num_heads, config.kv_heads, config.head_dim, d_model
+    bias = 1 if config.use_bias else 0
+    params = n * h * d + bias * d  # w_o, b_o
+    proj_flops = 0
+    cache_elems = 0
+    for group in scheme.groups:
+        heads = scheme.heads(group, n, k)
+        params += d * heads * h + bias * heads * h
+        proj_flops += 2 * d * heads * h
+        if group in scheme.kv_groups:
+            cache_elems += heads * h
+    if scheme.bilinear:
+        params += n * d * d
+        proj_flops += 2 * n * d * d  # x_t^T W_QK[n], once per query token
+        score_flops = 2 * n * d * seq_len + 2 * n * h * seq_len
+        cache_elems += d  # the key side is x itself
+    else:
+        score_flops = 2 * 2 * n * h * seq_len
+    itemsize = jnp.dtype(config.dtype).itemsize
+    return AttentionCost(
+        scheme=scheme.name,
+        params=params,
+        projection_flops=proj_flops,
+        score_flops=score_flops,
+        output_flops=2 * n * h * d,
+        kv_cache_bytes_per_token=cache_elems * itemsize,
+    )
+
+
+def cost_table(
+    d_model: int,
+    num_heads: int,
+    seq_len: int,
+    num_kv_heads: int | None = None,
+    head_dim: int | None = None,
+    dtype: str = "bfloat16",
+) -> str:
+    """A text table of :func:`attention_cost` for every registered scheme, with ratios to ``separate``."""
+    from qkvjax.attention.config import AttentionConfig
+
+    if head_dim is None:
+        if d_model % num_heads:
+            raise ValueError(f"d_model={d_model} is not divisible by num_heads={num_heads}; pass head_dim")
+        head_dim = d_model // num_heads
+    base = attention_cost(AttentionConfig(num_heads, head_dim, num_kv_heads, "separate", dtype=dtype), d_model, seq_len)
+    k = num_heads if num_kv_heads is None else num_kv_heads
+    lines = [
+        f"one attention layer: d_model={d_model}, N={num_heads}, K={k}, H={head_dim}, seq_len={seq_len}, "
+        f"cache dtype={dtype}; FLOPs are forward, per token attending to seq_len keys",
+        f"{'scheme':<12} {'groups':<10} {'params':>11} {'x sep':>6} {'proj FLOPs':>11} {'FLOPs/token':>12} "
+        f"{'x sep':>6} {'KV bytes/tok':>12} {'x sep':>6}",
+    ]
+    for name, scheme in SCHEMES.items():
+        groups = "{" + "}{".join(scheme.groups) + "}" + ("+W_QK" if scheme.bilinear else "")
+        try:
+            cfg = AttentionConfig(num_heads, head_dim, num_kv_heads, name, dtype=dtype)
+        except ValueError as e:
+            lines.append(f"{name:<12} {groups:<10} n/a: {str(e).split(';')[0]}")
+            continue
+        c = attention_cost(cfg, d_model, seq_len)
+        lines.append(
+            f"{name:<12} {groups:<10} {c.params:>11,} {c.params / base.params:>6.2f} {c.projection_flops:>11,} "
+            f"{c.flops_per_token:>12,} {c.flops_per_token / base.flops_per_token:>6.2f} "
+            f"{c.kv_cache_bytes_per_token:>12,} {c.kv_cache_bytes_per_token / base.kv_cache_bytes_per_token:>6.2f}"
+        )
+    return "\n".join(lines)

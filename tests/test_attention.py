@@ -1,0 +1,387 @@
+"""The attention zoo against independent references: flax's MHA, a float64 numpy model, and itself untied.
+
+Sizes are distinct so a swapped axis fails: B=3, T=5, S=7, D=11, N=6, K=2 (G=3), H=4.
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from qkvjax import SCHEMES, Attention, AttentionConfig, attention_cost
+
+B, T, S, D, N, K, H = 3, 5, 7, 11, 6, 2, 4
+KV_CHOICES = (None, K, 1)
+
+
+def config(scheme, num_kv_heads=None, **kw):
+    return AttentionConfig(num_heads=N, head_dim=H, num_kv_heads=num_kv_heads, scheme=scheme, **kw)
+
+
+def valid(scheme, num_kv_heads, **kw):
+    try:
+        config(scheme, num_kv_heads, **kw)
+        return True
+    except ValueError:
+        return False
+
+
+VALID = [(s, kv) for s in SCHEMES for kv in KV_CHOICES if valid(s, kv)]
+PLAIN_PARTITIONS = [
+    s for s, sc in SCHEMES.items() if not (sc.bilinear or sc.normalize_keys or sc.mask_self) and s != "separate"
+]
+
+
+def inputs(seed, *shape):
+    return jax.random.normal(jax.random.key(seed), shape, jnp.float32)
+
+
+def init_params(cfg, x, seed=0, **kw):
+    """Parameters with every leaf random (biases too, so that bias paths are exercised)."""
+    params = nn.meta.unbox(Attention(cfg).init(jax.random.key(seed), x, **kw))["params"]
+    leaves, tree = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
+    return jax.tree.unflatten(
+        tree, [0.5 * jax.random.normal(k, p.shape, p.dtype) for k, p in zip(keys, leaves, strict=True)]
+    )
+
+
+def untie(params, scheme_name, prefix="w_"):
+    """The `separate` parameters in which each role gets its group's kernel (and bias)."""
+    scheme = SCHEMES[scheme_name]
+    out = {"w_o": params["w_o"]}
+    for role in "qkv":
+        for p in ("w_", "b_"):
+            if p + scheme.group_of(role) in params:
+                out[p + role] = params[p + scheme.group_of(role)]
+    if "b_o" in params:
+        out["b_o"] = params["b_o"]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# An independent float64 model of every scheme, read off the scheme's data.
+
+
+def np_rotary(x, pos, base=10000.0):
+    half = x.shape[-1] // 2
+    inv = base ** (-np.arange(half) / half)
+    ang = pos[:, :, None, None] * inv
+    x1, x2 = x[..., :half], x[..., half:]
+    return np.concatenate([x1 * np.cos(ang) - x2 * np.sin(ang), x2 * np.cos(ang) + x1 * np.sin(ang)], -1)
+
+
+def reference(params, cfg, xq, xkv=None, mask=None, causal=False):
+    p = {k: np.asarray(v, np.float64) for k, v in params.items()}
+    scheme = SCHEMES[cfg.scheme]
+    self_attn = xkv is None
+    xq = np.asarray(xq, np.float64)
+    xkv = xq if self_attn else np.asarray(xkv, np.float64)
+    g = cfg.num_heads // cfg.kv_heads
+    t, s = xq.shape[1], xkv.shape[1]
+
+    def proj(x, role):
+        grp = scheme.group_of(role)
+        return np.einsum("btd,dch->btch", x, p["w_" + grp]) + p.get("b_" + grp, 0.0)
+
+    if scheme.bilinear:
+        logits = np.einsum("btd,nde,bse->bnts", xq, p["w_qk_merged"], xkv)
+    else:
+        q, k = proj(xq, "q"), proj(xkv, "k")
+        if scheme.normalize_keys:
+            k = k / np.sqrt((k**2).sum(-1, keepdims=True) + 1e-6)
+        if cfg.rope:
+            q = np_rotary(q, np.broadcast_to(np.arange(t), (xq.shape[0], t)))
+            k = np_rotary(k, np.broadcast_to(np.arange(s), (xq.shape[0], s)))
+        logits = np.einsum("btnh,bsnh->bnts", q, np.repeat(k, g, axis=2))
+    logits = logits / np.sqrt(cfg.head_dim)
+    if scheme.mask_self and self_attn:
+        logits = np.where(np.eye(t, dtype=bool), -1e4, logits)
+    allowed = np.ones((1, 1, t, s), bool)
+    if causal:
+        allowed = allowed & np.tril(np.ones((t, s), bool))
+    if mask is not None:
+        allowed = allowed & np.asarray(mask)
+    logits = np.where(allowed, logits, -1e30)
+    w = np.exp(logits - logits.max(-1, keepdims=True))
+    w = w / w.sum(-1, keepdims=True)
+    v = np.repeat(proj(xkv, "v"), g, axis=2)
+    out = np.einsum("bnts,bsnh->btnh", w, v)
+    return np.einsum("btnh,nhd->btd", out, p["w_o"]) + p.get("b_o", 0.0)
+
+
+def padding_mask():
+    q_valid = np.arange(T)[None] < np.array([T, 3, 4])[:, None]
+    kv_valid = np.arange(S)[None] < np.array([S, 2, 6])[:, None]
+    return jnp.asarray(q_valid[:, None, :, None] & kv_valid[:, None, None, :])
+
+
+@pytest.mark.parametrize("scheme,kv", VALID)
+def test_self_attention_matches_reference(scheme, kv):
+    rope = valid(scheme, kv, rope=True)
+    cfg = config(scheme, kv, rope=rope, use_bias=True)
+    x = inputs(0, B, T, D)
+    params = init_params(cfg, x)
+    y = Attention(cfg).apply({"params": params}, x, causal=True)
+    np.testing.assert_allclose(y, reference(params, cfg, x, causal=True), rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("scheme,kv", VALID)
+def test_cross_attention_with_padding_matches_reference(scheme, kv):
+    cfg = config(scheme, kv, use_bias=True)
+    xq, xkv, mask = inputs(1, B, T, D), inputs(2, B, S, D), padding_mask()
+    params = init_params(cfg, xq, inputs_kv=xkv)
+    y = Attention(cfg).apply({"params": params}, xq, xkv, mask=mask)
+    np.testing.assert_allclose(y, reference(params, cfg, xq, xkv, mask=mask), rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("cross", [False, True])
+def test_separate_equals_flax_multihead_attention(cross):
+    cfg = config("separate", use_bias=True)
+    xq, xkv = inputs(3, B, T, D), inputs(4, B, S, D)
+    kv_in = xkv if cross else None
+    mask = padding_mask() if cross else padding_mask()[:, :, :, :T]
+    params = init_params(cfg, xq, inputs_kv=kv_in)
+    flax_params = {
+        name: {"kernel": params["w_" + role], "bias": params["b_" + role]}
+        for name, role in (("query", "q"), ("key", "k"), ("value", "v"), ("out", "o"))
+    }
+    mha = nn.MultiHeadDotProductAttention(num_heads=N, qkv_features=N * H, out_features=D)
+    expected = mha.apply({"params": flax_params}, xq, kv_in, mask=mask)
+    ours = Attention(cfg).apply({"params": params}, xq, kv_in, mask=mask)
+    np.testing.assert_allclose(ours, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("scheme", PLAIN_PARTITIONS)
+@pytest.mark.parametrize("cross", [False, True])
+def test_tied_scheme_equals_separate_with_copied_weights(scheme, cross):
+    cfg = config(scheme, rope=True, use_bias=True)
+    xq, xkv = inputs(5, B, T, D), inputs(6, B, S, D) if cross else None
+    params = init_params(cfg, xq, inputs_kv=xkv)
+    tied = Attention(cfg).apply({"params": params}, xq, xkv, causal=True)
+    sep = Attention(config("separate", rope=True, use_bias=True)).apply(
+        {"params": untie(params, scheme)}, xq, xkv, causal=True
+    )
+    np.testing.assert_allclose(tied, sep, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kv", [None, K, 1])
+def test_bilinear_equals_separate_with_merged_weights(kv):
+    sep_cfg = config("separate", kv, use_bias=False)
+    x = inputs(7, B, T, D)
+    sep = init_params(sep_cfg, x)
+    g = N // sep_cfg.kv_heads
+    merged = jnp.stack([sep["w_q"][:, n, :] @ sep["w_k"][:, n // g, :].T for n in range(N)])
+    bil = {"w_qk_merged": merged, "w_v": sep["w_v"], "w_o": sep["w_o"]}
+    ours = Attention(config("bilinear", kv)).apply({"params": bil}, x, causal=True)
+    expected = Attention(sep_cfg).apply({"params": sep}, x, causal=True)
+    np.testing.assert_allclose(ours, expected, rtol=2e-5, atol=2e-5)
+
+
+def test_gqa_equals_mha_with_repeated_kv_heads():
+    x = inputs(8, B, T, D)
+    gqa_cfg = config("separate", K, rope=True)
+    gqa = init_params(gqa_cfg, x)
+    mha = dict(gqa, w_k=jnp.repeat(gqa["w_k"], N // K, axis=1), w_v=jnp.repeat(gqa["w_v"], N // K, axis=1))
+    ours = Attention(gqa_cfg).apply({"params": gqa}, x, causal=True)
+    expected = Attention(config("separate", rope=True)).apply({"params": mha}, x, causal=True)
+    np.testing.assert_allclose(ours, expected, rtol=1e-5, atol=1e-5)
+    # K = N spelled out is multi-head attention itself.
+    same = Attention(config("separate", N, rope=True)).apply({"params": mha}, x, causal=True)
+    np.testing.assert_array_equal(same, expected)
+
+
+@pytest.mark.parametrize("scheme", PLAIN_PARTITIONS)
+def test_shared_kernel_gradient_is_sum_of_role_gradients(scheme):
+    cfg = config(scheme, use_bias=True)
+    x = inputs(9, B, T, D)
+    params = init_params(cfg, x)
+    target = inputs(10, B, T, D)
+
+    def loss(p, c):
+        return jnp.sum((Attention(c).apply({"params": p}, x, causal=True) - target) ** 2)
+
+    g_tied = jax.grad(loss)(params, cfg)
+    g_sep = jax.grad(loss)(untie(params, scheme), config("separate", use_bias=True))
+    for group in SCHEMES[scheme].groups:
+        for p in ("w_", "b_"):
+            expected = sum(g_sep[p + role] for role in group)
+            np.testing.assert_allclose(g_tied[p + group], expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("scheme,kv", VALID)
+def test_causality(scheme, kv):
+    cfg = config(scheme, kv, rope=valid(scheme, kv, rope=True))
+    x = inputs(11, B, T, D)
+    params = init_params(cfg, x)
+    x2 = x.at[:, 3].add(inputs(12, B, D))
+    y1 = Attention(cfg).apply({"params": params}, x, causal=True)
+    y2 = Attention(cfg).apply({"params": params}, x2, causal=True)
+    np.testing.assert_array_equal(y1[:, :3], y2[:, :3])
+    assert not np.allclose(y1[:, 3:], y2[:, 3:])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_reformer_attends_to_itself_only_when_nothing_else_is_allowed(dtype):
+    reformer = [s for s, sc in SCHEMES.items() if sc.mask_self]
+    assert reformer, "the registry lost Reformer's scheme"
+    cfg = config(reformer[0], dtype=dtype)
+    x = inputs(13, B, T, D)
+    params = init_params(cfg, x)
+    y, state = Attention(cfg).apply({"params": params}, x, causal=True, mutable=["intermediates"])
+    (w,) = state["intermediates"]["attention_weights"]  # (B, K, G, T, S)
+    assert np.isfinite(np.asarray(y, np.float32)).all()
+    diag = np.diagonal(np.asarray(w), axis1=-2, axis2=-1)
+    np.testing.assert_array_equal(diag[..., 0], 1.0)  # position 0 has no other target
+    np.testing.assert_array_equal(diag[..., 1:], 0.0)  # everyone else never looks at itself
+    np.testing.assert_allclose(np.asarray(w).sum(-1), 1.0, rtol=1e-6)
+
+
+# Decoding: every scheme, with and without GQA and rotary, one token per call and in chunks.
+DECODE_CASES = [(s, kv, rope) for s, kv in VALID for rope in (False, True) if valid(s, kv, rope=rope)]
+
+
+@pytest.mark.parametrize("scheme,kv,rope", DECODE_CASES)
+def test_decode_matches_full_causal_forward(scheme, kv, rope):
+    cfg = config(scheme, kv, rope=rope, use_bias=True)
+    x = inputs(14, B, T, D)
+    model = Attention(cfg)
+    params = init_params(cfg, x)
+    full = model.apply({"params": params}, x, causal=True)
+    cache = model.init(jax.random.key(0), x, decode=True)["cache"]
+    # The cache holds one tensor per group that makes keys or values (plus x for a bilinear key side).
+    scheme_data = SCHEMES[scheme]
+    expected_slots = {f"cached_{g}" for g in scheme_data.kv_groups} | ({"cached_x"} if scheme_data.bilinear else set())
+    assert set(cache) == expected_slots | {"cache_index"}
+    steps = []
+    for start, stop in ((0, 2), (2, 3), (3, 4), (4, 5)):  # a 2-token prompt, then one token at a time
+        y, mutated = model.apply({"params": params, "cache": cache}, x[:, start:stop], decode=True, mutable=["cache"])
+        cache = mutated["cache"]
+        steps.append(y)
+    np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, rtol=2e-5, atol=2e-5)
+    assert int(cache["cache_index"]) == T
+
+
+def test_decode_under_jit_compiles_once_for_all_steps():
+    cfg = config("shared_kv", K, rope=True)
+    x = inputs(15, B, T, D)
+    model = Attention(cfg)
+    params = init_params(cfg, x)
+    cache = model.init(jax.random.key(0), x, decode=True)["cache"]
+    traces = []
+
+    @jax.jit
+    def step(cache, tok):
+        traces.append(None)
+        return model.apply({"params": params, "cache": cache}, tok, decode=True, mutable=["cache"])
+
+    ys = []
+    for i in range(T):
+        y, mutated = step(cache, x[:, i : i + 1])
+        cache = mutated["cache"]
+        ys.append(y)
+    assert len(traces) == 1
+    np.testing.assert_allclose(
+        jnp.concatenate(ys, 1), model.apply({"params": params}, x, causal=True), rtol=2e-5, atol=2e-5
+    )
+
+
+@pytest.mark.parametrize("scheme,kv", VALID)
+def test_parameter_count_matches_accounting(scheme, kv):
+    for use_bias in (False, True):
+        cfg = config(scheme, kv, use_bias=use_bias)
+        params = init_params(cfg, inputs(16, B, T, D))
+        assert sum(p.size for p in jax.tree.leaves(params)) == attention_cost(cfg, D, T).params
+
+
+def test_kv_cache_accounting_matches_the_real_cache():
+    for scheme, kv in VALID:
+        cfg = config(scheme, kv)
+        x = inputs(17, B, T, D)
+        cache = Attention(cfg).init(jax.random.key(0), x, decode=True)["cache"]
+        nbytes = sum(v.nbytes for name, v in cache.items() if name != "cache_index")
+        assert nbytes == attention_cost(cfg, D, T).kv_cache_bytes_per_token * B * T, scheme
+
+
+def test_accounting_ratios_follow_the_partition():
+    sep = attention_cost(config("separate"), D, T)
+    kv = attention_cost(config("shared_kv"), D, T)
+    qkv = attention_cost(config("shared_qkv"), D, T)
+    mqa = attention_cost(config("separate", 1), D, T)
+    assert kv.kv_cache_bytes_per_token * 2 == sep.kv_cache_bytes_per_token
+    assert qkv.kv_cache_bytes_per_token * 2 == sep.kv_cache_bytes_per_token
+    assert mqa.kv_cache_bytes_per_token * N == sep.kv_cache_bytes_per_token
+    assert qkv.projection_flops * 3 == sep.projection_flops
+
+
+def test_dropout_needs_rng_and_is_off_when_deterministic():
+    cfg = config("shared_kv", dropout_rate=0.5)
+    x = inputs(18, B, T, D)
+    params = init_params(cfg, x)
+    model = Attention(cfg)
+    base = Attention(config("shared_kv")).apply({"params": params}, x, causal=True)
+    np.testing.assert_array_equal(model.apply({"params": params}, x, causal=True), base)
+    noisy = model.apply({"params": params}, x, causal=True, deterministic=False, rngs={"dropout": jax.random.key(1)})
+    assert not np.allclose(noisy, base)
+
+
+def test_nnx_bridge_wraps_the_module():
+    from flax import nnx
+
+    cfg = config("shared_kv", K, rope=True)
+    x = inputs(19, B, T, D)
+    # The kernels carry logical axis names; without a mesh in context NNX must not try to shard them eagerly.
+    with nnx.use_eager_sharding(False):
+        model = nnx.bridge.ToNNX(Attention(cfg), rngs=nnx.Rngs(0))
+        nnx.bridge.lazy_init(model, x, causal=True)
+    y = model(x, causal=True)
+    params = {"params": {name: getattr(model, name)[...] for name in ("w_q", "w_kv", "w_o")}}
+    assert y.shape == (B, T, D)
+    assert model.w_kv[...].shape == (D, K, H)
+    np.testing.assert_allclose(y, Attention(cfg).apply(params, x, causal=True), rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Invalid input: ValueError naming the bad value and what is allowed, before anything compiles.
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(num_heads=0, head_dim=H), r"num_heads=0.*integer >= 1"),
+        (dict(num_heads=N, head_dim=-1), r"head_dim=-1"),
+        (dict(num_heads=N, head_dim=H, num_kv_heads=4), r"num_kv_heads=4 does not divide num_heads=6.*\[1, 2, 3, 6\]"),
+        (dict(num_heads=N, head_dim=H, scheme="qk_shared"), r"scheme='qk_shared'.*allowed.*separate"),
+        (dict(num_heads=N, head_dim=H, scheme="shared_qk", num_kv_heads=K), r"w_qk.*num_kv_heads == num_heads"),
+        (dict(num_heads=N, head_dim=H, scheme="shared_qv", num_kv_heads=1), r"w_qv.*values.*num_kv_heads"),
+        (dict(num_heads=N, head_dim=H, scheme="shared_qkv", num_kv_heads=K), r"w_qkv"),
+        (dict(num_heads=N, head_dim=H, scheme="reformer_qk", num_kv_heads=1), r"reformer_qk"),
+        (dict(num_heads=N, head_dim=H, scheme="bilinear", rope=True), r"bilinear.*rope=True is not allowed"),
+        (dict(num_heads=N, head_dim=5, rope=True), r"even head_dim; got head_dim=5"),
+        (dict(num_heads=N, head_dim=H, dropout_rate=1.0), r"dropout_rate=1.0"),
+        (dict(num_heads=N, head_dim=H, dtype="int8"), r"dtype='int8'.*float32"),
+        (dict(num_heads=N, head_dim=H, implementation="flash"), r"implementation='flash'.*cudnn"),
+    ],
+)
+def test_invalid_config_raises(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        AttentionConfig(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "call,match",
+    [
+        (lambda m, x: m.init(jax.random.key(0), x[0]), r"must be \(B, T, D\)"),
+        (lambda m, x: m.init(jax.random.key(0), x, jnp.ones((B, S, D + 1))), r"share batch and model width"),
+        (lambda m, x: m.init(jax.random.key(0), x, mask=jnp.ones((B, T, T), bool)), r"broadcastable to"),
+        (lambda m, x: m.init(jax.random.key(0), x, mask=jnp.ones((B, 4, T, T), bool)), r"broadcastable to"),
+        (lambda m, x: m.init(jax.random.key(0), x, jnp.ones((B, S, D)), decode=True), r"self-attention only"),
+        (lambda m, x: m.init(jax.random.key(0), x, positions=jnp.zeros((B, T + 1), jnp.int32)), r"positions"),
+    ],
+)
+def test_invalid_input_raises_before_compiling(call, match):
+    model = Attention(config("separate"))
+    x = jnp.ones((B, T, D))
+    with pytest.raises(ValueError, match=match):
+        jax.jit(lambda x: call(model, x))(x)  # the error comes from tracing, so nothing was compiled
