@@ -1,0 +1,136 @@
+"""TFDS builders for byte-level text, prepared as ``array_record`` so that reading needs no TensorFlow.
+
+Each split is one example holding the split's whole text, as in the TFDS catalog's ``tiny_shakespeare``, with the
+same 90/5/5 train/validation/test split. The catalog's own builder reads its file with ``tf.io.gfile`` (and
+``tfds.load`` needs TensorFlow), so these builders read with plain Python and are read back through
+``builder.as_data_source``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+
+import numpy as np
+import tensorflow_datasets as tfds
+
+TINY_SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+TINY_SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
+SPLITS = ("train", "validation", "test")
+
+
+def split_text(text: bytes) -> dict[str, bytes]:
+    """The catalog's 90/5/5 split: train = text[:int(0.9 n)], then the rest halved."""
+    i = int(len(text) * 0.9)
+    train, rest = text[:i], text[i:]
+    j = int(len(rest) * 0.5)
+    return {"train": train, "validation": rest[:j], "test": rest[j:]}
+
+
+def read_text_file(path: str) -> bytes:
+    """The file's bytes, after checking it exists, is UTF-8 text and is not empty."""
+    if not path:
+        raise ValueError("data.source_path is empty; pass --config.data.source_path=FILE (a UTF-8 text file)")
+    if not os.path.isfile(path):
+        raise ValueError(f"data.source_path={path!r} does not exist or is not a file")
+    with open(path, "rb") as f:
+        data = f.read()
+    if not data:
+        raise ValueError(f"data.source_path={path!r} is empty; it must hold UTF-8 text")
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"data.source_path={path!r} is not UTF-8 text ({e})") from None
+    return data
+
+
+class _ByteTextBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
+    """Shared body: one text feature, one example per split."""
+
+    VERSION = tfds.core.Version("1.0.0")
+
+    def _info(self) -> tfds.core.DatasetInfo:
+        return tfds.core.DatasetInfo(
+            builder=self,
+            description=self.__doc__,
+            features=tfds.features.FeaturesDict({"text": tfds.features.Text()}),
+        )
+
+    def _source(self, dl_manager) -> bytes:
+        raise NotImplementedError
+
+    def _split_generators(self, dl_manager):
+        parts = split_text(self._source(dl_manager))
+        return {name: self._generate_examples(name, text) for name, text in parts.items()}
+
+    def _generate_examples(self, name: str, text: bytes):
+        yield name, {"text": text.decode("utf-8")}
+
+
+class TinyShakespeare(_ByteTextBuilder, skip_registration=True):
+    """Tiny Shakespeare (Karpathy's char-rnn corpus, 1,115,394 bytes), from a local copy or the catalog's URL."""
+
+    name = "qkvjax_tiny_shakespeare"
+
+    def __init__(self, *, source_path: str | None = None, **kwargs):
+        self._source_path = source_path
+        super().__init__(**kwargs)
+
+    def _source(self, dl_manager) -> bytes:
+        path = self._source_path
+        if not path:
+            try:
+                path = dl_manager.download(TINY_SHAKESPEARE_URL)
+            except Exception as e:  # no network, proxy, HTTP error: all end the same way for the user
+                raise ValueError(
+                    f"could not download Tiny Shakespeare from {TINY_SHAKESPEARE_URL} ({type(e).__name__}: {e}); "
+                    "pass a local copy with --config.data.source_path=PATH/input.txt"
+                ) from None
+        data = read_text_file(os.fspath(path))
+        digest = hashlib.sha256(data).hexdigest()
+        if digest != TINY_SHAKESPEARE_SHA256:
+            raise ValueError(
+                f"{path} is not the Tiny Shakespeare corpus: sha256 {digest}, expected {TINY_SHAKESPEARE_SHA256}; "
+                "use dataset=text_file for other text"
+            )
+        return data
+
+
+class TextFile(_ByteTextBuilder, skip_registration=True):
+    """Any local UTF-8 file, split 90/5/5; one builder config per file content (named by its sha256)."""
+
+    name = "qkvjax_text_file"
+
+    def __init__(self, *, source_path: str, **kwargs):
+        self._data = read_text_file(source_path)
+        digest = hashlib.sha256(self._data).hexdigest()[:16]
+        stem = re.sub(r"[^a-z0-9_]", "_", os.path.splitext(os.path.basename(source_path))[0].lower())
+        config = tfds.core.BuilderConfig(name=f"{stem}_{digest}", description=f"bytes of {source_path}")
+        super().__init__(config=config, **kwargs)
+
+    def _source(self, dl_manager) -> bytes:
+        return self._data
+
+
+DATASETS = {"tiny_shakespeare": TinyShakespeare, "text_file": TextFile}
+
+
+def load_splits(dataset: str, source_path: str | None, data_dir: str) -> dict[str, np.ndarray]:
+    """Prepares the builder (once) and returns each split as a uint8 array of bytes."""
+    if dataset not in DATASETS:
+        raise ValueError(f"data.dataset={dataset!r} is unknown; allowed: {sorted(DATASETS)}")
+    if dataset == "text_file":
+        read_text_file(source_path or "")
+    builder = DATASETS[dataset](source_path=source_path, data_dir=data_dir, file_format="array_record")
+    builder.download_and_prepare(file_format="array_record")
+    out = {}
+    for split in SPLITS:
+        source = builder.as_data_source(split=split)
+        text = b"".join(_as_bytes(source[i]["text"]) for i in range(len(source)))
+        out[split] = np.frombuffer(text, dtype=np.uint8)
+    return out
+
+
+def _as_bytes(value) -> bytes:
+    return value if isinstance(value, bytes) else str(value).encode("utf-8")

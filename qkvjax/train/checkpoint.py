@@ -1,0 +1,109 @@
+"""Orbax checkpoints: the train state (sharded, async), the data iterator's state and the config, per step.
+
+Layout: ``WORKDIR/checkpoints/<step>/{state,data,config}`` plus ``WORKDIR/params/<step>`` (params only, for
+evaluation). A save still in flight (killed mid-write) is a ``*.orbax-checkpoint-tmp`` directory that orbax never
+lists, so the newest *complete* step is always the one restored. Restores are strict: the checkpoint's tree must
+equal the expected one, key for key and shape for shape, or the error lists what is missing, unexpected or
+reshaped. Restoring onto another mesh or device count only needs the target shardings.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import orbax.checkpoint as ocp
+
+ITEMS = ("state", "data", "config")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be restored as asked; the message says which step and why."""
+
+
+def manager(workdir: str, max_to_keep: int = 3, read_only: bool = False) -> ocp.CheckpointManager:
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=max_to_keep, create=not read_only, read_only=read_only, enable_async_checkpointing=True
+    )
+    handlers = {
+        "state": ocp.StandardCheckpointHandler(),
+        "data": ocp.JsonCheckpointHandler(),
+        "config": ocp.JsonCheckpointHandler(),
+    }
+    return ocp.CheckpointManager(
+        os.path.join(os.path.abspath(workdir), "checkpoints"), options=options, item_handlers=handlers
+    )
+
+
+def save(mngr: ocp.CheckpointManager, step: int, state, data_state: dict, config_dict: dict) -> None:
+    """Starts an async save of the step (returns once the arrays are copied off the devices)."""
+    mngr.save(
+        step,
+        args=ocp.args.Composite(
+            state=ocp.args.StandardSave(state),
+            data=ocp.args.JsonSave(data_state),
+            config=ocp.args.JsonSave(config_dict),
+        ),
+        force=True,
+    )
+
+
+def _key_name(key) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def _paths(tree) -> dict[str, tuple]:
+    """'opt_state/1/0/mu/block_0/...' -> shape; the same spelling for live trees and orbax's metadata dicts."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+    return {"/".join(_key_name(k) for k in path): tuple(getattr(leaf, "shape", ())) for path, leaf in flat}
+
+
+def check_structure(saved, expected, step: int, where: str) -> None:
+    """Raises CheckpointError listing missing, unexpected and reshaped entries (never a partial restore)."""
+    have, want = _paths(saved), _paths(expected)
+    missing = sorted(set(want) - set(have))
+    unexpected = sorted(set(have) - set(want))
+    reshaped = sorted(f"{k}: saved {have[k]}, expected {want[k]}" for k in set(have) & set(want) if have[k] != want[k])
+    if missing or unexpected or reshaped:
+        lines = [f"checkpoint step {step} in {where} does not match this model"]
+        for title, items in (("missing", missing), ("unexpected", unexpected), ("reshaped", reshaped)):
+            if items:
+                lines.append(
+                    f"  {title} ({len(items)}): " + ", ".join(items[:12]) + (" ..." if len(items) > 12 else "")
+                )
+        raise CheckpointError("\n".join(lines))
+
+
+def restore(mngr: ocp.CheckpointManager, step: int, target_state):
+    """(state, data_state, config_dict) of ``step``, the state laid out as ``target_state`` (abstract arrays with
+    shardings) says. Unreadable or mismatching checkpoints raise CheckpointError naming the step and the file."""
+    where = os.fspath(mngr.directory)
+    try:
+        metadata = mngr.item_metadata(step)["state"]
+    except Exception as e:
+        raise CheckpointError(f"checkpoint step {step} in {where}: cannot read its metadata ({_short(e)})") from e
+    if metadata is None:
+        raise CheckpointError(f"checkpoint step {step} in {where}: the state's metadata is missing (state/_METADATA)")
+    tree = getattr(metadata, "tree", metadata)
+    check_structure(tree, target_state, step, where)
+    try:
+        restored = mngr.restore(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(target_state), data=ocp.args.JsonRestore(), config=ocp.args.JsonRestore()
+            ),
+        )
+    except Exception as e:
+        raise CheckpointError(
+            f"checkpoint step {step} in {where} is corrupted or incomplete ({_short(e)}); "
+            f"delete {os.path.join(where, str(step))} to fall back to an earlier step"
+        ) from e
+    return restored["state"], restored["data"], restored["config"]
+
+
+def _short(e: Exception) -> str:
+    text = f"{type(e).__name__}: {e}"
+    return text if len(text) < 400 else text[:400] + " ..."

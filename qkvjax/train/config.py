@@ -1,0 +1,217 @@
+"""The run's configuration: frozen dataclasses, validated on construction, loaded from a Python file and
+overridden from the command line with ``--config.a.b=value`` (ml_collections style)."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import types
+import typing
+from typing import Any
+
+from qkvjax.attention import AttentionConfig
+from qkvjax.models.lm import ModelConfig
+
+PARALLELISMS = ("jit", "pmap")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Where the text comes from. ``seq_len`` None means the model's ``max_len``."""
+
+    dataset: str = "tiny_shakespeare"
+    source_path: str | None = None
+    data_dir: str = "~/tensorflow_datasets"
+    seq_len: int | None = None
+
+    def __post_init__(self):
+        from qkvjax.data.builders import DATASETS
+
+        if self.dataset not in DATASETS:
+            raise ValueError(f"data.dataset={self.dataset!r} is unknown; allowed: {sorted(DATASETS)}")
+        if self.seq_len is not None and (not isinstance(self.seq_len, int) or self.seq_len < 1):
+            raise ValueError(f"data.seq_len={self.seq_len!r}; allowed: None or an integer >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Optimisation (AdamW, linear warmup then cosine decay to ``min_lr_ratio`` x peak) and the loop's cadence."""
+
+    batch_size: int = 64
+    num_steps: int = 5000
+    learning_rate: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.99
+    grad_clip: float = 1.0
+    grad_accum_steps: int = 1
+    log_every: int = 10
+    eval_every: int = 250
+    eval_batches: int | None = None
+    checkpoint_every: int = 500
+    max_to_keep: int = 3
+    peak_flops: float | None = None
+
+    def __post_init__(self):
+        for name in ("batch_size", "num_steps", "grad_accum_steps", "log_every", "eval_every", "checkpoint_every"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"train.{name}={value!r}; allowed: an integer >= 1")
+        if self.warmup_steps < 0 or self.max_to_keep < 1:
+            raise ValueError(f"train.warmup_steps={self.warmup_steps} must be >= 0, max_to_keep >= 1")
+        if self.batch_size % self.grad_accum_steps:
+            raise ValueError(
+                f"train.batch_size={self.batch_size} is not divisible by grad_accum_steps={self.grad_accum_steps}"
+            )
+        if not self.learning_rate > 0 or not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(
+                f"train.learning_rate={self.learning_rate} must be > 0 and min_lr_ratio={self.min_lr_ratio} in [0, 1]"
+            )
+        if self.eval_batches is not None and self.eval_batches < 1:
+            raise ValueError(f"train.eval_batches={self.eval_batches}; allowed: None (whole split) or >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Device mesh sizes on the axes (data, fsdp, tensor); one of them may be -1 to take the remaining devices."""
+
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
+
+    def __post_init__(self):
+        sizes = (self.data, self.fsdp, self.tensor)
+        if any(s == 0 or s < -1 for s in sizes) or sizes.count(-1) > 1:
+            raise ValueError(f"mesh sizes (data, fsdp, tensor) = {sizes}; allowed: integers >= 1, at most one -1")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    model: ModelConfig
+    data: DataConfig = DataConfig()
+    train: TrainConfig = TrainConfig()
+    mesh: MeshConfig = MeshConfig()
+    parallelism: str = "jit"
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.parallelism not in PARALLELISMS:
+            raise ValueError(f"parallelism={self.parallelism!r}; allowed: {list(PARALLELISMS)}")
+        if self.data.seq_len is not None and self.data.seq_len > self.model.max_len:
+            raise ValueError(f"data.seq_len={self.data.seq_len} exceeds model.max_len={self.model.max_len}")
+
+    @property
+    def seq_len(self) -> int:
+        return self.model.max_len if self.data.seq_len is None else self.data.seq_len
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Serialisation and overrides, driven by the dataclasses' type hints.
+
+
+def to_dict(config) -> dict[str, Any]:
+    return dataclasses.asdict(config)
+
+
+def to_json(config) -> str:
+    return json.dumps(to_dict(config), indent=2, sort_keys=True)
+
+
+def from_dict(cls, data: dict[str, Any]):
+    """Rebuilds a (nested) config dataclass; unknown keys are an error."""
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(data) - names
+    if unknown:
+        raise ValueError(f"unknown {cls.__name__} fields {sorted(unknown)}; allowed: {sorted(names)}")
+    kwargs = {}
+    for key, value in data.items():
+        sub = _dataclass_of(hints[key])
+        kwargs[key] = from_dict(sub, value) if sub is not None and isinstance(value, dict) else value
+    return cls(**kwargs)
+
+
+def load_config_file(path: str) -> Config:
+    """Imports a config file and calls its ``get_config()``."""
+    if not os.path.isfile(path):
+        raise ValueError(f"--config={path!r} is not a file; pass a Python file defining get_config()")
+    spec = importlib.util.spec_from_file_location(f"qkvjax_config_{abs(hash(path))}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not hasattr(module, "get_config"):
+        raise ValueError(f"config file {path} has no get_config() function")
+    config = module.get_config()
+    if not isinstance(config, Config):
+        raise ValueError(f"{path}: get_config() returned {type(config).__name__}, expected qkvjax Config")
+    return config
+
+
+def override(config, dotted: str, raw: str):
+    """``override(config, "model.attention.scheme", "shared_kv")``: a new, re-validated config."""
+    head, _, rest = dotted.partition(".")
+    fields = {f.name: f for f in dataclasses.fields(config)}
+    if head not in fields:
+        raise ValueError(f"--config.{dotted}: {type(config).__name__} has no field {head!r}; allowed: {sorted(fields)}")
+    hint = typing.get_type_hints(type(config))[head]
+    current = getattr(config, head)
+    if rest:
+        if not dataclasses.is_dataclass(current):
+            raise ValueError(f"--config.{dotted}: {head!r} is a value, not a section")
+        return dataclasses.replace(config, **{head: override(current, rest, raw)})
+    return dataclasses.replace(config, **{head: _parse(raw, hint, dotted)})
+
+
+def apply_overrides(config: Config, overrides: dict[str, str]) -> Config:
+    for key, raw in overrides.items():
+        config = override(config, key, raw)
+    return config
+
+
+def _dataclass_of(hint):
+    for t in typing.get_args(hint) or (hint,):
+        if dataclasses.is_dataclass(t):
+            return t
+    return None
+
+
+def _parse(raw: str, hint, name: str):
+    options = [t for t in (typing.get_args(hint) if _is_union(hint) else (hint,))]
+    if type(None) in options and raw.lower() in ("none", "null"):
+        return None
+    for t in options:
+        try:
+            if t is bool:
+                if raw.lower() in ("true", "1", "yes"):
+                    return True
+                if raw.lower() in ("false", "0", "no"):
+                    return False
+                raise ValueError
+            if t in (int, float, str):
+                return t(raw)
+        except ValueError:
+            continue
+    allowed = " or ".join(getattr(t, "__name__", str(t)) for t in options)
+    raise ValueError(f"--config.{name}={raw!r} is not a valid {allowed}")
+
+
+def _is_union(hint) -> bool:
+    return typing.get_origin(hint) in (typing.Union, types.UnionType)
+
+
+__all__ = [
+    "AttentionConfig",
+    "Config",
+    "DataConfig",
+    "MeshConfig",
+    "ModelConfig",
+    "TrainConfig",
+    "apply_overrides",
+    "from_dict",
+    "load_config_file",
+    "override",
+    "to_json",
+]

@@ -1,0 +1,349 @@
+"""The training loop: the only place that logs, evaluates and checkpoints around the pure ``train_step``.
+
+Rerunning the same command on the same workdir resumes from the newest complete checkpoint (state, RNG, data
+iterator), so the run continues exactly as if never stopped. SIGTERM (preemption) checkpoints and exits cleanly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import shutil
+import signal
+import sys
+import time
+
+import flax.linen as nn
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from qkvjax.data.builders import load_splits
+from qkvjax.data.pipeline import check_corpus, eval_batches, train_batches
+from qkvjax.models.lm import DecoderLM, param_count, train_flops_per_token
+from qkvjax.perf import measure_peak_flops
+from qkvjax.train import checkpoint
+from qkvjax.train.config import Config, from_dict, to_dict, to_json
+from qkvjax.train.mesh import batch_sharding, data_parallel_size, make_mesh, shardings_for
+from qkvjax.train.state import abstract_state, create_state, learning_rate_schedule, make_optimizer
+from qkvjax.train.step import make_eval_step, make_train_step
+
+CONFIG_FILE = "config.json"
+METRICS_FILE = "metrics.jsonl"
+# What may change between runs on one workdir: cadence, length and layout, not the experiment itself.
+RESUMABLE_CHANGES = {
+    "train.num_steps",
+    "train.log_every",
+    "train.eval_every",
+    "train.eval_batches",
+    "train.checkpoint_every",
+    "train.max_to_keep",
+    "train.peak_flops",
+    "data.data_dir",
+    "mesh.data",
+    "mesh.fsdp",
+    "mesh.tensor",
+    "parallelism",
+}
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = v
+    return out
+
+
+def check_workdir(workdir: str, config: Config, overwrite: bool) -> None:
+    """Refuses a workdir that holds a run of another experiment, unless ``overwrite`` (which clears it)."""
+    path = os.path.join(workdir, CONFIG_FILE)
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        old = _flatten(json.load(f))
+    new = _flatten(to_dict(config))
+    diff = sorted(k for k in set(old) | set(new) if k not in RESUMABLE_CHANGES and old.get(k) != new.get(k))
+    if diff and not overwrite:
+        details = ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in diff[:8])
+        raise ValueError(
+            f"workdir {workdir} holds a run of another config ({details}); use another --workdir, or pass "
+            "--overwrite to delete that run and start again"
+        )
+    if overwrite:
+        for name in ("checkpoints", "params", "tensorboard", METRICS_FILE, CONFIG_FILE):
+            target = os.path.join(workdir, name)
+            if os.path.isdir(target):
+                shutil.rmtree(target)
+            elif os.path.exists(target):
+                os.remove(target)
+
+
+def load_config(workdir: str) -> Config:
+    with open(os.path.join(workdir, CONFIG_FILE)) as f:
+        return from_dict(Config, json.load(f))
+
+
+class MetricsWriter:
+    """metrics.jsonl (every record, full precision) and TensorBoard, on process 0 only."""
+
+    def __init__(self, workdir: str, resume_step: int | None):
+        self.enabled = jax.process_index() == 0
+        self.path = os.path.join(workdir, METRICS_FILE)
+        if not self.enabled:
+            return
+        if resume_step is not None and os.path.exists(self.path):
+            # Records written after the checkpoint we resume from are about to be recomputed: drop them so the
+            # curve continues without duplicates.
+            with open(self.path) as f:
+                kept = [line for line in f if line.strip() and json.loads(line)["step"] <= resume_step]
+            with open(self.path + ".tmp", "w") as f:
+                f.writelines(kept)
+            os.replace(self.path + ".tmp", self.path)
+        from tensorboardX import SummaryWriter
+
+        self.tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+
+    def write(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        prefix = "eval/" if record.get("eval") else "train/"
+        for k, v in record.items():
+            if isinstance(v, int | float) and not isinstance(v, bool) and k != "step":
+                self.tb.add_scalar(prefix + k, v, record["step"])
+
+    def close(self) -> None:
+        if self.enabled:
+            self.tb.close()
+
+
+class _Preemption:
+    """Turns SIGTERM into a flag the loop checks after each step."""
+
+    def __init__(self):
+        self.requested = False
+        self.previous = None
+
+    def __enter__(self):
+        try:
+            self.previous = signal.signal(signal.SIGTERM, self._handle)
+        except ValueError:  # not the main thread: no handler, no preemption support
+            self.previous = None
+        return self
+
+    def _handle(self, signum, frame):
+        self.requested = True
+
+    def __exit__(self, *exc):
+        if self.previous is not None:
+            signal.signal(signal.SIGTERM, self.previous)
+
+
+def _progress(line: str, final: bool = False) -> None:
+    if sys.stdout.isatty():
+        sys.stdout.write("\r\033[K" + line + ("\n" if final else ""))
+    else:
+        sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+@dataclasses.dataclass
+class _Parallel:
+    """How arrays are laid out: a jit mesh or pmap over local devices."""
+
+    config: Config
+    abstract: object  # boxed abstract state
+
+    def __post_init__(self):
+        cfg = self.config
+        if cfg.parallelism == "jit":
+            self.mesh = make_mesh(cfg.mesh)
+            self.dp = data_parallel_size(self.mesh)
+            self.state_shardings = nn.meta.unbox(shardings_for(self.abstract, self.mesh))
+            self.batch = batch_sharding(self.mesh)
+        else:
+            self.mesh = None
+            self.dp = jax.device_count()
+            single = NamedSharding(jax.sharding.Mesh(np.array(jax.local_devices()[:1]), ("d",)), PartitionSpec())
+            self.state_shardings = jax.tree.map(lambda _: single, nn.meta.unbox(self.abstract))
+        for name, value in (
+            ("batch_size", cfg.train.batch_size),
+            ("micro-batch", cfg.train.batch_size // cfg.train.grad_accum_steps),
+        ):
+            if value % self.dp:
+                raise ValueError(
+                    f"train.{name}={value} is not divisible by the data-parallel size {self.dp} "
+                    f"({'data x fsdp of mesh ' + str(dict(self.mesh.shape)) if self.mesh else 'pmap devices'})"
+                )
+
+    def target(self):
+        """Abstract state with shardings: what a restore lays the checkpoint out as."""
+        return jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+            nn.meta.unbox(self.abstract),
+            self.state_shardings,
+        )
+
+    def put_batch(self, local: dict) -> dict:
+        if self.mesh is not None:
+            return {k: jax.make_array_from_process_local_data(self.batch, v) for k, v in local.items()}
+        n = jax.local_device_count()
+        return {k: v.reshape(n, v.shape[0] // n, *v.shape[1:]) for k, v in local.items()}
+
+    def replicate(self, state):
+        if self.mesh is not None:
+            return state
+        n = jax.local_device_count()
+        return jax.tree.map(lambda x: np.broadcast_to(np.asarray(x), (n, *x.shape)), state)
+
+    def unreplicate(self, state):
+        return state if self.mesh is not None else jax.tree.map(lambda x: x[0], state)
+
+
+def train(config: Config, workdir: str, *, overwrite: bool = False) -> dict:
+    """Trains (or resumes) ``config`` in ``workdir``; returns the last logged training record."""
+    workdir = os.path.abspath(workdir)
+    tc = config.train
+    # Everything that can be checked is checked before anything compiles.
+    model = DecoderLM(config.model)
+    tx = make_optimizer(tc)
+    abstract = abstract_state(model, config, tx)
+    par = _Parallel(config, abstract)
+    check_workdir(workdir, config, overwrite)
+    splits = load_splits(config.data.dataset, config.data.source_path, os.path.expanduser(config.data.data_dir))
+    check_corpus(splits["train"], config.seq_len, "train")
+    os.makedirs(workdir, exist_ok=True)
+
+    mngr = checkpoint.manager(workdir, tc.max_to_keep)
+    latest = mngr.latest_step()
+    batches = train_batches(
+        splits["train"], config.seq_len, tc.batch_size, config.seed, jax.process_index(), jax.process_count()
+    )
+    if latest is not None:
+        state, data_state, _ = checkpoint.restore(mngr, latest, par.target())
+        batches.set_state(data_state)
+        _progress(f"resumed from checkpoint step {latest} in {mngr.directory}", final=True)
+    else:
+        state = create_state(model, config, tx, par.state_shardings)
+    if jax.process_index() == 0:
+        with open(os.path.join(workdir, CONFIG_FILE), "w") as f:
+            f.write(to_json(config))
+
+    step_fn = make_train_step(model, tx, tc.grad_accum_steps, axis_name="data" if par.mesh is None else None)
+    eval_fn = make_eval_step(model)
+    if par.mesh is not None:
+        train_step = jax.jit(
+            step_fn,
+            in_shardings=(par.state_shardings, par.batch),
+            out_shardings=(par.state_shardings, None),
+            donate_argnums=0,
+        )
+        eval_step = jax.jit(eval_fn, in_shardings=(par.state_shardings.params, par.batch))
+    else:
+        train_step = jax.pmap(step_fn, axis_name="data", donate_argnums=0)
+        eval_step = jax.pmap(lambda p, b: jax.lax.psum(eval_fn(p, b), "data"), axis_name="data")
+    state = par.replicate(state)
+
+    flops_per_token = train_flops_per_token(config.model, config.seq_len)
+    peak = tc.peak_flops or measure_peak_flops(config.model.attention.dtype) * (
+        1 if jax.devices()[0].platform == "cpu" else jax.device_count()
+    )
+    schedule = learning_rate_schedule(tc)
+    writer = MetricsWriter(workdir, latest)
+    step = int(par.unreplicate(state).step) if latest is not None else 0
+    _progress(
+        f"qkvjax train: scheme={config.model.attention.scheme} params={param_count(config.model):,} "
+        f"devices={jax.device_count()} {('mesh ' + str(dict(par.mesh.shape))) if par.mesh else 'pmap'} "
+        f"step {step}/{tc.num_steps} workdir={workdir}",
+        final=True,
+    )
+
+    def evaluate(params) -> dict:
+        total = tokens = 0.0
+        for batch in eval_batches(splits["validation"], config.seq_len, tc.batch_size, tc.eval_batches):
+            out = eval_step(params, par.put_batch(_local_rows(batch)))
+            out = par.unreplicate(out) if par.mesh is None else out
+            total += float(out["nll_sum"])
+            tokens += float(out["tokens"])
+        loss = total / tokens
+        return {"split": "validation", "loss": loss, "bits_per_byte": loss / math.log(2), "tokens": int(tokens)}
+
+    def save(state, step):
+        host_state = par.unreplicate(state)
+        checkpoint.save(mngr, step, host_state, batches.get_state(), to_dict(config))
+
+    record: dict = {}
+    first_step, start_time = step, time.perf_counter()
+    with _Preemption() as preemption:
+        while step < tc.num_steps:
+            state, metrics = train_step(state, par.put_batch(next(batches)))
+            step += 1
+            if step == first_step + 1:  # the first call compiles: keep it out of the throughput
+                jax.block_until_ready(metrics)
+                compile_s = time.perf_counter() - start_time
+                last_time, last_step = time.perf_counter(), step
+                _progress(f"compiled and ran the first step in {compile_s:.1f}s", final=True)
+            if step % tc.log_every == 0 or step == tc.num_steps:
+                metrics = jax.device_get(par.unreplicate(metrics) if par.mesh is None else metrics)
+                now = time.perf_counter()
+                steps_timed = step - last_step
+                record = {
+                    "step": step,
+                    "loss": float(metrics["loss"]),
+                    "bits_per_byte": float(metrics["bits_per_byte"]),
+                    "grad_norm": float(metrics["grad_norm"]),
+                    "learning_rate": float(schedule(step - 1)),
+                }
+                if steps_timed:
+                    tokens_per_s = steps_timed * tc.batch_size * config.seq_len / (now - last_time)
+                    record.update(tokens_per_s=tokens_per_s, mfu=tokens_per_s * flops_per_token / peak)
+                else:
+                    record["compile_s"] = compile_s
+                writer.write(record)
+                speed = f" {record['tokens_per_s']:,.0f} tok/s mfu {100 * record['mfu']:.1f}%" if steps_timed else ""
+                _progress(
+                    f"step {step}/{tc.num_steps} loss {record['loss']:.4f} bpb {record['bits_per_byte']:.3f} "
+                    f"lr {record['learning_rate']:.2e}{speed}"
+                )
+                last_time, last_step = time.perf_counter(), step
+            if step % tc.eval_every == 0 or step == tc.num_steps:
+                ev = evaluate(state.params)
+                writer.write({"step": step, "eval": True, **ev})
+                _progress(f"step {step} eval {ev['split']} loss {ev['loss']:.4f} bpb {ev['bits_per_byte']:.3f}", True)
+                last_time = time.perf_counter()  # evaluation time is not training throughput
+            if step % tc.checkpoint_every == 0 or step == tc.num_steps or preemption.requested:
+                save(state, step)
+            if preemption.requested:
+                _progress(f"SIGTERM: saved checkpoint step {step}; exiting", final=True)
+                break
+    mngr.wait_until_finished()
+    mngr.close()
+    writer.close()
+    if step >= tc.num_steps:
+        export_params(workdir, step, par.unreplicate(state).params)
+    _progress(f"done at step {step}; checkpoints in {os.path.join(workdir, 'checkpoints')}", final=True)
+    return record
+
+
+def export_params(workdir: str, step: int, params) -> str:
+    """A params-only copy for evaluation: ``WORKDIR/params/<step>``."""
+    import orbax.checkpoint as ocp
+
+    path = os.path.join(workdir, "params", str(step))
+    if os.path.exists(path):
+        shutil.rmtree(path)
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(path, params)
+    return path
+
+
+def _local_rows(batch: dict) -> dict:
+    """This process's share of a global batch (rows split evenly over processes)."""
+    p, n = jax.process_index(), jax.process_count()
+    return {k: v[p * len(v) // n : (p + 1) * len(v) // n] for k, v in batch.items()}

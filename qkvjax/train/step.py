@@ -1,0 +1,78 @@
+"""Pure step functions: ``train_step(state, batch) -> (state, metrics)`` and ``eval_step(params, batch)``."""
+
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+from qkvjax.train.state import TrainState
+
+
+def cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array | None = None):
+    """Sum of per-token negative log-likelihoods (nats) and the number of tokens counted."""
+    nll = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
+    if weights is None:
+        return jnp.sum(nll), jnp.float32(nll.size)
+    weights = weights.astype(jnp.float32)
+    return jnp.sum(nll * weights), jnp.sum(weights)
+
+
+def make_train_step(
+    model: nn.Module, tx: optax.GradientTransformation, grad_accum_steps: int = 1, axis_name: str | None = None
+):
+    """Builds ``train_step(state, batch) -> (state, metrics)``.
+
+    ``batch`` is ``{"inputs": (B, T), "targets": (B, T)}`` int32. With ``grad_accum_steps`` > 1 the batch is
+    split into that many micro-batches whose gradients are averaged by a ``lax.scan`` (one micro-batch of
+    activations alive at a time). With ``axis_name`` (pmap) gradients and metrics are averaged over that axis.
+    """
+
+    def loss_fn(params, inputs, targets, rng):
+        logits = model.apply({"params": params}, inputs, deterministic=False, rngs={"dropout": rng})
+        total, count = cross_entropy(logits, targets)
+        return total / count
+
+    grad_fn = jax.value_and_grad(loss_fn)
+
+    def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
+        rng = jax.random.fold_in(state.rng, state.step)
+        if axis_name is not None:
+            rng = jax.random.fold_in(rng, jax.lax.axis_index(axis_name))
+        inputs, targets = batch["inputs"], batch["targets"]
+        if grad_accum_steps == 1:
+            loss, grads = grad_fn(state.params, inputs, targets, rng)
+        else:
+            micro = inputs.shape[0] // grad_accum_steps
+            split = lambda x: x.reshape(grad_accum_steps, micro, *x.shape[1:])  # noqa: E731
+
+            def body(carry, xs):
+                i, mb_inputs, mb_targets = xs
+                loss, grads = grad_fn(state.params, mb_inputs, mb_targets, jax.random.fold_in(rng, i))
+                return jax.tree.map(jnp.add, carry, (loss, grads)), None
+
+            zeros = (jnp.float32(0.0), jax.tree.map(jnp.zeros_like, state.params))
+            (loss, grads), _ = jax.lax.scan(body, zeros, (jnp.arange(grad_accum_steps), split(inputs), split(targets)))
+            loss, grads = jax.tree.map(lambda x: x / grad_accum_steps, (loss, grads))
+        if axis_name is not None:
+            loss, grads = jax.lax.pmean((loss, grads), axis_name)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "bits_per_byte": loss / math.log(2)}
+        return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+    return train_step
+
+
+def make_eval_step(model: nn.Module):
+    """``eval_step(params, batch) -> {"nll_sum", "tokens"}`` over a batch with per-token ``weights``."""
+
+    def eval_step(params, batch: dict) -> dict:
+        logits = model.apply({"params": params}, batch["inputs"], deterministic=True)
+        total, count = cross_entropy(logits, batch["targets"], batch["weights"])
+        return {"nll_sum": total, "tokens": count}
+
+    return eval_step
