@@ -1,4 +1,6 @@
-"""Test-wide JAX settings: 8 CPU devices, strict dtype promotion, rank promotion raises."""
+"""Test-wide JAX settings: 8 CPU devices, rank promotion raises, and strict dtype promotion wherever the code
+allows it: everywhere except modules that set ``STRICT_DTYPE_PROMOTION = False`` (optax's Adam bias correction
+mixes a Python float with an int32 count, which strict promotion rejects)."""
 
 import os
 
@@ -8,5 +10,42 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 
-jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
+
+import pytest  # noqa: E402
+
+from tests.helpers import SHARED_CORPUS  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def corpus() -> str:
+    """The real Tiny Shakespeare file beside the repo; its absence fails under CI and skips elsewhere."""
+    if SHARED_CORPUS.is_file():
+        return str(SHARED_CORPUS)
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"CI=true but the shared corpus {SHARED_CORPUS} is missing")
+    pytest.skip(f"needs the Tiny Shakespeare corpus at {SHARED_CORPUS} (absent in a plain clone)")
+
+
+@pytest.fixture(scope="session")
+def data_dir(tmp_path_factory) -> str:
+    """One TFDS data_dir for the session, so each builder is prepared once."""
+    return str(tmp_path_factory.mktemp("tensorflow_datasets"))
+
+
+@pytest.fixture(scope="session")
+def small_text(tmp_path_factory) -> str:
+    """A few KB of varied text made here, for tests that need no real corpus."""
+    rng = __import__("numpy").random.default_rng(0)
+    words = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "to", "be", "or", "not", "é", "ß"]
+    lines = [" ".join(rng.choice(words, size=9)) for _ in range(300)]
+    path = tmp_path_factory.mktemp("text") / "small.txt"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return str(path)
+
+
+@pytest.fixture(autouse=True)
+def _strict_dtype_promotion(request):
+    mode = "strict" if getattr(request.module, "STRICT_DTYPE_PROMOTION", True) else "standard"
+    with jax.numpy_dtype_promotion(mode):
+        yield

@@ -150,25 +150,27 @@ def load_config_file(path: str) -> Config:
     return config
 
 
-def override(config, dotted: str, raw: str):
-    """``override(config, "model.attention.scheme", "shared_kv")``: a new, re-validated config."""
-    head, _, rest = dotted.partition(".")
-    fields = {f.name: f for f in dataclasses.fields(config)}
-    if head not in fields:
-        raise ValueError(f"--config.{dotted}: {type(config).__name__} has no field {head!r}; allowed: {sorted(fields)}")
-    hint = typing.get_type_hints(type(config))[head]
-    current = getattr(config, head)
-    if rest:
-        if not dataclasses.is_dataclass(current):
-            raise ValueError(f"--config.{dotted}: {head!r} is a value, not a section")
-        return dataclasses.replace(config, **{head: override(current, rest, raw)})
-    return dataclasses.replace(config, **{head: _parse(raw, hint, dotted)})
-
-
 def apply_overrides(config: Config, overrides: dict[str, str]) -> Config:
-    for key, raw in overrides.items():
-        config = override(config, key, raw)
-    return config
+    """``{"model.attention.scheme": "shared_kv", ...}`` applied together, then validated once (so the order of
+    overrides that must change together, like a scheme and its head count, does not matter)."""
+    data = to_dict(config)
+    for dotted, raw in overrides.items():
+        cls, node, keys = type(config), data, dotted.split(".")
+        for depth, key in enumerate(keys):
+            names = {f.name for f in dataclasses.fields(cls)}
+            if key not in names:
+                raise ValueError(f"--config.{dotted}: {cls.__name__} has no field {key!r}; allowed: {sorted(names)}")
+            hint = typing.get_type_hints(cls)[key]
+            sub = _dataclass_of(hint)
+            if depth < len(keys) - 1:
+                if sub is None:
+                    raise ValueError(f"--config.{dotted}: {key!r} is a value, not a section")
+                cls, node = sub, node[key]
+            elif sub is not None:
+                raise ValueError(f"--config.{dotted}: {key!r} is a section; set one of its fields")
+            else:
+                node[key] = _parse(raw, hint, dotted)
+    return from_dict(type(config), data)
 
 
 def _dataclass_of(hint):
@@ -212,6 +214,5 @@ __all__ = [
     "apply_overrides",
     "from_dict",
     "load_config_file",
-    "override",
     "to_json",
 ]

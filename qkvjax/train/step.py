@@ -61,7 +61,7 @@ def make_train_step(
             loss, grads = jax.lax.pmean((loss, grads), axis_name)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "bits_per_byte": loss / math.log(2)}
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "bits_per_byte": loss / math.log(2)}
         return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     return train_step

@@ -1,0 +1,70 @@
+"""Running the real CLI, in this process or in a fresh one with its own device count."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = str(REPO / "experiments" / "configs" / "tiny.py")
+SHARED_CORPUS = REPO.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
+
+
+def train_args(workdir, source_path, data_dir, **overrides) -> list[str]:
+    base = {
+        "data.source_path": source_path,
+        "data.data_dir": data_dir,
+        "train.log_every": 1,
+        "train.eval_batches": 2,
+        "train.peak_flops": 1e11,  # skip measuring the matmul peak in tests
+    }
+    base.update(overrides)
+    return ["train", f"--config={TINY}", f"--workdir={workdir}"] + [f"--config.{k}={v}" for k, v in base.items()]
+
+
+def run_in_process(args: list[str]) -> int:
+    from qkvjax.cli import main
+
+    return main(args)
+
+
+def run_in_new_process(args: list[str], devices: int = 8, timeout: float = 240, **popen):
+    """The CLI in a fresh interpreter with ``devices`` CPU devices; returns the CompletedProcess."""
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["JAX_PLATFORMS"] = "cpu"
+    return subprocess.run(
+        [sys.executable, "-m", "qkvjax.cli", *args],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        **popen,
+    )
+
+
+def metrics(workdir, evals: bool = False) -> list[dict]:
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    return [r for r in records if bool(r.get("eval")) == evals]
+
+
+def exported_params(workdir, step: int) -> dict:
+    import orbax.checkpoint as ocp
+
+    with ocp.StandardCheckpointer() as ckptr:
+        tree = ckptr.restore(os.path.join(workdir, "params", str(step)))
+    return tree
+
+
+def flat(tree) -> dict[str, np.ndarray]:
+    import jax
+
+    leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
+    return {jax.tree_util.keystr(p): np.asarray(v) for p, v in leaves}

@@ -1,0 +1,76 @@
+"""TFDS builders (array_record, no TensorFlow) and the grain pipeline."""
+
+import hashlib
+
+import numpy as np
+import pytest
+
+from qkvjax.data.builders import TINY_SHAKESPEARE_SHA256, TinyShakespeare, load_splits, split_text
+from qkvjax.data.pipeline import eval_batches, train_batches
+
+
+def test_tiny_shakespeare_has_the_catalog_split(corpus, data_dir):
+    with open(corpus, "rb") as f:
+        text = f.read()
+    assert hashlib.sha256(text).hexdigest() == TINY_SHAKESPEARE_SHA256
+    splits = load_splits("tiny_shakespeare", corpus, data_dir)
+    assert {k: len(v) for k, v in splits.items()} == {"train": 1003854, "validation": 55770, "test": 55770}
+    assert bytes(np.concatenate([splits[s] for s in ("train", "validation", "test")])) == text
+
+
+def test_text_file_builder_round_trips_utf8(small_text, data_dir):
+    with open(small_text, "rb") as f:
+        text = f.read()
+    splits = load_splits("text_file", small_text, data_dir)
+    assert bytes(np.concatenate(list(splits.values()))) == text
+    assert {k: len(v) for k, v in splits.items()} == {k: len(v) for k, v in split_text(text).items()}
+
+
+def test_tiny_shakespeare_refuses_another_file(small_text, tmp_path):
+    builder = TinyShakespeare(source_path=small_text, data_dir=str(tmp_path), file_format="array_record")
+    with pytest.raises(ValueError, match=r"is not the Tiny Shakespeare corpus: sha256 .* expected 86c4e6aa"):
+        builder.download_and_prepare(file_format="array_record")
+
+
+def test_unknown_dataset_is_named():
+    with pytest.raises(
+        ValueError, match=r"data.dataset='wikitext' is unknown; allowed: \['text_file', 'tiny_shakespeare'\]"
+    ):
+        load_splits("wikitext", None, "/nonexistent")
+
+
+def test_train_batches_are_windows_of_the_text_and_resume_exactly():
+    tokens = np.arange(503, dtype=np.int64).astype(np.uint8)
+    it = train_batches(tokens, seq_len=7, batch_size=6, seed=3)
+    first = [next(it) for _ in range(5)]
+    for b in first:
+        assert b["inputs"].shape == (6, 7) and b["inputs"].dtype == np.int32
+        np.testing.assert_array_equal(b["inputs"][:, 1:], b["targets"][:, :-1])
+        np.testing.assert_array_equal((b["targets"][:, 0] - b["inputs"][:, 0]) % 256, 1)  # consecutive bytes
+    state = it.get_state()
+    after = [next(it) for _ in range(3)]
+    again = train_batches(tokens, seq_len=7, batch_size=6, seed=3)
+    again.set_state(state)
+    for a, b in zip(after, [next(again) for _ in range(3)], strict=True):
+        np.testing.assert_array_equal(a["inputs"], b["inputs"])
+    other_seed = next(train_batches(tokens, seq_len=7, batch_size=6, seed=4))
+    assert not np.array_equal(other_seed["inputs"], first[0]["inputs"])
+
+
+def test_train_batches_split_across_processes_without_overlap():
+    tokens = (np.arange(2000) % 251).astype(np.uint8)
+    shards = [next(train_batches(tokens, 5, 8, seed=1, process_index=p, process_count=2)) for p in (0, 1)]
+    assert shards[0]["inputs"].shape == (4, 5)
+    rows = {tuple(r) for s in shards for r in s["inputs"]}
+    assert len(rows) == 8
+
+
+def test_eval_batches_predict_every_byte_once():
+    tokens = (np.arange(101) * 7 % 256).astype(np.uint8)
+    batches = list(eval_batches(tokens, seq_len=9, batch_size=4))
+    assert all(b["inputs"].shape == (4, 9) for b in batches)
+    weights = np.concatenate([b["weights"].ravel() for b in batches])
+    targets = np.concatenate([b["targets"].ravel() for b in batches])
+    assert weights.sum() == len(tokens) - 1
+    np.testing.assert_array_equal(targets[weights > 0], tokens[1:])
+    assert len(list(eval_batches(tokens, 9, 4, max_batches=2))) == 2

@@ -1,0 +1,82 @@
+"""The decoder LM: parameter accounting, causal decoding through the whole stack, sharding rules on a mesh."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from qkvjax import SCHEMES, AttentionConfig
+from qkvjax.models.lm import DecoderLM, ModelConfig, param_count
+from qkvjax.train.config import MeshConfig
+from qkvjax.train.mesh import make_mesh, shardings_for
+
+B, T, D, V = 3, 7, 10, 11
+
+
+def lm(scheme="separate", kv=None, rope=False, **kw):
+    att = AttentionConfig(num_heads=2, head_dim=5 if not rope else 6, num_kv_heads=kv, scheme=scheme, rope=rope)
+    return ModelConfig(attention=att, vocab_size=V, d_model=D, num_layers=2, mlp_dim=13, max_len=T, **kw)
+
+
+@pytest.mark.parametrize("scheme", list(SCHEMES))
+@pytest.mark.parametrize("tie", [True, False])
+def test_param_count_matches_the_tree(scheme, tie):
+    cfg = lm(scheme, tie_embeddings=tie, learned_positions=not tie)
+    params = DecoderLM(cfg).init(jax.random.key(0), jnp.zeros((1, T), jnp.int32))["params"]
+    assert sum(p.size for p in jax.tree.leaves(nn.meta.unbox(params))) == param_count(cfg)
+
+
+@pytest.mark.parametrize(
+    "scheme,kv,rope",
+    [("separate", 1, True), ("shared_kv", None, False), ("bilinear", 1, False), ("reformer_qk", None, True)],
+)
+def test_cached_decoding_matches_the_full_forward(scheme, kv, rope):
+    cfg = lm(scheme, kv, rope, learned_positions=not rope)
+    model = DecoderLM(cfg)
+    tokens = jax.random.randint(jax.random.key(1), (B, T), 0, V)
+    params = model.init(jax.random.key(0), tokens)["params"]
+    full = model.apply({"params": params}, tokens)
+    cache = model.init(jax.random.key(0), tokens, decode=True)["cache"]
+    outs = []
+    for i in range(T):
+        logits, mutated = model.apply(
+            {"params": params, "cache": cache}, tokens[:, i : i + 1], decode=True, mutable=["cache"]
+        )
+        cache = mutated["cache"]
+        outs.append(logits)
+    np.testing.assert_allclose(jnp.concatenate(outs, 1), full, rtol=1e-5, atol=1e-5)
+
+
+def test_causal_lm_ignores_future_tokens():
+    cfg = lm("shared_qkv")
+    model = DecoderLM(cfg)
+    tokens = jax.random.randint(jax.random.key(2), (B, T), 0, V)
+    params = model.init(jax.random.key(0), tokens)["params"]
+    a = model.apply({"params": params}, tokens)
+    b = model.apply({"params": params}, tokens.at[:, 4].set((tokens[:, 4] + 1) % V))
+    np.testing.assert_array_equal(a[:, :4], b[:, :4])
+    assert not np.allclose(a[:, 4:], b[:, 4:])
+
+
+def test_too_long_input_is_refused():
+    with pytest.raises(ValueError, match=r"sequence length 8 exceeds the model's max_len=7"):
+        DecoderLM(lm()).init(jax.random.key(0), jnp.zeros((1, T + 1), jnp.int32))
+
+
+def test_logical_axes_shard_heads_and_replicate_what_does_not_divide():
+    cfg = ModelConfig(
+        attention=AttentionConfig(num_heads=4, head_dim=3, num_kv_heads=1, scheme="shared_kv"),
+        vocab_size=16,
+        d_model=8,
+        num_layers=1,
+        max_len=5,
+    )
+    abstract = jax.eval_shape(DecoderLM(cfg).init, jax.random.key(0), jnp.zeros((1, 5), jnp.int32))["params"]
+    mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    shard = nn.meta.unbox(shardings_for(abstract, mesh))
+    att = shard["block_0"]["attention"]
+    assert att["w_q"].spec == jax.sharding.PartitionSpec("fsdp", "tensor", None)
+    assert att["w_kv"].spec == jax.sharding.PartitionSpec("fsdp", None, None)  # one kv head: replicated on tensor
+    assert shard["embed"].spec == jax.sharding.PartitionSpec("tensor", "fsdp")
+    assert shard["block_0"]["mlp"]["w_in"].spec == jax.sharding.PartitionSpec("fsdp", "tensor")

@@ -1,0 +1,222 @@
+"""Training end to end on 8 CPU devices: the CLI, exact resume, mesh and pmap agreement, checkpoints, errors."""
+
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from qkvjax.train import checkpoint
+from qkvjax.train.config import apply_overrides, load_config_file
+from qkvjax.train.loop import train
+from tests.helpers import (
+    REPO,
+    TINY,
+    exported_params,
+    flat,
+    metrics,
+    run_in_new_process,
+    run_in_process,
+    train_args,
+)
+
+STRICT_DTYPE_PROMOTION = False  # optax
+
+
+def test_cli_two_steps_writes_metrics_and_checkpoint(tmp_path, corpus, data_dir):
+    w = tmp_path / "run"
+    assert run_in_process(train_args(w, corpus, data_dir, **{"train.num_steps": 2})) == 0
+    records = metrics(w)
+    assert [r["step"] for r in records] == [1, 2]
+    assert all(np.isfinite(r["loss"]) and r["loss"] > 0 for r in records)
+    assert records[0]["loss"] != records[1]["loss"]
+    (ev,) = metrics(w, evals=True)
+    assert ev["step"] == 2 and ev["split"] == "validation" and ev["tokens"] > 0
+    assert sorted(os.listdir(w / "checkpoints")) == ["2"]
+    assert (w / "config.json").exists() and (w / "params" / "2").is_dir()
+    assert any(name.startswith("events.out.tfevents") for name in os.listdir(w / "tensorboard"))
+
+
+def test_resume_in_a_new_process_is_bitwise_exact(tmp_path, corpus, data_dir):
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    common = {"train.checkpoint_every": 3, "model.dropout_rate": 0.1}  # dropout: the RNG must resume too
+    assert run_in_process(train_args(straight, corpus, data_dir, **common, **{"train.num_steps": 6})) == 0
+    assert run_in_process(train_args(resumed, corpus, data_dir, **common, **{"train.num_steps": 3})) == 0
+    proc = run_in_new_process(train_args(resumed, corpus, data_dir, **common, **{"train.num_steps": 6}))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed from checkpoint step 3" in proc.stdout
+    a, b = flat(exported_params(straight, 6)), flat(exported_params(resumed, 6))
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+    assert [r["loss"] for r in metrics(straight)] == [r["loss"] for r in metrics(resumed)]
+    assert [r["step"] for r in metrics(resumed)] == [1, 2, 3, 4, 5, 6]
+
+
+def test_sharded_mesh_and_pmap_match_one_device(tmp_path, corpus, data_dir):
+    steps = {"train.num_steps": 3}
+    one = run_in_new_process(train_args(tmp_path / "one", corpus, data_dir, **steps), devices=1)
+    assert one.returncode == 0, one.stderr[-3000:]
+    mesh = {"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2}
+    assert run_in_process(train_args(tmp_path / "mesh", corpus, data_dir, **steps, **mesh)) == 0
+    assert run_in_process(train_args(tmp_path / "pmap", corpus, data_dir, **steps, parallelism="pmap")) == 0
+    reference = [r["loss"] for r in metrics(tmp_path / "one")]
+    for run in ("mesh", "pmap"):
+        np.testing.assert_allclose([r["loss"] for r in metrics(tmp_path / run)], reference, rtol=2e-5, err_msg=run)
+    p1, p8 = flat(exported_params(tmp_path / "one", 3)), flat(exported_params(tmp_path / "mesh", 3))
+    for k in p1:
+        np.testing.assert_allclose(p8[k], p1[k], rtol=1e-4, atol=1e-5, err_msg=k)
+
+
+def test_checkpoint_moves_from_8_devices_to_1_then_4(tmp_path, corpus, data_dir):
+    w, ref = tmp_path / "moving", tmp_path / "reference"
+    assert run_in_process(train_args(ref, corpus, data_dir, **{"train.num_steps": 5})) == 0
+    assert run_in_process(train_args(w, corpus, data_dir, **{"train.num_steps": 3, "mesh.fsdp": 2})) == 0
+    one = run_in_new_process(train_args(w, corpus, data_dir, **{"train.num_steps": 4}), devices=1)
+    assert one.returncode == 0 and "resumed from checkpoint step 3" in one.stdout, one.stderr[-3000:]
+    four = run_in_new_process(train_args(w, corpus, data_dir, **{"train.num_steps": 5, "mesh.tensor": 2}), devices=4)
+    assert four.returncode == 0 and "resumed from checkpoint step 4" in four.stdout, four.stderr[-3000:]
+    np.testing.assert_allclose([r["loss"] for r in metrics(w)], [r["loss"] for r in metrics(ref)], rtol=2e-5)
+
+
+def _tiny(source, data_dir, **overrides):
+    base = {
+        "data.source_path": source,
+        "data.data_dir": data_dir,
+        "train.peak_flops": "1e11",
+        "train.num_steps": 2,
+        "train.log_every": 1,
+    }
+    base.update(overrides)
+    return apply_overrides(load_config_file(TINY), {k: str(v) for k, v in base.items()})
+
+
+def test_restore_of_another_scheme_lists_missing_and_unexpected(tmp_path, small_text, data_dir):
+    from qkvjax.models.lm import DecoderLM
+    from qkvjax.train.loop import _Parallel
+    from qkvjax.train.state import abstract_state, make_optimizer
+
+    train(_tiny(small_text, data_dir), str(tmp_path))
+    other = _tiny(small_text, data_dir, **{"model.attention.scheme": "shared_kv"})
+    abstract = abstract_state(DecoderLM(other.model), other, make_optimizer(other.train))
+    mngr = checkpoint.manager(str(tmp_path), read_only=True)
+    with pytest.raises(checkpoint.CheckpointError) as e:
+        checkpoint.restore(mngr, 2, _Parallel(other, abstract).target())
+    message = str(e.value)
+    assert "checkpoint step 2" in message
+    assert "missing" in message and "w_kv" in message
+    assert "unexpected" in message and "w_k" in message and "w_v" in message
+    # Through the CLI the workdir's config already disagrees, and the error names the field.
+    with pytest.raises(ValueError, match=r"another config.*model.attention.scheme: 'separate' -> 'shared_kv'"):
+        train(other, str(tmp_path))
+
+
+def test_half_written_checkpoint_is_skipped(tmp_path, small_text, data_dir):
+    cfg = _tiny(small_text, data_dir, **{"train.checkpoint_every": 1})
+    train(cfg, str(tmp_path))
+    # What a kill during an async save leaves behind: orbax's temporary directory for step 3.
+    shutil.copytree(tmp_path / "checkpoints" / "2", tmp_path / "checkpoints" / "3.orbax-checkpoint-tmp")
+    assert checkpoint.manager(str(tmp_path), read_only=True).latest_step() == 2
+    train(apply_overrides(cfg, {"train.num_steps": "3"}), str(tmp_path))
+    assert [r["step"] for r in metrics(tmp_path)] == [1, 2, 3]
+
+
+def test_sigterm_saves_and_exits_cleanly(tmp_path, small_text, data_dir):
+    args = train_args(tmp_path, small_text, data_dir, **{"train.num_steps": 100000, "train.checkpoint_every": 100000})
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "qkvjax.cli", *args],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    seen = []
+    for line in proc.stdout:  # wait until training really runs
+        seen.append(line)
+        if line.startswith("step 3/"):
+            proc.send_signal(signal.SIGTERM)
+            break
+    out = "".join(seen) + proc.stdout.read()
+    assert proc.wait(timeout=120) == 0, out[-3000:]
+    assert "SIGTERM: saved checkpoint step" in out
+    saved = checkpoint.manager(str(tmp_path), read_only=True).latest_step()
+    assert saved is not None and saved >= 3
+    assert metrics(tmp_path)[-1]["step"] >= saved
+
+
+# Bad input: a clear ValueError before the train step is compiled.
+
+
+@pytest.fixture
+def no_train_step_compiled(caplog):
+    caplog.set_level(logging.WARNING)
+    with jax.log_compiles(True):
+        yield
+    compiled = [r.getMessage() for r in caplog.records if "train_step" in r.getMessage()]
+    assert not compiled, compiled
+
+
+@pytest.mark.parametrize(
+    "case,match",
+    [
+        ("missing", r"source_path='.*nope.txt' does not exist"),
+        ("empty", r"source_path='.*empty.txt' is empty"),
+        ("short", r"train split has \d+ bytes, shorter than one window of seq_len \+ 1 = 33"),
+        ("mesh", r"mesh \(data, fsdp, tensor\) = \(3, 1, 1\) multiplies to 3, but there are 8 devices"),
+        ("mesh_fill", r"fixed sizes multiply to 3, which does not divide the 8 devices"),
+        ("batch", r"train.batch_size=12 is not divisible by the data-parallel size 8"),
+        ("micro", r"train.micro-batch=4 is not divisible by the data-parallel size 8"),
+    ],
+)
+def test_bad_input_fails_before_compiling(case, match, tmp_path, small_text, data_dir, no_train_step_compiled):
+    source, overrides = small_text, {}
+    if case == "missing":
+        source = str(tmp_path / "nope.txt")
+    elif case in ("empty", "short"):
+        source = str(tmp_path / f"{case}.txt")
+        with open(source, "w") as f:
+            f.write("" if case == "empty" else "x" * 20)
+    elif case == "mesh":
+        overrides = {"mesh.data": 3}
+    elif case == "mesh_fill":
+        overrides = {"mesh.fsdp": 3}
+    elif case == "batch":
+        overrides = {"train.batch_size": 12}
+    elif case == "micro":
+        overrides = {"train.batch_size": 8, "train.grad_accum_steps": 2}
+    with pytest.raises(ValueError, match=match):
+        train(_tiny(source, data_dir, **overrides), str(tmp_path / "w"))
+    assert not (tmp_path / "w" / "checkpoints").exists()
+
+
+def test_grad_accumulation_matches_one_big_batch(tmp_path, small_text, data_dir):
+    one = train(_tiny(small_text, data_dir), str(tmp_path / "one"))
+    acc = train(
+        _tiny(
+            small_text,
+            data_dir,
+            **{"train.grad_accum_steps": 2, "train.batch_size": 16, "mesh.data": 4, "mesh.fsdp": 2},
+        ),
+        str(tmp_path / "acc"),
+    )
+    big = train(_tiny(small_text, data_dir, **{"train.batch_size": 16}), str(tmp_path / "big"))
+    np.testing.assert_allclose(acc["loss"], big["loss"], rtol=1e-5)
+    assert one["loss"] != big["loss"]
+
+
+def test_readme_entry_point_refuses_unknown_overrides(tmp_path, small_text, data_dir):
+    with pytest.raises(ValueError, match=r"TrainConfig has no field 'num_step'.*num_steps"):
+        _tiny(small_text, data_dir, **{"train.num_step": 3})
+    with pytest.raises(ValueError, match=r"--config.train.batch_size='eight' is not a valid int"):
+        _tiny(small_text, data_dir, **{"train.batch_size": "eight"})
+    with pytest.raises(ValueError, match=r"scheme 'shared_qk' uses one projection.*num_kv_heads == num_heads"):
+        _tiny(small_text, data_dir, **{"model.attention.scheme": "shared_qk", "model.attention.num_kv_heads": 2})
+    cfg = _tiny(small_text, data_dir, **{"model.attention.scheme": "shared_kv", "model.attention.num_kv_heads": 2})
+    assert cfg.model.attention.scheme == "shared_kv" and cfg.model.attention.kv_heads == 2
