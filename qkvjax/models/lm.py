@@ -109,15 +109,20 @@ def _layer_norm(cfg: ModelConfig, name: str) -> nn.LayerNorm:
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: causal self-attention, then the MLP, each on a residual."""
+    """Pre-norm transformer block: causal self-attention, then the MLP, each on a residual.
+
+    ``attention_cls`` is any linen module built as ``attention_cls(config.attention)`` and called like
+    ``Attention`` (the benchmark swaps in flax's own attention this way).
+    """
 
     config: ModelConfig
+    attention_cls: type = Attention
 
     @nn.compact
     def __call__(self, x: Array, positions: Array | None, decode: bool, deterministic: bool) -> Array:
         cfg = self.config
         drop = nn.Dropout(cfg.dropout_rate)
-        h = Attention(cfg.attention, name="attention")(
+        h = self.attention_cls(cfg.attention, name="attention")(
             _layer_norm(cfg, "ln_attention")(x),
             causal=True,
             positions=positions,
@@ -133,6 +138,7 @@ class DecoderLM(nn.Module):
     """tokens (B, T) int -> logits (B, T, V) in float32."""
 
     config: ModelConfig
+    attention_cls: type = Attention
 
     @nn.compact
     def __call__(
@@ -171,7 +177,7 @@ class DecoderLM(nn.Module):
             policy = None if cfg.remat == "full" else jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims
             block = nn.remat(Block, policy=policy, static_argnums=(3, 4))  # (self, x, positions, decode, deterministic)
         for i in range(cfg.num_layers):
-            x = block(cfg, name=f"block_{i}")(x, positions, decode, deterministic)
+            x = block(cfg, self.attention_cls, name=f"block_{i}")(x, positions, decode, deterministic)
         x = _layer_norm(cfg, "ln_final")(x)
         if cfg.tie_embeddings:
             return jnp.einsum("BTD,VD->BTV", x, embed.astype(cfg.dtype)).astype(jnp.float32)

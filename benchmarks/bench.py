@@ -1,0 +1,270 @@
+"""Speed and memory of every tying scheme against a Flax baseline and the measured matmul peak, in one run.
+
+For each scheme (on the preset's shapes): the jitted train step (forward + backward + AdamW) of the LM, next to
+the same LM whose attention is ``flax.linen.MultiHeadDotProductAttention`` (same MLP, norms, embeddings);
+model FLOPs utilisation against a large ``jnp.dot`` timed in the same run; cached decoding at batch 1 and a
+larger batch; KV-cache bytes per token; XLA's memory plan for the train step.
+
+    python benchmarks/bench.py --quick                      # a few minutes on a 2-core CPU
+    python benchmarks/bench.py --config experiments/configs/gpt2_small.py --json results.json   # an accelerator
+
+Timings are medians over repeated steps after compiling; compile time is reported on its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import resource
+import statistics
+import sys
+import time
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from qkvjax import SCHEMES, attention_cost
+from qkvjax.attention import AttentionConfig
+from qkvjax.models.lm import DecoderLM, param_count, train_flops_per_token
+from qkvjax.perf import measure_peak_flops
+from qkvjax.train.config import Config, apply_overrides, load_config_file
+from qkvjax.train.state import create_state, make_optimizer
+from qkvjax.train.step import make_train_step
+
+
+class FlaxAttention(nn.Module):
+    """The baseline: flax's own multi-head attention, called like ``qkvjax.Attention`` inside the same LM."""
+
+    config: AttentionConfig
+
+    @nn.compact
+    def __call__(self, x, *, causal=False, positions=None, decode=False, deterministic=True):
+        cfg = self.config
+        mha = nn.MultiHeadDotProductAttention(
+            num_heads=cfg.num_heads,
+            qkv_features=cfg.num_heads * cfg.head_dim,
+            out_features=x.shape[-1],
+            use_bias=cfg.use_bias,
+            dtype=jnp.dtype(cfg.dtype),
+            param_dtype=jnp.dtype(cfg.param_dtype),
+            dropout_rate=cfg.dropout_rate,
+            decode=decode,
+        )
+        mask = None if decode or not causal else nn.make_causal_mask(jnp.ones(x.shape[:2], jnp.int32))
+        return mha(x, mask=mask, deterministic=deterministic)
+
+
+def _median_time(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def bench_train(model, config: Config, steps: int) -> dict:
+    tx = make_optimizer(config.train)
+    state = create_state(model, config, tx, None)
+    b, t = config.train.batch_size, config.seq_len
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (b, t + 1), 0, config.model.vocab_size)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    step_fn = jax.jit(make_train_step(model, tx, config.train.grad_accum_steps), donate_argnums=0)
+    start = time.perf_counter()
+    compiled = step_fn.lower(state, batch).compile()
+    compile_s = time.perf_counter() - start
+    memory = compiled.memory_analysis()
+    holder = {"state": compiled(state, batch)[0]}  # one warm-up step
+
+    def one():
+        holder["state"], metrics = compiled(holder["state"], batch)
+        return metrics["loss"]
+
+    step_s = _median_time(one, steps)
+    mem_bytes = None
+    if memory is not None:
+        mem_bytes = int(
+            memory.temp_size_in_bytes
+            + memory.argument_size_in_bytes
+            + memory.output_size_in_bytes
+            - memory.alias_size_in_bytes
+        )
+    return {"step_s": step_s, "tokens_per_s": b * t / step_s, "compile_s": compile_s, "xla_memory_bytes": mem_bytes}
+
+
+def bench_decode(model, params, config: Config, batch: int, new_tokens: int) -> float:
+    """Tokens/s of greedy cached generation: one jitted step per token, dispatched back to back."""
+    max_len = config.model.max_len
+    n = min(new_tokens, max_len)
+
+    @jax.jit
+    def step(cache, tok):
+        logits, mutated = model.apply({"params": params, "cache": cache}, tok, decode=True, mutable=["cache"])
+        return mutated["cache"], jnp.argmax(logits[:, -1:], axis=-1).astype(jnp.int32)
+
+    def fresh_cache():
+        return model.init(jax.random.PRNGKey(0), jnp.zeros((batch, max_len), jnp.int32), decode=True)["cache"]
+
+    cache, tok = step(fresh_cache(), jnp.zeros((batch, 1), jnp.int32))  # compile
+    jax.block_until_ready(tok)
+
+    def run():
+        cache, tok = fresh_cache(), jnp.zeros((batch, 1), jnp.int32)
+        jax.block_until_ready(cache)
+        start = time.perf_counter()
+        for _ in range(n):
+            cache, tok = step(cache, tok)
+        jax.block_until_ready(tok)
+        return time.perf_counter() - start
+
+    return batch * n / statistics.median([run() for _ in range(3)])
+
+
+def peak_memory() -> tuple[str, int]:
+    device = jax.devices()[0]
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if stats and "peak_bytes_in_use" in stats:
+        return "device_peak_bytes", int(stats["peak_bytes_in_use"])
+    return "process_peak_rss_bytes", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def with_scheme(config: Config, scheme: str) -> Config | None:
+    try:
+        return apply_overrides(config, {"model.attention.scheme": scheme})
+    except ValueError:
+        return None  # e.g. bilinear with rotary: not a valid model, said in the table
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default="experiments/configs/shakespeare_char.py")
+    p.add_argument("--quick", action="store_true", help="small batch and few repeats: minutes on a 2-core CPU")
+    p.add_argument("--schemes", default=",".join(SCHEMES), help="comma-separated")
+    p.add_argument("--batch-size", type=int, default=None)
+    p.add_argument("--steps", type=int, default=None, help="timed train steps per scheme")
+    p.add_argument("--decode-tokens", type=int, default=None)
+    p.add_argument("--decode-batch", type=int, default=8)
+    p.add_argument("--dtype", default=None, help="compute dtype override (float32, bfloat16)")
+    p.add_argument("--implementation", default=None, help="jax.nn.dot_product_attention implementation (cudnn)")
+    p.add_argument("--remat", default=None, choices=["none", "full", "dots"])
+    p.add_argument("--json", default=None, help="write the results here")
+    args = p.parse_args(argv)
+
+    overrides = {"model.dropout_rate": "0.0", "train.grad_accum_steps": "1"}
+    if args.quick:
+        overrides["train.batch_size"] = "8"
+    if args.batch_size:
+        overrides["train.batch_size"] = str(args.batch_size)
+    if args.dtype:
+        overrides["model.attention.dtype"] = args.dtype
+    if args.implementation:
+        overrides["model.attention.implementation"] = args.implementation
+    if args.remat:
+        overrides["model.remat"] = args.remat
+    base = apply_overrides(load_config_file(args.config), overrides)
+    steps = args.steps or (5 if args.quick else 20)
+    decode_tokens = args.decode_tokens or (32 if args.quick else 128)
+    dtype = base.model.attention.dtype
+    device = jax.devices()[0]
+    peak = measure_peak_flops(dtype)
+    print(
+        f"device: {device.device_kind} ({device.platform}, {jax.device_count()} device(s))"
+        f" | peak {dtype} matmul {peak / 1e9:,.1f} GFLOP/s | config {args.config} batch {base.train.batch_size} "
+        f"seq {base.seq_len} | {time.strftime('%Y-%m-%d')}",
+        flush=True,
+    )
+
+    # The baseline: same shapes, scheme `separate` semantics inside flax's MHA (no rotary, no GQA).
+    flax_cfg = dataclasses.replace(
+        base,
+        model=dataclasses.replace(
+            base.model,
+            attention=dataclasses.replace(base.model.attention, scheme="separate", rope=False, num_kv_heads=None),
+            learned_positions=True,
+        ),
+    )
+    baseline = bench_train(DecoderLM(flax_cfg.model, attention_cls=FlaxAttention), flax_cfg, steps)
+    flax_model = DecoderLM(flax_cfg.model, attention_cls=FlaxAttention)
+    flax_params = create_state(flax_model, flax_cfg, make_optimizer(flax_cfg.train), None).params
+    baseline["decode_1"] = bench_decode(flax_model, flax_params, flax_cfg, 1, decode_tokens)
+    baseline["decode_b"] = bench_decode(flax_model, flax_params, flax_cfg, args.decode_batch, decode_tokens)
+    print(f"flax baseline: {baseline['tokens_per_s']:,.0f} tok/s (compile {baseline['compile_s']:.1f}s)", flush=True)
+
+    results = []
+    for scheme in args.schemes.split(","):
+        cfg = with_scheme(base, scheme)
+        if cfg is None:
+            print(f"{scheme}: skipped (not valid with this preset's attention config)", flush=True)
+            continue
+        model = DecoderLM(cfg.model)
+        r = bench_train(model, cfg, steps)
+        flops = train_flops_per_token(cfg.model, cfg.seq_len)
+        params = create_state(model, cfg, make_optimizer(cfg.train), None).params
+        att = attention_cost(cfg.model.attention, cfg.model.d_model, cfg.seq_len)
+        sep = attention_cost(dataclasses.replace(cfg.model.attention, scheme="separate"), cfg.model.d_model, 1)
+        row = {
+            "scheme": scheme,
+            "params": param_count(cfg.model),
+            "tokens_per_s": r["tokens_per_s"],
+            "baseline_tokens_per_s": baseline["tokens_per_s"],
+            "ratio": r["tokens_per_s"] / baseline["tokens_per_s"],
+            "mfu": r["tokens_per_s"] * flops / peak,
+            "train_flops_per_token": flops,
+            "projection_flop_ratio": att.projection_flops / sep.projection_flops,
+            "compile_s": r["compile_s"],
+            "xla_memory_bytes": r["xla_memory_bytes"],
+            "decode_tokens_per_s": bench_decode(model, params, cfg, 1, decode_tokens),
+            "decode_batch_tokens_per_s": bench_decode(model, params, cfg, args.decode_batch, decode_tokens),
+            "baseline_decode_tokens_per_s": baseline["decode_1"],
+            "baseline_decode_batch_tokens_per_s": baseline["decode_b"],
+            "kv_cache_bytes_per_token": att.kv_cache_bytes_per_token * cfg.model.num_layers,
+        }
+        results.append(row)
+        print(
+            f"{scheme}: {row['tokens_per_s']:,.0f} tok/s, x{row['ratio']:.2f} flax, mfu {100 * row['mfu']:.1f}%",
+            flush=True,
+        )
+
+    mem_key, mem_value = peak_memory()
+    sep_row = next((r for r in results if r["scheme"] == "separate"), results[0])
+    header = (
+        f"{'scheme':<12} {'params':>11} {'tok/s':>9} {'x flax':>7} {'x sep':>6} {'proj FLOP x sep':>15} {'MFU':>6} "
+        f"{'compile s':>9} {'XLA mem MB':>10} {'dec tok/s b1':>12} {'flax b1':>8} "
+        f"{f'dec b{args.decode_batch}':>9} {f'flax b{args.decode_batch}':>9} {'KV B/tok':>9}"
+    )
+    print("\n" + header)
+    for r in results:
+        mem = f"{r['xla_memory_bytes'] / 2**20:,.1f}" if r["xla_memory_bytes"] is not None else "n/a"
+        print(
+            f"{r['scheme']:<12} {r['params']:>11,} {r['tokens_per_s']:>9,.0f} {r['ratio']:>7.2f} "
+            f"{r['tokens_per_s'] / sep_row['tokens_per_s']:>6.2f} {r['projection_flop_ratio']:>15.2f} "
+            f"{100 * r['mfu']:>5.1f}% {r['compile_s']:>9.1f} {mem:>10} {r['decode_tokens_per_s']:>12,.0f} "
+            f"{r['baseline_decode_tokens_per_s']:>8,.0f} {r['decode_batch_tokens_per_s']:>9,.0f} "
+            f"{r['baseline_decode_batch_tokens_per_s']:>9,.0f} {r['kv_cache_bytes_per_token']:>9,}"
+        )
+    print(
+        f"flax baseline: {baseline['tokens_per_s']:,.0f} tok/s, compile {baseline['compile_s']:.1f}s; "
+        f"{mem_key} {mem_value / 2**20:,.0f} MB"
+    )
+    if args.json:
+        out = {
+            "device": f"{device.device_kind} ({device.platform})",
+            "peak_flops": peak,
+            "date": time.strftime("%Y-%m-%d"),
+            "config": args.config,
+            "batch_size": base.train.batch_size,
+            "seq_len": base.seq_len,
+            "dtype": dtype,
+            "baseline": baseline,
+            mem_key: mem_value,
+            "results": results,
+        }
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
