@@ -10,16 +10,28 @@ from qkvjax.attention import (
     get_scheme,
     register_scheme,
 )
+from qkvjax.models.lm import DecoderLM, ModelConfig
 
 __version__ = "0.1.0"
+
+
+def load(workdir: str, step: int | None = None):
+    """``(model, params, config)`` from a training run's checkpoint; see :func:`qkvjax.evaluate.load`."""
+    from qkvjax.evaluate import load as _load  # orbax and TFDS load only when asked for
+
+    return _load(workdir, step)
+
 
 __all__ = [
     "SCHEMES",
     "Attention",
     "AttentionConfig",
     "AttentionCost",
+    "DecoderLM",
+    "ModelConfig",
     "Scheme",
     "attention_cost",
     "get_scheme",
+    "load",
     "register_scheme",
 ]

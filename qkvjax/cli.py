@@ -22,6 +22,64 @@ def _train(args: argparse.Namespace, overrides: dict[str, str]) -> int:
     return 0
 
 
+def _eval(args: argparse.Namespace) -> int:
+    import json
+
+    from qkvjax.evaluate import evaluate
+
+    result = evaluate(args.workdir, args.step, args.split, args.source_path, args.data_dir)
+    text = json.dumps(result)
+    print(text)
+    if args.output:
+        with open(args.output, "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+def _sample(args: argparse.Namespace) -> int:
+    from qkvjax.evaluate import restore_params
+    from qkvjax.sample import byte_streamer, encode, generate
+
+    prompt = encode(args.prompt)  # refuse an empty prompt before restoring anything
+    model, params, config, step = restore_params(args.workdir, args.step)
+    sys.stdout.write(args.prompt)
+    _, stats = generate(
+        model,
+        params,
+        prompt,
+        args.num_tokens,
+        temperature=args.temperature,
+        top_k=None if args.top_k == 0 else args.top_k,
+        seed=args.seed,
+        on_token=byte_streamer(lambda s: (sys.stdout.write(s), sys.stdout.flush())),
+    )
+    print(
+        f"\n--- step {step}, scheme {config.model.attention.scheme}: {stats['new_tokens']} tokens at "
+        f"{stats['tokens_per_s']:,.1f} tokens/s (after {stats['prefill_and_compile_s']:.2f}s prefill + compile); "
+        f"KV cache {stats['cache_bytes']:,} bytes",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _info(args: argparse.Namespace) -> int:
+    import json
+
+    from qkvjax.info import describe, format_description
+
+    info = describe(args.workdir)
+    print(json.dumps(info, indent=2) if args.json else format_description(info))
+    return 0
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from qkvjax.convert import convert_workdir
+
+    out = convert_workdir(args.workdir, args.out, args.to, args.num_kv_heads, args.step)
+    print(f"converted checkpoint written to {out}")
+    return 0
+
+
 def split_overrides(argv: list[str]) -> tuple[list[str], dict[str, str]]:
     """Separates ``--config.a.b=v`` / ``--config.a.b v`` overrides from the other arguments."""
     rest, overrides, i = [], {}, 0
@@ -63,6 +121,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workdir", required=True, help="checkpoints, metrics.jsonl, TensorBoard events, config.json")
     p.add_argument("--overwrite", action="store_true", help="delete a run of another config found in --workdir")
     p.set_defaults(func=_train, takes_overrides=True)
+
+    p = sub.add_parser("eval", help="evaluate a checkpoint on a whole split; prints one JSON object")
+    p.add_argument("--workdir", required=True)
+    p.add_argument("--step", type=int, default=None, help="default: the newest checkpoint")
+    p.add_argument("--split", default="validation", choices=["train", "validation", "test"])
+    p.add_argument("--output", default=None, help="also write the JSON here")
+    p.add_argument("--source-path", default=None, help="the text file, if it moved since training")
+    p.add_argument("--data-dir", default=None, help="the TFDS data_dir, if not the run's")
+    p.set_defaults(func=_eval)
+
+    p = sub.add_parser("sample", help="generate text from a checkpoint with the KV cache")
+    p.add_argument("--workdir", required=True)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--num-tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=40, help="0 = no top-k cut")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--step", type=int, default=None)
+    p.set_defaults(func=_sample)
+
+    p = sub.add_parser("info", help="checkpoints, config, parameters per component and last metrics of a run")
+    p.add_argument("--workdir", required=True)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_info)
+
+    p = sub.add_parser("convert", help="convert a checkpoint to another scheme (bilinear) or fewer kv heads")
+    p.add_argument("--workdir", required=True)
+    p.add_argument("--out", required=True, help="a new workdir for the converted checkpoint")
+    p.add_argument("--to", default=None, help="target scheme (bilinear: exact)")
+    p.add_argument("--num-kv-heads", type=int, default=None, help="mean-pool kv heads to K (GQA/MQA)")
+    p.add_argument("--step", type=int, default=None)
+    p.set_defaults(func=_convert)
     return parser
 
 

@@ -9,6 +9,7 @@ reshaped. Restoring onto another mesh or device count only needs the target shar
 
 from __future__ import annotations
 
+import json
 import os
 
 import jax
@@ -35,8 +36,54 @@ def manager(workdir: str, max_to_keep: int = 3, read_only: bool = False) -> ocp.
     )
 
 
+INVENTORY = "inventory.json"
+
+
+def _inventory(step_dir: str) -> dict[str, int]:
+    out = {}
+    for root, _, files in os.walk(step_dir):
+        for name in files:
+            path = os.path.join(root, name)
+            rel = os.path.relpath(path, step_dir)
+            if not rel.startswith(INVENTORY):
+                out[rel] = os.path.getsize(path)
+    return out
+
+
+def finish(mngr: ocp.CheckpointManager) -> None:
+    """Waits for the save in flight, then records each finished step's files and sizes (``inventory.json``), so a
+    later restore can name a file that went missing or changed."""
+    mngr.wait_until_finished()
+    if jax.process_index() != 0:
+        return
+    for step in mngr.all_steps():
+        step_dir = os.path.join(os.fspath(mngr.directory), str(step))
+        target = os.path.join(step_dir, INVENTORY)
+        if os.path.isdir(step_dir) and not os.path.exists(target):
+            files = _inventory(step_dir)
+            with open(target + ".tmp", "w") as f:
+                json.dump(files, f)
+            os.replace(target + ".tmp", target)
+
+
+def damaged_files(step_dir: str) -> list[str]:
+    """Files of a finished step that are missing or changed size since it was written (empty: none known)."""
+    path = os.path.join(step_dir, INVENTORY)
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        expected = json.load(f)
+    now = _inventory(step_dir)
+    return sorted(
+        f"{rel} ({'missing' if rel not in now else f'{now[rel]} bytes, written as {size}'})"
+        for rel, size in expected.items()
+        if now.get(rel) != size
+    )
+
+
 def save(mngr: ocp.CheckpointManager, step: int, state, data_state: dict, config_dict: dict) -> None:
     """Starts an async save of the step (returns once the arrays are copied off the devices)."""
+    finish(mngr)  # orbax would wait for the previous save here anyway
     mngr.save(
         step,
         args=ocp.args.Composite(
@@ -81,12 +128,22 @@ def restore(mngr: ocp.CheckpointManager, step: int, target_state):
     """(state, data_state, config_dict) of ``step``, the state laid out as ``target_state`` (abstract arrays with
     shardings) says. Unreadable or mismatching checkpoints raise CheckpointError naming the step and the file."""
     where = os.fspath(mngr.directory)
+    step_dir = os.path.join(where, str(step))
+    damaged = damaged_files(step_dir)
+    if damaged:
+        raise CheckpointError(
+            f"checkpoint step {step} in {where} is corrupted: "
+            + "; ".join(damaged[:8])
+            + f". Delete {step_dir} to fall back to an earlier step"
+        )
     try:
         metadata = mngr.item_metadata(step)["state"]
     except Exception as e:
         raise CheckpointError(f"checkpoint step {step} in {where}: cannot read its metadata ({_short(e)})") from e
-    if metadata is None:
-        raise CheckpointError(f"checkpoint step {step} in {where}: the state's metadata is missing (state/_METADATA)")
+    if metadata is None or not os.path.exists(os.path.join(step_dir, "state", "_METADATA")):
+        raise CheckpointError(
+            f"checkpoint step {step} in {where} is corrupted: the state's metadata file state/_METADATA is missing"
+        )
     tree = getattr(metadata, "tree", metadata)
     check_structure(tree, target_state, step, where)
     try:

@@ -21,14 +21,14 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from qkvjax.data.builders import load_splits
-from qkvjax.data.pipeline import check_corpus, eval_batches, train_batches
+from qkvjax.data.pipeline import check_corpus, train_batches
 from qkvjax.models.lm import DecoderLM, param_count, train_flops_per_token
 from qkvjax.perf import measure_peak_flops
 from qkvjax.train import checkpoint
 from qkvjax.train.config import Config, from_dict, to_dict, to_json
 from qkvjax.train.mesh import batch_sharding, data_parallel_size, make_mesh, shardings_for
 from qkvjax.train.state import abstract_state, create_state, learning_rate_schedule, make_optimizer
-from qkvjax.train.step import make_eval_step, make_train_step
+from qkvjax.train.step import make_eval_step, make_train_step, mean_loss
 
 CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"
@@ -247,7 +247,7 @@ def train(config: Config, workdir: str, *, overwrite: bool = False) -> dict:
         eval_step = jax.jit(eval_fn, in_shardings=(par.state_shardings.params, par.batch))
     else:
         train_step = jax.pmap(step_fn, axis_name="data", donate_argnums=0)
-        eval_step = jax.pmap(lambda p, b: jax.lax.psum(eval_fn(p, b), "data"), axis_name="data")
+        eval_step = jax.pmap(eval_fn, axis_name="data")  # per-device sums; mean_loss adds them up
     state = par.replicate(state)
 
     flops_per_token = train_flops_per_token(config.model, config.seq_len)
@@ -265,14 +265,11 @@ def train(config: Config, workdir: str, *, overwrite: bool = False) -> dict:
     )
 
     def evaluate(params) -> dict:
-        total = tokens = 0.0
-        for batch in eval_batches(splits["validation"], config.seq_len, tc.batch_size, tc.eval_batches):
-            out = eval_step(params, par.put_batch(_local_rows(batch)))
-            out = par.unreplicate(out) if par.mesh is None else out
-            total += float(out["nll_sum"])
-            tokens += float(out["tokens"])
-        loss = total / tokens
-        return {"split": "validation", "loss": loss, "bits_per_byte": loss / math.log(2), "tokens": int(tokens)}
+        put = lambda b: par.put_batch(_local_rows(b))  # noqa: E731
+        loss, count = mean_loss(
+            eval_step, params, splits["validation"], config.seq_len, tc.batch_size, put, tc.eval_batches
+        )
+        return {"split": "validation", "loss": loss, "bits_per_byte": loss / math.log(2), "tokens": count}
 
     def save(state, step):
         host_state = par.unreplicate(state)
@@ -322,7 +319,7 @@ def train(config: Config, workdir: str, *, overwrite: bool = False) -> dict:
             if preemption.requested:
                 _progress(f"SIGTERM: saved checkpoint step {step}; exiting", final=True)
                 break
-    mngr.wait_until_finished()
+    checkpoint.finish(mngr)
     mngr.close()
     writer.close()
     if step >= tc.num_steps:

@@ -7,8 +7,10 @@ import math
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
+from qkvjax.data.pipeline import eval_batches
 from qkvjax.train.state import TrainState
 
 
@@ -76,3 +78,14 @@ def make_eval_step(model: nn.Module):
         return {"nll_sum": total, "tokens": count}
 
     return eval_step
+
+
+def mean_loss(eval_step, params, tokens: np.ndarray, seq_len: int, batch_size: int, put_batch, max_batches=None):
+    """Mean next-byte loss over ``tokens`` (every target once, or the first ``max_batches`` batches) and the
+    number of targets counted; ``put_batch`` places a host batch where ``eval_step`` wants it."""
+    total = count = 0.0
+    for batch in eval_batches(tokens, seq_len, batch_size, max_batches):
+        out = jax.device_get(eval_step(params, put_batch(batch)))
+        total += float(np.sum(out["nll_sum"]))
+        count += float(np.sum(out["tokens"]))
+    return total / count, int(count)

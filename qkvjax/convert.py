@@ -1,0 +1,128 @@
+"""Converting trained weights between schemes, where the maths allows it.
+
+* ``to_bilinear`` (exact): ``W_QK[n] = W^Q_n (W^K_{kv(n)})^T``, so ``x_t^T W_QK[n] x_s = q_{t,n} . k_{s,kv(n)}``.
+  Needs plain q.k logits: no rotary embedding, no key normalisation, no query/key biases.
+* ``to_grouped`` (standard, not exact): multi-head to grouped-/multi-query attention by mean-pooling the key and
+  value heads of each group (Ainslie et al. 2023, arXiv:2305.13245, section 2.1); meant to be uptrained.
+
+Both read the scheme's data (which group makes q, k, v), so they work for every scheme whose groups allow it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from qkvjax.attention import AttentionConfig, get_scheme
+from qkvjax.models.lm import ModelConfig
+
+
+def _attention_layers(params) -> list[str]:
+    return sorted(k for k in params if k.startswith("block_"))
+
+
+def bilinear_attention_params(att: dict, cfg: AttentionConfig) -> dict:
+    """One attention layer's parameters as the ``bilinear`` scheme's, computing exactly the same function."""
+    scheme = cfg.tying
+    if scheme.bilinear:
+        raise ValueError(f"scheme {cfg.scheme!r} is already bilinear")
+    if cfg.rope or scheme.normalize_keys:
+        raise ValueError(
+            f"scheme {cfg.scheme!r} with rope={cfg.rope} has no fixed bilinear form (rotary embedding or key "
+            "normalisation makes the score depend on more than x_t^T W x_s); only plain q.k schemes convert exactly"
+        )
+    if cfg.use_bias:
+        raise ValueError("query/key biases have no place in the bilinear form; convert a model with use_bias=False")
+    w_q, w_k = att["w_" + scheme.group_of("q")], att["w_" + scheme.group_of("k")]
+    g = cfg.group_size
+    w_k = jnp.repeat(w_k, g, axis=1) if w_k.shape[1] != w_q.shape[1] else w_k  # DKH -> DNH, head n uses kv n // G
+    merged = jnp.einsum("DNH,ENH->NDE", w_q, w_k)
+    return {"w_qk_merged": merged, "w_v": att["w_" + scheme.group_of("v")], "w_o": att["w_o"]}
+
+
+def grouped_attention_params(att: dict, cfg: AttentionConfig, num_kv_heads: int) -> dict:
+    """One layer's parameters with its key/value heads mean-pooled to ``num_kv_heads``."""
+    scheme = cfg.tying
+    target = dataclasses.replace(cfg, num_kv_heads=num_kv_heads)  # validates divisibility and the scheme
+    if cfg.kv_heads % num_kv_heads:
+        raise ValueError(f"num_kv_heads={num_kv_heads} must divide the current {cfg.kv_heads} kv heads")
+    ratio = cfg.kv_heads // num_kv_heads
+    out = dict(att)
+    for group in scheme.kv_groups:
+        if "q" in group:
+            continue
+        for prefix, axis in (("w_", 1), ("b_", 0)):
+            name = prefix + group
+            if name in att:
+                x = att[name]
+                shape = x.shape[:axis] + (target.kv_heads, ratio) + x.shape[axis + 1 :]
+                out[name] = x.reshape(shape).mean(axis=axis + 1)  # consecutive heads form a group
+    return out
+
+
+def convert(model: ModelConfig, params, to: str | None = None, num_kv_heads: int | None = None):
+    """(new ModelConfig, new params) with the scheme ``to`` and/or ``num_kv_heads`` changed."""
+    att_cfg = model.attention
+    params = nn.meta.unbox(params)
+    new = {k: v for k, v in params.items()}
+    if num_kv_heads is not None and num_kv_heads != att_cfg.kv_heads:
+        for layer in _attention_layers(params):
+            block = dict(new[layer])
+            block["attention"] = grouped_attention_params(block["attention"], att_cfg, num_kv_heads)
+            new[layer] = block
+        att_cfg = dataclasses.replace(att_cfg, num_kv_heads=num_kv_heads)
+    if to is not None and to != att_cfg.scheme:
+        target = get_scheme(to)
+        if not target.bilinear:
+            raise ValueError(
+                f"no conversion from {att_cfg.scheme!r} to {to!r}: tying cannot be undone or imposed exactly; "
+                "supported: --to bilinear (exact) and --num-kv-heads K (mean-pooled kv heads)"
+            )
+        for layer in _attention_layers(params):
+            block = dict(new[layer])
+            block["attention"] = bilinear_attention_params(block["attention"], att_cfg)
+            new[layer] = block
+        att_cfg = dataclasses.replace(att_cfg, scheme=to)
+    return dataclasses.replace(model, attention=att_cfg), new
+
+
+def convert_workdir(workdir: str, out: str, to: str | None, num_kv_heads: int | None, step: int | None = None) -> str:
+    """Writes a new workdir whose checkpoint holds the converted params (fresh optimizer state, same step and
+    data position), so ``qkvjax eval`` / ``sample`` / ``train`` (to uptrain) all work on it."""
+    from qkvjax.evaluate import restore_params
+    from qkvjax.train import checkpoint
+    from qkvjax.train.config import to_dict, to_json
+    from qkvjax.train.loop import CONFIG_FILE
+    from qkvjax.train.state import TrainState, make_optimizer
+
+    if to is None and num_kv_heads is None:
+        raise ValueError("nothing to convert: pass --to SCHEME and/or --num-kv-heads K")
+    if os.path.exists(os.path.join(out, CONFIG_FILE)):
+        raise ValueError(f"--out {out} already holds a run; choose an empty directory")
+    _, params, config, step = restore_params(workdir, step)
+    model_cfg, new_params = convert(config.model, params, to, num_kv_heads)
+    config = dataclasses.replace(config, model=model_cfg)
+    tx = make_optimizer(config.train)
+    mngr_in = checkpoint.manager(workdir, read_only=True)
+    data_state = mngr_in.restore(step, args=checkpoint.ocp.args.Composite(data=checkpoint.ocp.args.JsonRestore()))[
+        "data"
+    ]
+    mngr_in.close()
+    state = TrainState(
+        step=jnp.array(step, jnp.int32),
+        params=new_params,
+        opt_state=tx.init(new_params),
+        rng=jax.random.PRNGKey(config.seed),
+    )
+    os.makedirs(out, exist_ok=True)
+    mngr = checkpoint.manager(out)
+    checkpoint.save(mngr, step, state, data_state, to_dict(config))
+    checkpoint.finish(mngr)
+    mngr.close()
+    with open(os.path.join(out, CONFIG_FILE), "w") as f:
+        f.write(to_json(config))
+    return out

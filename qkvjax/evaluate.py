@@ -1,0 +1,102 @@
+"""Restoring checkpoints for use: ``load`` for Python callers, ``evaluate`` for a whole split."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import flax.linen as nn
+import jax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from qkvjax.data.builders import load_splits
+from qkvjax.models.lm import DecoderLM
+from qkvjax.train import checkpoint
+from qkvjax.train.config import Config, MeshConfig
+from qkvjax.train.loop import CONFIG_FILE, load_config
+from qkvjax.train.mesh import batch_sharding, make_mesh
+from qkvjax.train.state import abstract_state, make_optimizer
+from qkvjax.train.step import make_eval_step, mean_loss
+
+SPLITS = ("train", "validation", "test")
+
+
+def resolve_step(workdir: str, step: int | None) -> tuple[Config, object, int]:
+    """(config, read-only checkpoint manager, step), with errors that say what the workdir holds."""
+    workdir = os.path.abspath(workdir)
+    if not os.path.exists(os.path.join(workdir, CONFIG_FILE)):
+        raise ValueError(f"workdir {workdir} holds no run (no {CONFIG_FILE}); pass the --workdir of a training run")
+    config = load_config(workdir)
+    if not os.path.isdir(os.path.join(workdir, "checkpoints")):
+        raise ValueError(f"workdir {workdir} has no checkpoint yet (no checkpoints/ directory)")
+    mngr = checkpoint.manager(workdir, read_only=True)
+    steps = sorted(mngr.all_steps())
+    if not steps:
+        raise ValueError(f"workdir {workdir} has no complete checkpoint")
+    if step is None:
+        step = steps[-1]
+    elif step not in steps:
+        raise ValueError(f"checkpoint step {step} does not exist in {workdir}; available steps: {steps}")
+    return config, mngr, step
+
+
+def restore_params(workdir: str, step: int | None = None, mesh=None):
+    """(model, params, config, step): the params of a checkpoint, replicated over ``mesh`` (default: every
+    device, data parallel). The whole train state is restored strictly, so a checkpoint of another model fails
+    with the list of differences rather than loading part of it."""
+    config, mngr, step = resolve_step(workdir, step)
+    mesh = mesh or make_mesh(MeshConfig(data=-1, fsdp=1, tensor=1))
+    model = DecoderLM(config.model)
+    abstract = nn.meta.unbox(abstract_state(model, config, make_optimizer(config.train)))
+    replicated = NamedSharding(mesh, PartitionSpec())
+    target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), abstract)
+    state, _, _ = checkpoint.restore(mngr, step, target)
+    mngr.close()
+    return model, state.params, config, step
+
+
+def load(workdir: str, step: int | None = None):
+    """``(model, params, config)`` of a training run's checkpoint (the newest unless ``step`` is given), ready
+    for ``model.apply({"params": params}, tokens)``."""
+    model, params, config, _ = restore_params(workdir, step)
+    return model, params, config
+
+
+def evaluate(
+    workdir: str,
+    step: int | None = None,
+    split: str = "validation",
+    source_path: str | None = None,
+    data_dir: str | None = None,
+) -> dict:
+    """Loss, bits per byte and perplexity of a checkpoint over a whole split."""
+    if split not in SPLITS:
+        raise ValueError(f"split={split!r}; allowed: {list(SPLITS)}")
+    mesh = make_mesh(MeshConfig(data=-1, fsdp=1, tensor=1))
+    model, params, config, step = restore_params(workdir, step, mesh)
+    splits = load_splits(
+        config.data.dataset,
+        source_path or config.data.source_path,
+        os.path.expanduser(data_dir or config.data.data_dir),
+    )
+    n = jax.device_count()
+    batch_size = -(-config.train.batch_size // n) * n
+    sharding = batch_sharding(mesh)
+    eval_step = jax.jit(make_eval_step(model))
+    loss, count = mean_loss(
+        eval_step,
+        params,
+        splits[split],
+        config.seq_len,
+        batch_size,
+        lambda b: {k: jax.make_array_from_process_local_data(sharding, v) for k, v in b.items()},
+    )
+    return {
+        "step": step,
+        "scheme": config.model.attention.scheme,
+        "split": split,
+        "tokens": count,
+        "loss": loss,
+        "bits_per_byte": loss / math.log(2),
+        "perplexity": math.exp(loss),
+    }

@@ -1,0 +1,90 @@
+"""What a workdir holds: checkpoints, config, parameters per component, the last metrics."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import time
+
+from qkvjax.models.lm import param_count
+from qkvjax.train.config import to_dict
+from qkvjax.train.loop import METRICS_FILE
+
+
+def _size(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(r, f)) for r, _, files in os.walk(path) for f in files)
+
+
+def parameter_breakdown(params) -> dict[str, int]:
+    """Parameters summed over layers by component: ``attention/w_qk``, ``mlp/w_in``, ``embed``, ..."""
+    import jax
+
+    counts: dict[str, int] = collections.OrderedDict()
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        names = [str(getattr(k, "key", k)) for k in path]
+        if names[0].startswith("block_"):
+            names = names[1:]
+        key = "/".join(names)
+        counts[key] = counts.get(key, 0) + int(leaf.size)
+    return counts
+
+
+def describe(workdir: str) -> dict:
+    """A JSON-able summary of a training run's workdir."""
+    from qkvjax.evaluate import resolve_step
+
+    config, mngr, latest = resolve_step(workdir, None)
+    checkpoints = []
+    for step in sorted(mngr.all_steps()):
+        path = os.path.join(os.fspath(mngr.directory), str(step))
+        checkpoints.append(
+            {
+                "step": step,
+                "time": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(os.path.getmtime(path))),
+                "bytes": _size(path),
+            }
+        )
+    import jax
+    import jax.numpy as jnp
+
+    from qkvjax.models.lm import DecoderLM
+
+    model = DecoderLM(config.model)
+    abstract = jax.eval_shape(model.init, jax.random.PRNGKey(0), jnp.zeros((1, config.seq_len), jnp.int32))
+    import flax.linen as nn
+
+    breakdown = parameter_breakdown(nn.meta.unbox(abstract)["params"])
+    last_train = last_eval = None
+    metrics_path = os.path.join(os.path.abspath(workdir), METRICS_FILE)
+    if os.path.exists(metrics_path):
+        with open(metrics_path) as f:
+            for line in f:
+                if line.strip():
+                    record = json.loads(line)
+                    if record.get("eval"):
+                        last_eval = record
+                    else:
+                        last_train = record
+    return {
+        "workdir": os.path.abspath(workdir),
+        "scheme": config.model.attention.scheme,
+        "checkpoints": checkpoints,
+        "parameters": {"total": param_count(config.model), "by_component": breakdown},
+        "last_train_metrics": last_train,
+        "last_eval_metrics": last_eval,
+        "config": to_dict(config),
+    }
+
+
+def format_description(info: dict) -> str:
+    lines = [f"workdir {info['workdir']}  scheme {info['scheme']}", "checkpoints:"]
+    for c in info["checkpoints"]:
+        lines.append(f"  step {c['step']:>8}  {c['time']}  {c['bytes'] / 2**20:10.2f} MiB")
+    lines.append(f"parameters: {info['parameters']['total']:,}")
+    for name, n in info["parameters"]["by_component"].items():
+        lines.append(f"  {name:<32} {n:>12,}")
+    lines.append(f"last train metrics: {json.dumps(info['last_train_metrics'])}")
+    lines.append(f"last eval metrics:  {json.dumps(info['last_eval_metrics'])}")
+    lines.append("config: " + json.dumps(info["config"], indent=2))
+    return "\n".join(lines)

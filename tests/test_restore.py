@@ -1,0 +1,177 @@
+"""Restoring checkpoints: eval, sample, info, convert, the Python API, and the README's code."""
+
+import json
+import os
+import re
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import qkvjax
+from qkvjax import SCHEMES, AttentionConfig, DecoderLM, ModelConfig
+from qkvjax.convert import convert
+from qkvjax.evaluate import evaluate
+from qkvjax.models.lm import param_count
+from qkvjax.sample import generate
+from tests.helpers import REPO, metrics, run_in_new_process, run_in_process, train_args
+
+STRICT_DTYPE_PROMOTION = False  # optax inside the training runs
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, small_text, data_dir):
+    """A tiny run on 8 devices with FSDP, evaluated on the whole validation split at steps 2 and 4."""
+    w = tmp_path_factory.mktemp("run")
+    args = train_args(
+        w,
+        small_text,
+        data_dir,
+        **{
+            "train.num_steps": 4,
+            "train.checkpoint_every": 2,
+            "train.eval_every": 2,
+            "train.eval_batches": "none",
+            "mesh.fsdp": 2,
+        },
+    )
+    assert run_in_process(args) == 0
+    return w
+
+
+def test_eval_matches_the_evaluation_logged_in_training(run):
+    for record in metrics(run, evals=True):
+        result = evaluate(str(run), step=record["step"])
+        assert result["step"] == record["step"] and result["tokens"] == record["tokens"]
+        np.testing.assert_allclose(result["loss"], record["loss"], rtol=1e-5)
+        np.testing.assert_allclose(result["perplexity"], np.exp(record["loss"]), rtol=1e-5)
+        assert result["scheme"] == "separate" and result["split"] == "validation"
+
+
+def test_a_checkpoint_from_8_devices_evaluates_on_1(run, tmp_path):
+    out = tmp_path / "eval.json"
+    proc = run_in_new_process(["eval", f"--workdir={run}", "--split=validation", f"--output={out}"], devices=1)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    printed = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert printed == json.loads(out.read_text())
+    np.testing.assert_allclose(printed["loss"], metrics(run, evals=True)[-1]["loss"], rtol=1e-5)
+    assert printed["step"] == 4 and set(printed) >= {"tokens", "bits_per_byte", "perplexity"}
+
+
+def _lm(scheme, kv=None, rope=False):
+    att = AttentionConfig(num_heads=2, head_dim=6, num_kv_heads=kv, scheme=scheme, rope=rope)
+    return ModelConfig(attention=att, vocab_size=256, d_model=10, num_layers=2, mlp_dim=14, max_len=13)
+
+
+SAMPLE_CASES = [("separate", 1, True)] + [(s, None, False) for s in SCHEMES] + [("reformer_qk", None, True)]
+
+
+@pytest.mark.parametrize("scheme,kv,rope", SAMPLE_CASES)
+def test_greedy_sampling_with_cache_equals_recomputing_the_full_forward(scheme, kv, rope):
+    model = DecoderLM(_lm(scheme, kv, rope))
+    params = model.init(jax.random.PRNGKey(3), jnp.zeros((1, 13), jnp.int32))["params"]
+    prompt = np.array([72, 101, 121], np.int32)
+    cached, stats = generate(model, params, prompt, 9, temperature=0.0)
+    # Without a cache: the whole (zero-padded, causal so the padding is never seen) sequence each time.
+    forward = jax.jit(lambda tokens: model.apply({"params": params}, tokens))
+    tokens = list(prompt)
+    for _ in range(9):
+        padded = jnp.zeros((1, 13), jnp.int32).at[0, : len(tokens)].set(jnp.asarray(tokens))
+        tokens.append(int(jnp.argmax(forward(padded)[0, len(tokens) - 1])))
+    assert cached.tolist() == tokens[3:]
+    assert stats["cache_bytes"] > 0
+
+
+def test_sample_cli_streams_and_greedy_is_deterministic(run, capsys):
+    outs = []
+    for _ in range(2):
+        args = ["sample", f"--workdir={run}", "--prompt=the ", "--num-tokens=12", "--temperature=0"]
+        assert run_in_process(args) == 0
+        captured = capsys.readouterr()
+        outs.append(captured.out)
+        assert "tokens/s" in captured.err and "KV cache" in captured.err
+    assert outs[0] == outs[1] and outs[0].startswith("the ")
+    assert run_in_process(["sample", f"--workdir={run}", "--prompt=a", "--num-tokens=5", "--seed=1"]) == 0
+
+
+def test_info_lists_checkpoints_parameters_and_metrics(run, capsys):
+    assert run_in_process(["info", f"--workdir={run}", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert [c["step"] for c in info["checkpoints"]] == [2, 4]
+    assert all(c["bytes"] > 0 for c in info["checkpoints"])
+    by = info["parameters"]["by_component"]
+    assert sum(by.values()) == info["parameters"]["total"]
+    assert {"attention/w_q", "attention/w_k", "attention/w_v", "attention/w_o", "embed"} <= set(by)
+    assert info["last_train_metrics"]["step"] == 4 and info["last_eval_metrics"]["eval"]
+
+
+def test_python_load_gives_a_model_ready_to_apply(run):
+    model, params, config = qkvjax.load(str(run))
+    logits = model.apply({"params": params}, jnp.zeros((2, config.seq_len), jnp.int32))
+    assert logits.shape == (2, config.seq_len, 256)
+    assert sum(p.size for p in jax.tree.leaves(params)) == param_count(config.model)
+
+
+def test_convert_to_bilinear_is_exact_and_to_gqa_pools_heads(run, tmp_path):
+    model, params, config = qkvjax.load(str(run))
+    tokens = jax.random.randint(jax.random.PRNGKey(0), (2, config.seq_len), 0, 256)
+    before = model.apply({"params": params}, tokens)
+    out = str(tmp_path / "bilinear")
+    assert run_in_process(["convert", f"--workdir={run}", f"--out={out}", "--to=bilinear"]) == 0
+    model_b, params_b, config_b = qkvjax.load(out)
+    assert config_b.model.attention.scheme == "bilinear"
+    np.testing.assert_allclose(model_b.apply({"params": params_b}, tokens), before, rtol=1e-4, atol=1e-4)
+
+    gqa_cfg, gqa = convert(config.model, params, num_kv_heads=1)
+    w_k = params["block_0"]["attention"]["w_k"]
+    np.testing.assert_allclose(gqa["block_0"]["attention"]["w_k"][:, 0], w_k.mean(axis=1), rtol=1e-6)
+    assert gqa_cfg.attention.kv_heads == 1
+    logits = DecoderLM(gqa_cfg).apply({"params": gqa}, tokens)
+    assert np.isfinite(np.asarray(logits)).all()
+    with pytest.raises(ValueError, match=r"no conversion from 'separate' to 'shared_kv'"):
+        convert(config.model, params, to="shared_kv")
+
+
+@pytest.mark.parametrize(
+    "args,match",
+    [
+        (["eval", "--workdir={empty}"], r"holds no run"),
+        (["eval", "--workdir={run}", "--step=3"], r"checkpoint step 3 does not exist .* available steps: \[2, 4\]"),
+        (["sample", "--workdir={run}", "--prompt="], r"the prompt has no tokens"),
+        (
+            ["sample", "--workdir={run}", "--prompt=abc", "--num-tokens=40"],
+            r"exceeds the model's context length max_len=32; ask for at most 29",
+        ),
+    ],
+)
+def test_clear_errors(args, match, run, tmp_path, capsys):
+    args = [a.format(run=run, empty=tmp_path) for a in args]
+    assert run_in_process(args) == 2
+    assert re.search(match, capsys.readouterr().err)
+
+
+def test_corrupted_checkpoint_names_the_step_and_the_file(run, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(run, copy)
+    data = copy / "checkpoints" / "4" / "state" / "ocdbt.process_0" / "d"
+    victim = sorted(os.listdir(data))[0]
+    os.remove(data / victim)
+    with pytest.raises(ValueError, match=rf"checkpoint step 4 .*corrupted.*{victim}"):
+        evaluate(str(copy), step=4)
+    os.remove(copy / "checkpoints" / "2" / "state" / "_METADATA")
+    with pytest.raises(ValueError, match=r"checkpoint step 2 .*_METADATA"):
+        evaluate(str(copy), step=2)
+
+
+def test_readme_python_blocks_run():
+    """The README's examples (a user module with shared_kv, the NNX bridge) run as written."""
+    text = (REPO / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    assert len(blocks) >= 2
+    namespace: dict = {}
+    with jax.numpy_dtype_promotion("standard"):
+        for block in blocks:
+            exec(compile(block, "README.md", "exec"), namespace)  # noqa: S102
+    assert namespace["y"].shape == namespace["x"].shape
