@@ -13,10 +13,26 @@ def _schemes(args: argparse.Namespace) -> int:
     return 0
 
 
+def _distributed(args: argparse.Namespace) -> None:
+    """Joins a multi-process run before anything touches a device (auto-detected on TPU VMs, SLURM, Open MPI)."""
+    if not (args.distributed or args.coordinator):
+        return
+    import jax
+
+    if args.coordinator and (args.num_processes is None or args.process_id is None):
+        raise ValueError("--coordinator needs --num-processes and --process-id")
+    if jax.config.jax_platforms in ("cpu",) or args.cpu_collectives:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=args.coordinator, num_processes=args.num_processes, process_id=args.process_id
+    )
+
+
 def _train(args: argparse.Namespace, overrides: dict[str, str]) -> int:
     from qkvjax.train.config import apply_overrides, load_config_file
     from qkvjax.train.loop import train
 
+    _distributed(args)
     config = apply_overrides(load_config_file(args.config), overrides)
     train(config, args.workdir, overwrite=args.overwrite)
     return 0
@@ -120,6 +136,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", required=True, help="a Python file with get_config(), e.g. experiments/configs/tiny.py")
     p.add_argument("--workdir", required=True, help="checkpoints, metrics.jsonl, TensorBoard events, config.json")
     p.add_argument("--overwrite", action="store_true", help="delete a run of another config found in --workdir")
+    g = p.add_argument_group("multi-process (one process per host; see launch/)")
+    g.add_argument("--distributed", action="store_true", help="jax.distributed.initialize() with auto-detection")
+    g.add_argument("--coordinator", default=None, help="host:port of process 0 (explicit set-up)")
+    g.add_argument("--num-processes", type=int, default=None)
+    g.add_argument("--process-id", type=int, default=None)
+    g.add_argument("--cpu-collectives", action="store_true", help="gloo collectives, for multi-process CPU runs")
     p.set_defaults(func=_train, takes_overrides=True)
 
     p = sub.add_parser("eval", help="evaluate a checkpoint on a whole split; prints one JSON object")

@@ -74,7 +74,7 @@ def check_workdir(workdir: str, config: Config, overwrite: bool) -> None:
             f"workdir {workdir} holds a run of another config ({details}); use another --workdir, or pass "
             "--overwrite to delete that run and start again"
         )
-    if overwrite:
+    if overwrite and jax.process_index() == 0:
         for name in ("checkpoints", "params", "tensorboard", METRICS_FILE, CONFIG_FILE):
             target = os.path.join(workdir, name)
             if os.path.isdir(target):
@@ -146,6 +146,8 @@ class _Preemption:
 
 
 def _progress(line: str, final: bool = False) -> None:
+    if jax.process_index() != 0:
+        return
     if sys.stdout.isatty():
         sys.stdout.write("\r\033[K" + line + ("\n" if final else ""))
     else:
@@ -216,6 +218,10 @@ def train(config: Config, workdir: str, *, overwrite: bool = False) -> dict:
     abstract = abstract_state(model, config, tx)
     par = _Parallel(config, abstract)
     check_workdir(workdir, config, overwrite)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("qkvjax: workdir checked")
     splits = load_splits(config.data.dataset, config.data.source_path, os.path.expanduser(config.data.data_dir))
     check_corpus(splits["train"], config.seq_len, "train")
     os.makedirs(workdir, exist_ok=True)
