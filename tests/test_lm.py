@@ -80,3 +80,18 @@ def test_logical_axes_shard_heads_and_replicate_what_does_not_divide():
     assert att["w_kv"].spec == jax.sharding.PartitionSpec("fsdp", None, None)  # one kv head: replicated on tensor
     assert shard["embed"].spec == jax.sharding.PartitionSpec("tensor", "fsdp")
     assert shard["block_0"]["mlp"]["w_in"].spec == jax.sharding.PartitionSpec("fsdp", "tensor")
+
+
+@pytest.mark.parametrize("remat", ["full", "dots"])
+def test_remat_changes_memory_not_maths(remat):
+    tokens = jax.random.randint(jax.random.key(4), (B, T), 0, V)
+    base, rematted = DecoderLM(lm("shared_kv")), DecoderLM(lm("shared_kv", remat=remat))
+    params = base.init(jax.random.key(0), tokens)["params"]
+
+    def loss(model, p):
+        return jnp.mean(model.apply({"params": p}, tokens) ** 2)
+
+    g0 = jax.grad(lambda p: loss(base, p))(params)
+    g1 = jax.grad(lambda p: loss(rematted, p))(params)
+    for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
