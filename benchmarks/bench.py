@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import resource
 import statistics
@@ -99,7 +100,7 @@ def bench_decode(model, params, config: Config, batch: int, new_tokens: int) -> 
     max_len = config.model.max_len
     n = min(new_tokens, max_len)
 
-    @jax.jit
+    @functools.partial(jax.jit, donate_argnums=0)
     def step(cache, tok):
         logits, mutated = model.apply({"params": params, "cache": cache}, tok, decode=True, mutable=["cache"])
         return mutated["cache"], jnp.argmax(logits[:, -1:], axis=-1).astype(jnp.int32)

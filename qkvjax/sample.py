@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import codecs
+import functools
 import time
 from collections.abc import Callable
 
@@ -74,12 +75,12 @@ def generate(
         logits, mutated = model.apply({"params": params, "cache": cache}, tokens, decode=True, mutable=["cache"])
         return logits[:, -1], mutated["cache"]
 
-    @jax.jit
+    @functools.partial(jax.jit, donate_argnums=1)  # the cache is updated in place
     def prefill(params, cache, tokens, key):
         logits, cache = apply(params, cache, tokens)
         return pick(logits, key, temperature, top_k), cache
 
-    @jax.jit
+    @functools.partial(jax.jit, donate_argnums=1)
     def step(params, cache, token, key):
         logits, cache = apply(params, cache, token[:, None])
         return pick(logits, key, temperature, top_k), cache

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from qkvjax.attention.schemes import SCHEMES, Scheme, get_scheme
 
 DTYPES = ("float32", "bfloat16", "float16")
-IMPLEMENTATIONS = (None, "xla", "cudnn")
+IMPLEMENTATIONS = (None, "einsum", "xla", "cudnn")
 
 
 def _canonical_dtype(value, field: str) -> str:
@@ -38,8 +38,10 @@ class AttentionConfig:
       rope_base: the rotary wavelength base.
       dtype: compute dtype; softmax is always taken in float32.
       param_dtype: dtype of the parameters.
-      implementation: passed to ``jax.nn.dot_product_attention`` (None = its default, 'cudnn' = cuDNN flash
-        attention on NVIDIA GPUs) for schemes whose logits are plain q.k.
+      implementation: how plain q.k attention is computed: 'einsum' (this package's grouped einsums, the path
+        every scheme can take), or 'xla' / 'cudnn' (``jax.nn.dot_product_attention``; 'cudnn' is cuDNN flash
+        attention on NVIDIA GPUs). None picks per backend: 'einsum' on CPU, 'xla' elsewhere. Schemes with
+        custom logits (bilinear, Reformer's self-mask) and attention dropout always take 'einsum'.
     """
 
     num_heads: int

@@ -117,23 +117,24 @@ class Attention(nn.Module):
         )
         self_mask = None
         if scheme.mask_self and self_attention:
-            self_mask = core.grouped((k_index[None, :] == q_index[:, None])[None, None], kv)
+            self_mask = core.grouped((k_index[None, :] == q_index[:, None])[None, None], kv, cfg.group_size)
         dropout = cfg.dropout_rate > 0.0 and not deterministic
 
-        if scheme.bilinear or self_mask is not None or dropout:
+        implementation = cfg.implementation or ("einsum" if jax.default_backend() == "cpu" else "xla")
+        if scheme.bilinear or self_mask is not None or dropout or implementation == "einsum":
             if scheme.bilinear:
                 logits = core.bilinear_logits(x_q, w_qk, kv_side["x"], kv, h)
             else:
                 logits = core.qk_logits(q, k)
             weights = core.softmax_weights(
                 logits,
-                None if full_mask is None else core.grouped(full_mask, kv),
+                None if full_mask is None else core.grouped(full_mask, kv, cfg.group_size),
                 self_mask,
                 dropout_rate=cfg.dropout_rate if dropout else 0.0,
                 dropout_rng=self.make_rng("dropout") if dropout else None,
             )
-            self.sow("intermediates", "attention_weights", weights)  # (B, K, G, T, S), for analysis
-            out = core.mix_values(weights, v)
+            self.sow("intermediates", "attention_weights", weights)  # (B, K, T * G, S), for analysis
+            out = core.mix_values(weights, v, t)
         else:
             # Plain q.k logits: let jax pick the kernel (cuDNN flash attention when implementation='cudnn').
             only_causal = mask is None and cached is None and causal
@@ -143,7 +144,7 @@ class Attention(nn.Module):
                 v,
                 mask=None if only_causal else full_mask,
                 is_causal=only_causal,
-                implementation=cfg.implementation,
+                implementation=implementation,
             )
         y = jnp.einsum("BTNH,NHD->BTD", out, w_o)
         if cfg.use_bias:
