@@ -57,16 +57,8 @@ class FlaxAttention(nn.Module):
         return mha(x, mask=mask, deterministic=deterministic)
 
 
-def _median_time(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def bench_train(model, config: Config, steps: int) -> dict:
+def prepare_train(model, config: Config) -> dict:
+    """Compiles the train step (timed), runs one warm-up step; returns a zero-argument timed-step runner."""
     tx = make_optimizer(config.train)
     state = create_state(model, config, tx, None)
     b, t = config.train.batch_size, config.seq_len
@@ -77,13 +69,15 @@ def bench_train(model, config: Config, steps: int) -> dict:
     compiled = step_fn.lower(state, batch).compile()
     compile_s = time.perf_counter() - start
     memory = compiled.memory_analysis()
-    holder = {"state": compiled(state, batch)[0]}  # one warm-up step
+    holder = {"state": compiled(state, batch)[0]}
+    jax.block_until_ready(holder["state"])
 
-    def one():
+    def one_step() -> float:
+        start = time.perf_counter()
         holder["state"], metrics = compiled(holder["state"], batch)
-        return metrics["loss"]
+        jax.block_until_ready(metrics["loss"])
+        return time.perf_counter() - start
 
-    step_s = _median_time(one, steps)
     mem_bytes = None
     if memory is not None:
         mem_bytes = int(
@@ -92,7 +86,17 @@ def bench_train(model, config: Config, steps: int) -> dict:
             + memory.output_size_in_bytes
             - memory.alias_size_in_bytes
         )
-    return {"step_s": step_s, "tokens_per_s": b * t / step_s, "compile_s": compile_s, "xla_memory_bytes": mem_bytes}
+    return {"step": one_step, "tokens": b * t, "compile_s": compile_s, "xla_memory_bytes": mem_bytes}
+
+
+def interleaved(a, b, steps: int) -> tuple[float, float]:
+    """Median step times of two runners timed alternately (a, b, a, b, ...), so that drift in the machine's
+    speed (other load, clocks) hits both alike and their ratio stays honest."""
+    ta, tb = [], []
+    for _ in range(steps):
+        ta.append(a())
+        tb.append(b())
+    return statistics.median(ta), statistics.median(tb)
 
 
 def bench_decode(model, params, config: Config, batch: int, new_tokens: int) -> float:
@@ -165,7 +169,7 @@ def main(argv=None) -> int:
     if args.remat:
         overrides["model.remat"] = args.remat
     base = apply_overrides(load_config_file(args.config), overrides)
-    steps = args.steps or (5 if args.quick else 20)
+    steps = args.steps or (6 if args.quick else 20)
     decode_tokens = args.decode_tokens or (32 if args.quick else 128)
     dtype = base.model.attention.dtype
     device = jax.devices()[0]
@@ -186,8 +190,11 @@ def main(argv=None) -> int:
             learned_positions=True,
         ),
     )
-    baseline = bench_train(DecoderLM(flax_cfg.model, attention_cls=FlaxAttention), flax_cfg, steps)
     flax_model = DecoderLM(flax_cfg.model, attention_cls=FlaxAttention)
+    flax_runner = prepare_train(flax_model, flax_cfg)
+    baseline = {"compile_s": flax_runner["compile_s"], "xla_memory_bytes": flax_runner["xla_memory_bytes"]}
+    flax_step_s = statistics.median(flax_runner["step"]() for _ in range(steps))
+    baseline["tokens_per_s"] = flax_runner["tokens"] / flax_step_s
     flax_params = create_state(flax_model, flax_cfg, make_optimizer(flax_cfg.train), None).params
     baseline["decode_1"] = bench_decode(flax_model, flax_params, flax_cfg, 1, decode_tokens)
     baseline["decode_b"] = bench_decode(flax_model, flax_params, flax_cfg, args.decode_batch, decode_tokens)
@@ -200,7 +207,10 @@ def main(argv=None) -> int:
             print(f"{scheme}: skipped (not valid with this preset's attention config)", flush=True)
             continue
         model = DecoderLM(cfg.model)
-        r = bench_train(model, cfg, steps)
+        runner = prepare_train(model, cfg)
+        step_s, base_s = interleaved(runner["step"], flax_runner["step"], steps)
+        r = {"tokens_per_s": runner["tokens"] / step_s, "compile_s": runner["compile_s"]}
+        r["xla_memory_bytes"] = runner["xla_memory_bytes"]
         flops = train_flops_per_token(cfg.model, cfg.seq_len)
         params = create_state(model, cfg, make_optimizer(cfg.train), None).params
         att = attention_cost(cfg.model.attention, cfg.model.d_model, cfg.seq_len)
@@ -209,8 +219,8 @@ def main(argv=None) -> int:
             "scheme": scheme,
             "params": param_count(cfg.model),
             "tokens_per_s": r["tokens_per_s"],
-            "baseline_tokens_per_s": baseline["tokens_per_s"],
-            "ratio": r["tokens_per_s"] / baseline["tokens_per_s"],
+            "baseline_tokens_per_s": flax_runner["tokens"] / base_s,  # timed alternately with this scheme
+            "ratio": base_s / step_s,
             "mfu": r["tokens_per_s"] * flops / peak,
             "train_flops_per_token": flops,
             "projection_flop_ratio": att.projection_flops / sep.projection_flops,
@@ -228,10 +238,14 @@ def main(argv=None) -> int:
             flush=True,
         )
 
+    peak = max(peak, measure_peak_flops(dtype))  # measured again at the end: the better of the two
+    for r in results:
+        r["mfu"] = r["tokens_per_s"] * r["train_flops_per_token"] / peak
     mem_key, mem_value = peak_memory()
     sep_row = next((r for r in results if r["scheme"] == "separate"), results[0])
     header = (
-        f"{'scheme':<12} {'params':>11} {'tok/s':>9} {'x flax':>7} {'x sep':>6} {'proj FLOP x sep':>15} {'MFU':>6} "
+        f"{'scheme':<12} {'params':>11} {'tok/s':>9} {'x flax':>7} {'x sep':>6} {'FLOP speedup':>12} "
+        f"{'proj FLOP x sep':>15} {'MFU':>6} "
         f"{'compile s':>9} {'XLA mem MB':>10} {'dec tok/s b1':>12} {'flax b1':>8} "
         f"{f'dec b{args.decode_batch}':>9} {f'flax b{args.decode_batch}':>9} {'KV B/tok':>9}"
     )
@@ -240,7 +254,9 @@ def main(argv=None) -> int:
         mem = f"{r['xla_memory_bytes'] / 2**20:,.1f}" if r["xla_memory_bytes"] is not None else "n/a"
         print(
             f"{r['scheme']:<12} {r['params']:>11,} {r['tokens_per_s']:>9,.0f} {r['ratio']:>7.2f} "
-            f"{r['tokens_per_s'] / sep_row['tokens_per_s']:>6.2f} {r['projection_flop_ratio']:>15.2f} "
+            f"{r['ratio'] / sep_row['ratio']:>6.2f} "
+            f"{sep_row['train_flops_per_token'] / r['train_flops_per_token']:>12.2f} "
+            f"{r['projection_flop_ratio']:>15.2f} "
             f"{100 * r['mfu']:>5.1f}% {r['compile_s']:>9.1f} {mem:>10} {r['decode_tokens_per_s']:>12,.0f} "
             f"{r['baseline_decode_tokens_per_s']:>8,.0f} {r['decode_batch_tokens_per_s']:>9,.0f} "
             f"{r['baseline_decode_batch_tokens_per_s']:>9,.0f} {r['kv_cache_bytes_per_token']:>9,}"

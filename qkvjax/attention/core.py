@@ -22,9 +22,9 @@ SELF_PENALTY = -1e4
 def project(x: Array, kernels: Sequence[Array], biases: Sequence[Array] | None = None) -> list[Array]:
     """Each distinct projection of one input once: ``BTD,DCH->BTCH`` per kernel (C = N or K heads).
 
-    One einsum over the kernels concatenated on heads was measured 12% slower (forward + backward) on the CPU
-    (benchmarks/README.md): the concatenation and the split of its gradient cost more than the one larger
-    matmul saves.
+    One einsum over the kernels concatenated on heads was slower (forward + backward) on the CPU: the
+    concatenation and the split of its gradient cost more than the one larger matmul saves
+    (``benchmarks/attention_layouts.py``).
     """
     ys = [jnp.einsum("BTD,DCH->BTCH", x, w) for w in kernels]
     if biases is not None:
@@ -65,9 +65,9 @@ def causal_mask(q_index: Array, k_index: Array) -> Array:
 
 
 # Grouped-query layout. The G query heads that share a kv head are folded into the query axis, Q = T * G
-# (t-major), so every score einsum is a plain batched matmul over (B, K): logits are (B, K, Q, S). Against a
-# five-axis (B, K, G, T, S) layout this was measured 14-25% faster forward + backward on the CPU
-# (benchmarks/README.md), and for G = 1 it is ordinary multi-head attention.
+# (t-major), so every score einsum is a plain batched matmul over (B, K): logits are (B, K, Q, S), the natural
+# output order of dot_general, with no transposes of the scores. Against a five-axis (B, K, G, T, S) layout it is
+# faster forward + backward for every G (benchmarks/attention_layouts.py); for G = 1 it is plain multi-head.
 
 
 def fold_queries(x: Array, num_kv_heads: int) -> Array:
