@@ -108,9 +108,7 @@ def convert_workdir(workdir: str, out: str, to: str | None, num_kv_heads: int | 
     config = dataclasses.replace(config, model=model_cfg)
     tx = make_optimizer(config.train)
     mngr_in = checkpoint.manager(workdir, read_only=True)
-    data_state = mngr_in.restore(step, args=checkpoint.ocp.args.Composite(data=checkpoint.ocp.args.JsonRestore()))[
-        "data"
-    ]
+    data_state = checkpoint.restore_data_state(mngr_in, step)
     mngr_in.close()
     state = TrainState(
         step=jnp.array(step, jnp.int32),

@@ -161,6 +161,11 @@ def restore(mngr: ocp.CheckpointManager, step: int, target_state):
     return restored["state"], restored["data"], restored["config"]
 
 
+def restore_data_state(mngr: ocp.CheckpointManager, step: int) -> dict:
+    """The data iterator's state saved with ``step``."""
+    return mngr.restore(step, args=ocp.args.Composite(data=ocp.args.JsonRestore()))["data"]
+
+
 def _short(e: Exception) -> str:
     text = f"{type(e).__name__}: {e}"
     return text if len(text) < 400 else text[:400] + " ..."
