@@ -91,7 +91,10 @@ def main(argv=None) -> int:
             return jnp.einsum("BKGTS,BSKH->BTKGH", w, v).reshape(b, t, n, h)
 
         timed(
-            {"folded (B, K, T*G, S) (qkvjax)": (folded, (q, k, v)), "five axes (B, K, G, T, S)": (five_axes, (q, k, v))}
+            {
+                "folded (B, K, T*G, S) (qkvjax)": (folded, (q, k, v)),
+                "five axes (B, K, G, T, S)": (five_axes, (q, k, v)),
+            }
         )
 
     print("3. the attention layer (self-attention, causal)")

@@ -32,11 +32,14 @@ def project(x: Array, kernels: Sequence[Array], biases: Sequence[Array] | None =
     return ys
 
 
-def rotary(x: Array, positions: Array, base: float) -> Array:
-    """Rotary position embedding (Su et al. 2021), half-split form: x (B, T, N, H), positions (B, T)."""
+def rotary(x: Array, positions: Array, base: float, seq_axis: int = 1) -> Array:
+    """Rotary position embedding (Su et al. 2021), half-split form: x (B, T, N, H) (or (B, K, S, H) with
+    ``seq_axis=2``), positions (B, T)."""
     half = x.shape[-1] // 2
     inv_freq = base ** (-jnp.arange(half, dtype=jnp.float32) / half)  # (H/2,)
-    angle = positions.astype(jnp.float32)[:, :, None, None] * inv_freq[None, None, None, :]  # BT1(H/2)
+    pos = positions.astype(jnp.float32)
+    pos = pos[:, :, None, None] if seq_axis == 1 else pos[:, None, :, None]
+    angle = pos * inv_freq[None, None, None, :]  # BT1(H/2) or B1S(H/2)
     sin, cos = jnp.sin(angle), jnp.cos(angle)
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
@@ -92,10 +95,12 @@ def grouped(mask: Array, num_kv_heads: int, group_size: int) -> Array:
     return m.reshape(b, num_kv_heads, t * group_size, s)
 
 
-def qk_logits(q: Array, k: Array) -> Array:
-    """Grouped scores q.k / sqrt(H): q (B, T, N, H), k (B, S, K, H) -> (B, K, T * G, S)."""
+def qk_logits(q: Array, k: Array, kv_layout: str = "BSKH") -> Array:
+    """Grouped scores q.k / sqrt(H): q (B, T, N, H), k (B, S, K, H) or, with ``kv_layout="BKSH"`` (the decode
+    cache), (B, K, S, H) -> (B, K, T * G, S)."""
     h = q.shape[-1]
-    return jnp.einsum("BKQH,BSKH->BKQS", fold_queries(q / math.sqrt(h), k.shape[2]), k)
+    kv = k.shape[kv_layout.index("K")]
+    return jnp.einsum(f"BKQH,{kv_layout}->BKQS", fold_queries(q / math.sqrt(h), kv), k)
 
 
 def bilinear_logits(x_q: Array, w_qk: Array, x_kv: Array, num_kv_heads: int, head_dim: int) -> Array:
@@ -129,6 +134,6 @@ def softmax_weights(
     return weights
 
 
-def mix_values(weights: Array, v: Array, t: int) -> Array:
-    """Weighted sum of values: weights (B, K, T * G, S), v (B, S, K, H) -> (B, T, N, H)."""
-    return unfold_queries(jnp.einsum("BKQS,BSKH->BKQH", weights.astype(v.dtype), v), t)
+def mix_values(weights: Array, v: Array, t: int, kv_layout: str = "BSKH") -> Array:
+    """Weighted sum of values: weights (B, K, T * G, S), v laid out as ``kv_layout`` -> (B, T, N, H)."""
+    return unfold_queries(jnp.einsum(f"BKQS,{kv_layout}->BKQH", weights.astype(v.dtype), v), t)

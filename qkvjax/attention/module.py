@@ -28,9 +28,9 @@ class Attention(nn.Module):
 
     Decoding follows ``flax.linen.MultiHeadDotProductAttention``: initialise with ``decode=True`` on an input of
     the maximum length to create the ``cache`` collection, then call with ``decode=True, mutable=["cache"]`` on
-    one or more new positions at a time (attention over the cache is causal). The cache holds one tensor per
-    group that produces keys or values, before rotary embedding (``cached_kv`` for ``shared_kv``), and the input
-    itself (``cached_x``) when the key side of a bilinear form needs it.
+    one or more new positions at a time (attention over the cache is causal). The cache holds one (B, K, S, H)
+    tensor per group that produces keys or values, before rotary embedding (``cached_kv`` for ``shared_kv``), and
+    the input itself (``cached_x``, (B, S, D)) when the key side of a bilinear form needs it.
     """
 
     config: AttentionConfig
@@ -96,9 +96,12 @@ class Attention(nn.Module):
 
         q_index, k_index = jnp.arange(t), jnp.arange(s)
         cached = self._update_cache(kv_side, t) if decode else None
+        kv_layout = "BSKH"
         if cached is not None:
+            # The cache keeps keys and values as (B, K, S, H): what the score and mixing matmuls read without
+            # transposing the whole cache at every step.
             kv_side, q_index, k_index = cached
-            causal = True
+            causal, kv_layout = True, "BKSH"
         q_pos = jnp.broadcast_to(q_index[None], (b, t)) if positions is None else positions
         k_pos = q_pos if self_attention and not decode else jnp.broadcast_to(k_index[None], (b, k_index.shape[0]))
 
@@ -108,7 +111,8 @@ class Attention(nn.Module):
             if scheme.normalize_keys:
                 k = core.unit_length(k)
             if cfg.rope:
-                q, k = core.rotary(q, q_pos, cfg.rope_base), core.rotary(k, k_pos, cfg.rope_base)
+                q = core.rotary(q, q_pos, cfg.rope_base)
+                k = core.rotary(k, k_pos, cfg.rope_base, seq_axis=kv_layout.index("S"))
 
         # A causal mask is by index (as flax's make_causal_mask), not by rotary position.
         full_mask = core.combine_masks(
@@ -121,11 +125,11 @@ class Attention(nn.Module):
         dropout = cfg.dropout_rate > 0.0 and not deterministic
 
         implementation = cfg.implementation or ("einsum" if jax.default_backend() == "cpu" else "xla")
-        if scheme.bilinear or self_mask is not None or dropout or implementation == "einsum":
+        if scheme.bilinear or self_mask is not None or dropout or implementation == "einsum" or cached is not None:
             if scheme.bilinear:
                 logits = core.bilinear_logits(x_q, w_qk, kv_side["x"], kv, h)
             else:
-                logits = core.qk_logits(q, k)
+                logits = core.qk_logits(q, k, kv_layout)
             weights = core.softmax_weights(
                 logits,
                 None if full_mask is None else core.grouped(full_mask, kv, cfg.group_size),
@@ -134,10 +138,10 @@ class Attention(nn.Module):
                 dropout_rng=self.make_rng("dropout") if dropout else None,
             )
             self.sow("intermediates", "attention_weights", weights)  # (B, K, T * G, S), for analysis
-            out = core.mix_values(weights, v, t)
+            out = core.mix_values(weights, v, t, kv_layout)
         else:
             # Plain q.k logits: let jax pick the kernel (cuDNN flash attention when implementation='cudnn').
-            only_causal = mask is None and cached is None and causal
+            only_causal = mask is None and causal
             out = jax.nn.dot_product_attention(
                 q,
                 k,
@@ -154,19 +158,20 @@ class Attention(nn.Module):
     def _update_cache(self, kv_side: dict[str, Array], t: int):
         """Writes the new positions into the cache; None on the initialising call (which only creates it)."""
         initialized = self.has_variable("cache", "cache_index")
+        new = {k: v if v.ndim == 3 else v.transpose(0, 2, 1, 3) for k, v in kv_side.items()}  # BSKH -> BKSH
         slots = {
             name: self.variable("cache", f"cached_{name}", jnp.zeros, value.shape, value.dtype)
-            for name, value in kv_side.items()
+            for name, value in new.items()
         }
         index = self.variable("cache", "cache_index", lambda: jnp.array(0, dtype=jnp.int32))
         if not initialized:
             return None
         cur = index.value
-        for name, slot in slots.items():
-            start = (0, cur) + (0,) * (slot.value.ndim - 2)
-            slot.value = jax.lax.dynamic_update_slice(slot.value, kv_side[name].astype(slot.value.dtype), start)
+        for name, slot in slots.items():  # every slot has its positions on axis -2: (B, K, S, H) or (B, S, D)
+            start = (0,) * (slot.value.ndim - 2) + (cur, 0)
+            slot.value = jax.lax.dynamic_update_slice(slot.value, new[name].astype(slot.value.dtype), start)
         index.value = cur + t
-        max_len = next(iter(slots.values())).value.shape[1]
+        max_len = next(iter(slots.values())).value.shape[-2]
         return {name: slot.value for name, slot in slots.items()}, cur + jnp.arange(t), jnp.arange(max_len)
 
 
