@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
-import collections
 import json
 import os
 import time
 
-from qkvjax.models.lm import param_count
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from qkvjax.evaluate import resolve_step
+from qkvjax.models.lm import DecoderLM, param_count
 from qkvjax.train.config import to_dict
 from qkvjax.train.loop import METRICS_FILE
 
@@ -18,9 +22,7 @@ def _size(path: str) -> int:
 
 def parameter_breakdown(params) -> dict[str, int]:
     """Parameters summed over layers by component: ``attention/w_qk``, ``mlp/w_in``, ``embed``, ..."""
-    import jax
-
-    counts: dict[str, int] = collections.OrderedDict()
+    counts: dict[str, int] = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
         names = [str(getattr(k, "key", k)) for k in path]
         if names[0].startswith("block_"):
@@ -32,8 +34,6 @@ def parameter_breakdown(params) -> dict[str, int]:
 
 def describe(workdir: str) -> dict:
     """A JSON-able summary of a training run's workdir."""
-    from qkvjax.evaluate import resolve_step
-
     config, mngr, latest = resolve_step(workdir, None)
     checkpoints = []
     for step in sorted(mngr.all_steps()):
@@ -45,15 +45,8 @@ def describe(workdir: str) -> dict:
                 "bytes": _size(path),
             }
         )
-    import jax
-    import jax.numpy as jnp
-
-    from qkvjax.models.lm import DecoderLM
-
     model = DecoderLM(config.model)
     abstract = jax.eval_shape(model.init, jax.random.PRNGKey(0), jnp.zeros((1, config.seq_len), jnp.int32))
-    import flax.linen as nn
-
     breakdown = parameter_breakdown(nn.meta.unbox(abstract)["params"])
     last_train = last_eval = None
     metrics_path = os.path.join(os.path.abspath(workdir), METRICS_FILE)
