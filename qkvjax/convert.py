@@ -96,8 +96,8 @@ def convert_workdir(workdir: str, out: str, to: str | None, num_kv_heads: int | 
     from qkvjax.evaluate import restore_params
     from qkvjax.train import checkpoint
     from qkvjax.train.config import to_dict, to_json
-    from qkvjax.train.loop import CONFIG_FILE
     from qkvjax.train.state import TrainState, make_optimizer
+    from qkvjax.workdir import CONFIG_FILE
 
     if to is None and num_kv_heads is None:
         raise ValueError("nothing to convert: pass --to SCHEME and/or --num-kv-heads K")

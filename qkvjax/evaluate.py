@@ -13,10 +13,10 @@ from qkvjax.data.builders import SPLITS, load_splits
 from qkvjax.models.lm import DecoderLM
 from qkvjax.train import checkpoint
 from qkvjax.train.config import Config, MeshConfig
-from qkvjax.train.loop import CONFIG_FILE, load_config
 from qkvjax.train.mesh import batch_sharding, make_mesh
 from qkvjax.train.state import abstract_state, make_optimizer
 from qkvjax.train.step import make_eval_step, mean_loss
+from qkvjax.workdir import CONFIG_FILE, load_config
 
 
 def resolve_step(workdir: str, step: int | None) -> tuple[Config, object, int]:

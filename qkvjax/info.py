@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from qkvjax.evaluate import resolve_step
 from qkvjax.models.lm import DecoderLM, param_count
 from qkvjax.train.config import to_dict
-from qkvjax.train.loop import METRICS_FILE
+from qkvjax.workdir import read_metrics
 
 
 def _size(path: str) -> int:
@@ -48,17 +48,9 @@ def describe(workdir: str) -> dict:
     model = DecoderLM(config.model)
     abstract = jax.eval_shape(model.init, jax.random.PRNGKey(0), jnp.zeros((1, config.seq_len), jnp.int32))
     breakdown = parameter_breakdown(nn.meta.unbox(abstract)["params"])
-    last_train = last_eval = None
-    metrics_path = os.path.join(os.path.abspath(workdir), METRICS_FILE)
-    if os.path.exists(metrics_path):
-        with open(metrics_path) as f:
-            for line in f:
-                if line.strip():
-                    record = json.loads(line)
-                    if record.get("eval"):
-                        last_eval = record
-                    else:
-                        last_train = record
+    train_records, eval_records = read_metrics(workdir)
+    last_train = train_records[-1] if train_records else None
+    last_eval = eval_records[-1] if eval_records else None
     return {
         "workdir": os.path.abspath(workdir),
         "scheme": config.model.attention.scheme,

@@ -25,13 +25,12 @@ from qkvjax.data.pipeline import check_corpus, train_batches
 from qkvjax.models.lm import DecoderLM, param_count, train_flops_per_token
 from qkvjax.perf import measure_peak_flops
 from qkvjax.train import checkpoint
-from qkvjax.train.config import Config, from_dict, to_dict, to_json
+from qkvjax.train.config import Config, to_dict, to_json
 from qkvjax.train.mesh import batch_sharding, data_parallel_size, make_mesh, shardings_for
 from qkvjax.train.state import abstract_state, create_state, learning_rate_schedule, make_optimizer
 from qkvjax.train.step import make_eval_step, make_train_step, mean_loss
+from qkvjax.workdir import CONFIG_FILE, METRICS_FILE, load_config  # noqa: F401 (load_config: old import path)
 
-CONFIG_FILE = "config.json"
-METRICS_FILE = "metrics.jsonl"
 # What may change between runs on one workdir: cadence, length and layout, not the experiment itself.
 RESUMABLE_CHANGES = {
     "train.num_steps",
@@ -81,11 +80,6 @@ def check_workdir(workdir: str, config: Config, overwrite: bool) -> None:
                 shutil.rmtree(target)
             elif os.path.exists(target):
                 os.remove(target)
-
-
-def load_config(workdir: str) -> Config:
-    with open(os.path.join(workdir, CONFIG_FILE)) as f:
-        return from_dict(Config, json.load(f))
 
 
 class MetricsWriter:

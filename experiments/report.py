@@ -1,0 +1,239 @@
+"""Tables and plots of a scheme comparison (``compare_schemes.py``'s results folder).
+
+    python experiments/report.py DIR
+
+Writes ``DIR/summary.md``: per matching and scheme, the final whole-split validation loss as mean ± sample std
+over seeds, and the difference to ``separate`` of the same matching, paired by seed (same data order), with a
+95% Student-t interval; a difference is called *inside the seed spread* when it is no larger than the larger of
+the two schemes' seed standard deviations. And the PNG plots: validation loss against step and against training
+wall-clock (mean line, min-max band over seeds), final loss against parameters and against KV-cache bytes per
+token.
+"""
+
+from __future__ import annotations
+
+import collections
+import csv
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+MATCHING_TITLES = {
+    "width": "same width (tied schemes have fewer parameters)",
+    "params": "same parameter count (saved parameters go to the MLP)",
+    "kv_cache": "same KV-cache size",
+}
+PLOTS = ("curves_step.png", "curves_wall.png", "loss_vs_params.png", "loss_vs_kv_cache.png")
+
+
+def _read(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def t_quantile(df: int) -> float:
+    """The 97.5% quantile of Student's t with ``df`` degrees of freedom."""
+    from scipy import stats
+
+    return float(stats.t.ppf(0.975, df))
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """One entry per (matching, scheme): seeds, loss mean/std, and the paired difference to separate."""
+    groups = collections.defaultdict(dict)
+    for r in rows:
+        groups[r["matching"], r["scheme"]][int(r["seed"])] = r
+    out = []
+    for (matching, scheme), by_seed in groups.items():
+        losses = [float(r["final_val_loss"]) for r in by_seed.values()]
+        first = next(iter(by_seed.values()))
+        speeds = [float(r["tokens_per_s"]) for r in by_seed.values() if r["tokens_per_s"]]
+        entry = {
+            "matching": matching,
+            "scheme": scheme,
+            "num_kv_heads": int(first["num_kv_heads"]),
+            "mlp_dim": int(first["mlp_dim"]),
+            "params": int(first["params"]),
+            "kv_cache_bytes_per_token": int(first["kv_cache_bytes_per_token"]),
+            "seeds": sorted(by_seed),
+            "mean": statistics.fmean(losses),
+            "std": statistics.stdev(losses) if len(losses) > 1 else float("nan"),
+            "tokens_per_s": statistics.median(speeds) if speeds else float("nan"),
+        }
+        ref = groups.get((matching, "separate"), {})
+        diffs = [float(by_seed[s]["final_val_loss"]) - float(ref[s]["final_val_loss"]) for s in by_seed if s in ref]
+        if scheme != "separate" and diffs:
+            entry["delta"] = statistics.fmean(diffs)
+            entry["delta_n"] = len(diffs)
+            if len(diffs) > 1:
+                half = t_quantile(len(diffs) - 1) * statistics.stdev(diffs) / math.sqrt(len(diffs))
+                entry["delta_ci"] = (entry["delta"] - half, entry["delta"] + half)
+                ref_losses = [float(r["final_val_loss"]) for r in ref.values()]
+                spread = max(entry["std"], statistics.stdev(ref_losses) if len(ref_losses) > 1 else 0.0)
+                entry["inside_spread"] = abs(entry["delta"]) <= spread
+        out.append(entry)
+    order = {m: i for i, m in enumerate(MATCHING_TITLES)}
+    return sorted(out, key=lambda e: (order.get(e["matching"], 9), e["scheme"] != "separate", e["mean"]))
+
+
+def _label(e: dict, n_heads: int | None = None) -> str:
+    heads = f" (K={e['num_kv_heads']})" if n_heads and e["num_kv_heads"] != n_heads else ""
+    return e["scheme"] + heads
+
+
+def summary_markdown(out: Path, entries: list[dict], n_runs: int) -> str:
+    protocol = json.loads((out / "protocol.json").read_text()) if (out / "protocol.json").exists() else {}
+    heads = protocol.get("protocol", {}).get("model", {}).get("attention", {}).get("num_heads")
+    lines = [
+        f"# Scheme comparison: {out.name}",
+        "",
+        f"- command: `{protocol.get('command', '?')}`",
+        f"- machine: {protocol.get('machine', '?')}; started {protocol.get('started', '?')}; {n_runs} runs finished",
+        "- loss: next-byte cross-entropy in nats on the whole validation split, mean ± sample std over seeds;",
+        "  Δ: minus `separate` of the same matching, paired by seed, with a 95% t interval;",
+        "  *inside spread*: |Δ| ≤ the larger seed std of the two.",
+        "",
+    ]
+    for matching, title in MATCHING_TITLES.items():
+        rows = [e for e in entries if e["matching"] == matching]
+        if not rows:
+            continue
+        lines += [
+            f"## {matching}: {title}",
+            "",
+            "| scheme | F | params | KV bytes/token | seeds | val loss | Δ vs separate | 95% interval | inside spread "
+            "| tokens/s |",
+            "|---|---:|---:|---:|---:|---|---:|---|---|---:|",
+        ]
+        for e in rows:
+            if "delta" in e:
+                delta = f"{e['delta']:+.4f}"
+                ci = f"[{e['delta_ci'][0]:+.4f}, {e['delta_ci'][1]:+.4f}]" if "delta_ci" in e else "n/a (1 seed)"
+                inside = ("yes" if e["inside_spread"] else "**no**") if "inside_spread" in e else "n/a"
+            else:
+                delta, ci, inside = ("—", "—", "—") if e["scheme"] == "separate" else ("n/a", "n/a", "n/a")
+            std = "" if math.isnan(e["std"]) else f" ± {e['std']:.4f}"
+            lines.append(
+                f"| {_label(e, heads)} | {e['mlp_dim']} | {e['params']:,} | {e['kv_cache_bytes_per_token']:,} | "
+                f"{len(e['seeds'])} | {e['mean']:.4f}{std} | {delta} | {ci} | {inside} | {e['tokens_per_s']:,.0f} |"
+            )
+        lines.append("")
+    lines += ["Plots: " + ", ".join(f"[{p}]({p})" for p in PLOTS), ""]
+    return "\n".join(lines)
+
+
+def _colors(schemes) -> dict:
+    import matplotlib
+
+    cmap = matplotlib.colormaps["tab10"]
+    from qkvjax.attention import SCHEMES
+
+    order = list(SCHEMES) + sorted(set(schemes) - set(SCHEMES))
+    return {s: cmap(i % 10) for i, s in enumerate(order)}
+
+
+def plot_curves(out: Path, curves: list[dict], x: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    matchings = [m for m in MATCHING_TITLES if any(c["matching"] == m for c in curves)]
+    colors = _colors({c["scheme"] for c in curves})
+    fig, axes = plt.subplots(1, max(len(matchings), 1), figsize=(6.2 * max(len(matchings), 1), 4.6), squeeze=False)
+    for ax, matching in zip(axes[0], matchings, strict=False):
+        by_scheme = collections.defaultdict(lambda: collections.defaultdict(dict))
+        for c in curves:
+            if c["matching"] == matching and c["val_loss"] != "":
+                by_scheme[c["scheme"]][int(c["seed"])][int(c["step"])] = (float(c[x]), float(c["val_loss"]))
+        for scheme, seeds in by_scheme.items():
+            steps = sorted(set.intersection(*(set(s) for s in seeds.values())))
+            if not steps:
+                continue
+            xs = np.array([[seeds[s][t][0] for t in steps] for s in seeds]).mean(0)
+            ys = np.array([[seeds[s][t][1] for t in steps] for s in seeds])
+            ax.plot(xs, ys.mean(0), color=colors[scheme], label=f"{scheme} ({len(seeds)})", lw=1.6, marker="o", ms=2.5)
+            ax.fill_between(xs, ys.min(0), ys.max(0), color=colors[scheme], alpha=0.18, lw=0)
+        ax.set_title(f"{matching}: {MATCHING_TITLES[matching]}", fontsize=10)
+        ax.set_xlabel("step" if x == "step" else "training wall-clock (s)")
+        ax.set_ylabel("validation loss (nats/byte)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, title="scheme (seeds)", title_fontsize=8)
+        # The first evaluations are far above the rest; show where the schemes differ.
+        finals = [line.get_ydata()[-1] for line in ax.get_lines()]
+        if finals:
+            ax.set_ylim(min(finals) - 0.15, max(finals) + 0.6)
+    fig.suptitle(f"{out.name}: validation loss (mean over seeds; band: min-max)", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_tradeoff(out: Path, entries: list[dict], key: str, xlabel: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    markers = {"width": "o", "params": "s", "kv_cache": "^"}
+    colors = _colors({e["scheme"] for e in entries})
+    fig, ax = plt.subplots(figsize=(7.5, 5))
+    for e in entries:
+        err = None if math.isnan(e["std"]) else e["std"]
+        ax.errorbar(
+            e[key], e["mean"], yerr=err, fmt=markers.get(e["matching"], "x"), color=colors[e["scheme"]],
+            ms=7, capsize=3, alpha=0.9,
+        )  # fmt: skip
+        label = e["scheme"] + (f" K={e['num_kv_heads']}" if e["matching"] == "kv_cache" else "")
+        ax.annotate(label, (e[key], e["mean"]), textcoords="offset points", xytext=(6, 3), fontsize=7)
+    for matching, marker in markers.items():
+        if any(e["matching"] == matching for e in entries):
+            ax.plot([], [], marker, color="gray", label=matching)
+    ax.legend(title="matching", fontsize=8)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("final validation loss (nats/byte), mean ± std")
+    ax.set_title(f"{out.name}: final validation loss against {xlabel.split(' (')[0]}", fontsize=10)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_report(out: Path | str) -> Path:
+    """summary.md and the plots from DIR's CSV files; returns the summary's path."""
+    out = Path(out)
+    rows, curves = _read(out / "runs.csv"), _read(out / "curves.csv")
+    if not rows:
+        raise ValueError(f"{out} has no finished runs (no rows in {out / 'runs.csv'})")
+    entries = summarize(rows)
+    (out / "summary.md").write_text(summary_markdown(out, entries, len(rows)))
+    plot_curves(out, curves, "step", out / PLOTS[0])
+    plot_curves(out, curves, "wall_s", out / PLOTS[1])
+    plot_tradeoff(out, entries, "params", "parameters (whole model)", out / PLOTS[2])
+    plot_tradeoff(out, entries, "kv_cache_bytes_per_token", "KV-cache bytes per token (all layers)", out / PLOTS[3])
+    return out / "summary.md"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1 or argv[0].startswith("-"):
+        print("usage: python experiments/report.py DIR", file=sys.stderr)
+        return 2
+    try:
+        print(write_report(argv[0]).read_text())
+    except ValueError as e:
+        print(f"report: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
