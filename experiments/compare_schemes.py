@@ -40,7 +40,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 from experiments import report
 from qkvjax.attention import SCHEMES, attention_cost
 from qkvjax.models.lm import param_count
-from qkvjax.train.config import Config, load_config_file, to_dict
+from qkvjax.train.config import Config, from_dict, load_config_file, to_dict
 
 REPO = Path(__file__).resolve().parents[1]
 MATCHINGS = ("width", "params", "kv_cache")
@@ -286,13 +286,18 @@ def base_config(args) -> Config:
 
 def check_protocol(out: Path, base: Config, args) -> None:
     """A results folder holds one protocol: refuse to mix runs of another base config into it."""
-    protocol = {k: v for k, v in to_dict(base).items() if k != "seed"}
-    protocol["train"] = {k: v for k, v in protocol["train"].items() if k != "peak_flops"}
-    protocol["kv_fraction"] = args.kv_fraction
+    def normal(config: Config) -> dict:  # what defines the sweep: not the seed, not the measured peak
+        d = to_dict(dataclasses.replace(config, seed=0))
+        d["train"]["peak_flops"] = None
+        return d
+
+    protocol = {**normal(base), "kv_fraction": args.kv_fraction}
     path = out / PROTOCOL_FILE
     if path.exists():
-        old = json.loads(path.read_text())
-        if old["protocol"] != protocol:
+        old = dict(json.loads(path.read_text())["protocol"])
+        kv_fraction = old.pop("kv_fraction")
+        # Rebuilt through the dataclasses, so fields added to the config since then take their defaults.
+        if {**normal(from_dict(Config, old)), "kv_fraction": kv_fraction} != protocol:
             raise ValueError(
                 f"{out} holds a sweep of another protocol (see {path}); use another --out, or the same "
                 "--preset/--config/--steps/--corpus as before"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -96,6 +97,38 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _analyze(args: argparse.Namespace) -> int:
+    import json
+
+    from qkvjax.analyze import analyze_layers, format_report, plot_report
+    from qkvjax.sources import load_safetensors, load_workdir
+
+    if (args.workdir is None) == (args.safetensors is None):
+        raise ValueError("pass exactly one of --workdir DIR or --safetensors FILE --format bert|gpt2|llama")
+    if args.safetensors is not None and args.format is None:
+        raise ValueError("--safetensors needs --format; allowed: bert, gpt2, llama")
+    if args.random_seeds < 1:
+        raise ValueError(f"--random-seeds={args.random_seeds}; allowed: an integer >= 1")
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        folder = os.path.dirname(os.path.abspath(path)) if path else None
+        if folder and not os.path.isdir(folder):
+            raise ValueError(f"{flag}={path!r}: folder {folder} does not exist")
+    if args.workdir is not None:
+        layers, source = load_workdir(args.workdir, args.step)
+    else:
+        layers = load_safetensors(args.safetensors, args.format, args.num_heads, args.num_kv_heads)
+        source = f"{os.path.basename(args.safetensors)} ({args.format})"
+    report = analyze_layers(layers, source, seed=args.seed, random_seeds=args.random_seeds)
+    print(format_report(report))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+            f.write("\n")
+    if args.plot:
+        plot_report(report, args.plot)
+    return 0
+
+
 def split_overrides(argv: list[str]) -> tuple[list[str], dict[str, str]]:
     """Separates ``--config.a.b=v`` / ``--config.a.b v`` overrides from the other arguments."""
     rest, overrides, i = [], {}, 0
@@ -175,6 +208,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-kv-heads", type=int, default=None, help="mean-pool kv heads to K (GQA/MQA)")
     p.add_argument("--step", type=int, default=None)
     p.set_defaults(func=_convert)
+
+    p = sub.add_parser(
+        "analyze",
+        help="how similar W^Q, W^K, W^V are, per layer, with random and mismatched-head controls",
+        description="Basis-invariant similarity of the query, key and value projections of a qkvjax run or of "
+        "safetensors weights (bert, gpt2, llama layouts): qk/qv/kv principal-angle cosines, symmetry, trace ratio "
+        "and effective rank of W^Q (W^K)^T per head. See qkvjax/analyze.py for the definitions.",
+    )
+    p.add_argument("--workdir", default=None, help="a qkvjax training run")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step of --workdir (default: the newest)")
+    p.add_argument("--safetensors", default=None, help="a .safetensors file in the nn.Linear [out, in] convention")
+    p.add_argument("--format", default=None, choices=["bert", "gpt2", "llama"], help="tensor layout of --safetensors")
+    p.add_argument("--num-heads", type=int, default=None, help="N (default: from config.json beside the file)")
+    p.add_argument("--num-kv-heads", type=int, default=None, help="K for llama (default: config.json, else N)")
+    p.add_argument("--json", default=None, help="write the report as JSON here")
+    p.add_argument("--plot", default=None, help="write a heat map (layers x measures, controls below) as PNG here")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random control (default 0)")
+    p.add_argument("--random-seeds", type=int, default=3, help="random draws averaged in the control (default 3)")
+    p.set_defaults(func=_analyze)
     return parser
 
 

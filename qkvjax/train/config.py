@@ -37,7 +37,11 @@ class DataConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    """Optimisation (AdamW, linear warmup then cosine decay to ``min_lr_ratio`` x peak) and the loop's cadence."""
+    """Optimisation (AdamW, linear warmup then cosine decay to ``min_lr_ratio`` x peak) and the loop's cadence.
+
+    ``log_weight_similarity`` adds each layer's head-averaged ``symmetry/layer_i`` and ``qk_cos/layer_i`` of
+    W^Q (W^K)^T (see ``qkvjax.analyze``) to every evaluation record.
+    """
 
     batch_size: int = 64
     num_steps: int = 5000
@@ -55,6 +59,7 @@ class TrainConfig:
     checkpoint_every: int = 500
     max_to_keep: int = 3
     peak_flops: float | None = None
+    log_weight_similarity: bool = False
 
     def __post_init__(self):
         for name in ("batch_size", "num_steps", "grad_accum_steps", "log_every", "eval_every", "checkpoint_every"):

@@ -20,6 +20,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from qkvjax.analyze import weight_stats
 from qkvjax.data.builders import load_splits
 from qkvjax.data.pipeline import check_corpus, train_batches
 from qkvjax.models.lm import DecoderLM, param_count, train_flops_per_token
@@ -40,6 +41,7 @@ RESUMABLE_CHANGES = {
     "train.checkpoint_every",
     "train.max_to_keep",
     "train.peak_flops",
+    "train.log_weight_similarity",
     "data.data_dir",
     "mesh.data",
     "mesh.fsdp",
@@ -264,12 +266,20 @@ def train(config: Config, workdir: str, *, overwrite: bool = False) -> dict:
         final=True,
     )
 
+    if tc.log_weight_similarity:
+        scheme = config.model.attention.tying
+        similarity = jax.jit(lambda params: weight_stats(params, scheme))
+
     def evaluate(params) -> dict:
         put = lambda b: par.put_batch(_local_rows(b))  # noqa: E731
         loss, count = mean_loss(
             eval_step, params, splits["validation"], config.seq_len, tc.batch_size, put, tc.eval_batches
         )
-        return {"split": "validation", "loss": loss, "bits_per_byte": loss / math.log(2), "tokens": count}
+        out = {"split": "validation", "loss": loss, "bits_per_byte": loss / math.log(2), "tokens": count}
+        if tc.log_weight_similarity:
+            stats = jax.device_get(similarity(params if par.mesh is not None else par.unreplicate(params)))
+            out.update({k: float(v) for k, v in stats.items()})
+        return out
 
     def save(state, step):
         host_state = par.unreplicate(state)

@@ -1,0 +1,243 @@
+"""How similar are a trained model's W^Q, W^K and W^V? Basis-invariant measures per head, with controls.
+
+Head n's projections are (D, H) matrices P^Q_n, P^K_n, P^V_n with ``q_n = x P^Q_n`` (query head n reads KV head
+n // G under GQA). Per head, with ``M_n = P^Q_n (P^K_n)^T`` (D x D, the bilinear form the scores use):
+
+* ``qk_cos``, ``qv_cos``, ``kv_cos``: the mean cosine of the principal angles between two column spaces
+  (orthonormal bases U_a, U_b; the singular values of U_a^T U_b; Bjorck & Golub 1973). A change of basis inside a
+  head (P -> P A, A invertible) leaves them unchanged, unlike a plain cosine of the matrices.
+* ``symmetry`` = ||(M + M^T)/2||_F^2 / ||M||_F^2: 1 when W^Q = W^K, about 1/2 for independent random matrices.
+* ``trace_ratio`` = tr(M) / ||M||_*: 1 when M is positive semi-definite (shared QK), about 0 for random.
+* ``effective_rank`` = exp(entropy of M's normalised singular values) (Roy & Vetterli 2007), at most H.
+
+Everything is computed from H x H matrices (M = Q_q (R_q R_k^T) Q_k^T with P = Q R), so a layer of a 768-wide
+model costs milliseconds. ``bilinear`` layers have M = W_QK[n] itself and no P^Q or P^K: only the last three
+measures apply. Controls computed the same way: Gaussian matrices of the same shapes, and mismatched heads (head
+n's Q against head n+1's K and V, K_n against V_{n+1}). The functions take numpy or jax arrays alike (the training
+loop runs them jitted on sharded parameters).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+MEASURES = ("qk_cos", "qv_cos", "kv_cos", "symmetry", "trace_ratio", "effective_rank")
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerWeights:
+    """One layer's projections, head-major: q (N, D, H); k, v (K, D, H); or qk_merged (N, D, D) for a merged form."""
+
+    v: object
+    q: object = None
+    k: object = None
+    qk_merged: object = None
+
+    def __post_init__(self):
+        if self.qk_merged is None and (self.q is None or self.k is None):
+            raise ValueError("LayerWeights needs q and k, or qk_merged")
+        n = (self.q if self.q is not None else self.qk_merged).shape[0]
+        if n % self.v.shape[0]:
+            raise ValueError(f"{n} query heads cannot share {self.v.shape[0]} kv heads evenly")
+
+    @property
+    def num_heads(self) -> int:
+        return (self.q if self.q is not None else self.qk_merged).shape[0]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.v.shape[0]
+
+
+def _xp(*arrays):
+    return jnp if any(isinstance(a, jax.Array) for a in arrays) else np
+
+
+def principal_cosines(a, b):
+    """(..., D, H) x (..., D, H) -> (...,) mean cosine of the principal angles between the column spaces."""
+    xp = _xp(a, b)
+    qa, _ = xp.linalg.qr(a)
+    qb, _ = xp.linalg.qr(b)
+    s = xp.linalg.svd(xp.swapaxes(qa, -1, -2) @ qb, compute_uv=False)
+    return xp.clip(s, 0.0, 1.0).mean(-1)
+
+
+def _singular_measures(s, xp):
+    """trace-free measures of singular values s (..., r): nuclear norm and effective rank."""
+    nuclear = s.sum(-1)
+    p = s / xp.maximum(nuclear[..., None], 1e-30)
+    entropy = -(xp.where(p > 0, p * xp.log(xp.where(p > 0, p, 1.0)), 0.0)).sum(-1)
+    return nuclear, xp.exp(entropy)
+
+
+def form_measures(pq, pk) -> dict:
+    """symmetry, trace_ratio, effective_rank of M = P^Q (P^K)^T for (..., D, H) inputs, via H x H matrices."""
+    xp = _xp(pq, pk)
+    t = lambda x: xp.swapaxes(x, -1, -2)  # noqa: E731
+    fro2 = (t(pq) @ pq * (t(pk) @ pk)).sum((-2, -1))  # tr(P_k^T P_k P_q^T P_q) = ||M||_F^2
+    c = t(pk) @ pq
+    tr_mm = (c * t(c)).sum((-2, -1))  # tr(M M)
+    trace = (pq * pk).sum((-2, -1))
+    _, rq = xp.linalg.qr(pq)
+    _, rk = xp.linalg.qr(pk)
+    nuclear, eff = _singular_measures(xp.linalg.svd(rq @ t(rk), compute_uv=False), xp)
+    return {"symmetry": (fro2 + tr_mm) / (2 * fro2), "trace_ratio": trace / nuclear, "effective_rank": eff}
+
+
+def merged_measures(m) -> dict:
+    """The same three measures of full (..., D, D) forms."""
+    xp = _xp(m)
+    sym = (m + xp.swapaxes(m, -1, -2)) / 2
+    nuclear, eff = _singular_measures(xp.linalg.svd(m, compute_uv=False), xp)
+    return {
+        "symmetry": (sym**2).sum((-2, -1)) / (m**2).sum((-2, -1)),
+        "trace_ratio": xp.trace(m, axis1=-2, axis2=-1) / nuclear,
+        "effective_rank": eff,
+    }
+
+
+def head_measures(layer: LayerWeights, shift: int = 0) -> dict:
+    """Every measure per query head, (N,) each (NaN where it does not apply). ``shift`` = 1 pairs head n's Q with
+    the K and V of the next KV group, and K_n with V_{n+1} (the mismatched control)."""
+    xp = _xp(layer.v, layer.q, layer.k, layer.qk_merged)
+    n, g = layer.num_heads, layer.num_heads // layer.num_kv_heads
+    kv_index = (np.arange(n) // g + shift) % layer.num_kv_heads
+    v = layer.v[kv_index]
+    nan = xp.full((n,), xp.nan)
+    if layer.qk_merged is not None:
+        out = merged_measures(layer.qk_merged) if shift == 0 else {k: nan for k in MEASURES[3:]}
+        return {"qk_cos": nan, "qv_cos": nan, "kv_cos": nan, **out}
+    k = layer.k[kv_index]
+    own_k = layer.k[np.arange(n) // g]
+    return {
+        "qk_cos": principal_cosines(layer.q, k),
+        "qv_cos": principal_cosines(layer.q, v),
+        "kv_cos": principal_cosines(own_k, v),
+        **form_measures(layer.q, k),
+    }
+
+
+def _summary(per_head: dict) -> dict:
+    """Means over heads (NaN-free keys only) and their spreads under ``<measure>_std``."""
+    out = {}
+    for name in MEASURES:
+        values = np.asarray(per_head[name], np.float64)
+        ok = np.isfinite(values)
+        out[name] = float(values[ok].mean()) if ok.any() else None
+        out[name + "_std"] = float(values[ok].std()) if ok.any() else None
+    return out
+
+
+def _pooled(per_heads: list[dict]) -> dict:
+    return _summary({k: np.concatenate([np.asarray(p[k]) for p in per_heads]) for k in MEASURES})
+
+
+def random_layer(like: LayerWeights, rng: np.random.Generator) -> LayerWeights:
+    """Gaussian matrices of ``like``'s shapes."""
+    draw = lambda x: None if x is None else rng.standard_normal(np.shape(x))  # noqa: E731
+    return LayerWeights(v=draw(like.v), q=draw(like.q), k=draw(like.k), qk_merged=draw(like.qk_merged))
+
+
+def analyze_layers(layers: list[LayerWeights], source: str, seed: int = 0, random_seeds: int = 3) -> dict:
+    """The report: per-layer means over heads (with spreads), the random and the mismatched-heads controls."""
+    if not layers:
+        raise ValueError(f"{source}: no attention layers found")
+    layers = [
+        LayerWeights(**{f.name: None if (x := getattr(lw, f.name)) is None else np.asarray(x, np.float64)
+                        for f in dataclasses.fields(lw)})
+        for lw in layers
+    ]  # fmt: skip
+    per_layer = [head_measures(lw) for lw in layers]
+    rng = np.random.default_rng(seed)
+    random = [head_measures(random_layer(layers[0], rng)) for _ in range(random_seeds)]
+    report = {
+        "source": source,
+        "num_heads": layers[0].num_heads,
+        "num_kv_heads": layers[0].num_kv_heads,
+        # the largest possible effective rank: H for factored heads, D for a merged (D, D) form
+        "max_rank": int(layers[0].v.shape[-1] if layers[0].qk_merged is None else layers[0].qk_merged.shape[-1]),
+        "layers": [{"layer": i, **_summary(m)} for i, m in enumerate(per_layer)],
+        "mean": _pooled(per_layer),
+        "random": {"seeds": random_seeds, **_pooled(random)},
+    }
+    if layers[0].num_kv_heads > 1:
+        report["mismatched"] = _pooled([head_measures(lw, shift=1) for lw in layers])
+    else:  # one KV head: every query head reads the same K and V, so no head is mismatched
+        report["mismatched"] = {name: None for name in MEASURES}
+    return report
+
+
+def _fmt(value, std) -> str:
+    return f"{'n/a':>15}" if value is None else f"{value:>8.3f} ±{std:5.3f}"
+
+
+def format_report(report: dict) -> str:
+    lines = [
+        f"{report['source']}: N={report['num_heads']} query heads, K={report['num_kv_heads']} kv heads; "
+        "mean ± std over heads",
+        f"{'layer':<11}" + "".join(f"{m:>16}" for m in MEASURES),
+    ]
+    rows = [(str(r["layer"]), r) for r in report["layers"]]
+    rows += [("all layers", report["mean"]), ("random", report["random"]), ("mismatched", report["mismatched"])]
+    for label, r in rows:
+        lines.append(f"{label:<11}" + "".join(f"{_fmt(r.get(m), r.get(m + '_std')):>16}" for m in MEASURES))
+    lines.append(f"(random: Gaussian matrices of the same shapes, {report['random']['seeds']} draws; mismatched: "
+                 "head n's Q against head n+1's K and V)")  # fmt: skip
+    return "\n".join(lines)
+
+
+def plot_report(report: dict, path: str) -> None:
+    """A heat map: layers (then the controls) x measures; effective rank is coloured as a fraction of H."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [(f"layer {r['layer']}", r) for r in report["layers"]]
+    rows += [("random", report["random"]), ("mismatched", report["mismatched"])]
+    max_rank = report.get("max_rank") or 1
+    values = np.full((len(rows), len(MEASURES)), np.nan)
+    for i, (_, r) in enumerate(rows):
+        for j, m in enumerate(MEASURES):
+            if r.get(m) is not None:
+                values[i, j] = r[m] / (max_rank if m == "effective_rank" else 1)
+    fig, ax = plt.subplots(figsize=(8.5, 1.2 + 0.42 * len(rows)))
+    im = ax.imshow(values, cmap="viridis", vmin=-0.2 if np.nanmin(values) < 0 else 0, vmax=1, aspect="auto")
+    for i, (_, r) in enumerate(rows):
+        for j, m in enumerate(MEASURES):
+            text = "n/a" if r.get(m) is None else f"{r[m]:.2f}" if m != "effective_rank" else f"{r[m]:.1f}"
+            shade = values[i, j]
+            ax.text(j, i, text, ha="center", va="center", fontsize=8,
+                    color="white" if not math.isfinite(shade) or shade < 0.6 else "black")  # fmt: skip
+    ax.axhline(len(report["layers"]) - 0.5, color="white", lw=3)
+    ax.set_xticks(range(len(MEASURES)), [m if m != "effective_rank" else "eff. rank / max" for m in MEASURES])
+    ax.set_yticks(range(len(rows)), [label for label, _ in rows])
+    ax.set_title(f"W^Q, W^K, W^V similarity: {report['source']}", fontsize=9)
+    fig.colorbar(im, ax=ax, fraction=0.03)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def weight_stats(params: dict, scheme) -> dict:
+    """Head-averaged ``symmetry`` and ``qk_cos`` of every block of a qkvjax LM (jit-able; for training logs)."""
+    out = {}
+    for name in sorted((k for k in params if k.startswith("block_")), key=lambda k: int(k.split("_")[1])):
+        layer = layer_from_params(params[name]["attention"], scheme)
+        m = head_measures(layer)
+        out[f"symmetry/layer_{name.split('_')[1]}"] = m["symmetry"].mean()
+        if layer.q is not None:
+            out[f"qk_cos/layer_{name.split('_')[1]}"] = m["qk_cos"].mean()
+    return out
+
+
+def layer_from_params(attention: dict, scheme) -> LayerWeights:
+    """A qkvjax Attention's params -> LayerWeights: each role reads its group's kernel ``w_<group>`` (D, heads, H)."""
+    role = lambda r: None if scheme.group_of(r) is None else attention[f"w_{scheme.group_of(r)}"].transpose(1, 0, 2)  # noqa: E731
+    merged = attention.get("w_qk_merged") if scheme.bilinear else None
+    return LayerWeights(v=role("v"), q=role("q"), k=role("k"), qk_merged=merged)

@@ -1,0 +1,176 @@
+"""`qkvjax analyze`: the measures against direct float64 computations, the safetensors layouts, qkvjax runs."""
+
+import json
+import os
+
+import flax.linen as nn
+import jax
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from qkvjax import Attention, AttentionConfig
+from qkvjax.analyze import (
+    LayerWeights,
+    analyze_layers,
+    form_measures,
+    head_measures,
+    layer_from_params,
+    merged_measures,
+    principal_cosines,
+)
+from qkvjax.sources import load_safetensors
+from tests.helpers import metrics, run_in_process, train_args
+
+STRICT_DTYPE_PROMOTION = False  # the training test uses optax
+
+D, N, K, H = 15, 5, 1, 3  # odd and distinct; N H = D so bert and gpt2 weights are square per role
+RNG = np.random.default_rng(7)
+
+
+def _linear(heads):
+    """(heads, D, H) -> nn.Linear [heads H, D]."""
+    return heads.transpose(0, 2, 1).reshape(-1, heads.shape[1])
+
+
+def _heads(n=N, rng=RNG):
+    return rng.standard_normal((n, D, H))
+
+
+def test_form_measures_equal_the_direct_d_by_d_computation():
+    pq, pk = _heads(), _heads()
+    fast = form_measures(pq, pk)
+    slow = merged_measures(pq @ pk.transpose(0, 2, 1))  # the (D, D) forms themselves
+    for name in fast:
+        np.testing.assert_allclose(fast[name], slow[name], rtol=1e-9, atol=1e-12, err_msg=name)
+    # principal cosines against the textbook definition through the SVD bases
+    ua = np.linalg.svd(pq, full_matrices=False)[0]
+    ub = np.linalg.svd(pk, full_matrices=False)[0]
+    want = np.linalg.svd(ua.transpose(0, 2, 1) @ ub, compute_uv=False).mean(-1)
+    np.testing.assert_allclose(principal_cosines(pq, pk), want, rtol=1e-10)
+
+
+def test_known_answers_and_basis_invariance():
+    q = _heads()
+    a = RNG.standard_normal((N, H, H)) + 3 * np.eye(H)  # invertible
+    same = head_measures(LayerWeights(q=q, k=q, v=_heads()))
+    for name in ("qk_cos", "symmetry", "trace_ratio"):
+        np.testing.assert_allclose(same[name], 1.0, rtol=1e-9, err_msg=name)
+    changed = head_measures(LayerWeights(q=q, k=q @ a, v=q @ a))
+    np.testing.assert_allclose(changed["qk_cos"], 1.0, rtol=1e-9)
+    np.testing.assert_allclose(changed["kv_cos"], 1.0, rtol=1e-9)
+    assert np.all(changed["symmetry"] < 1 - 1e-3)  # a basis change inside a head does move the form's symmetry
+
+
+def _write(tmp_path, name, tensors, config=None):
+    path = tmp_path / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({k: np.ascontiguousarray(v, np.float32) for k, v in tensors.items()}, str(path))
+    if config is not None:
+        (path.parent / "config.json").write_text(json.dumps(config))
+    return str(path)
+
+
+def test_bert_layout_identical_query_and_key(tmp_path):
+    q, v = _heads(), _heads()
+    tensors = {}
+    for i in range(2):
+        prefix = f"bert.encoder.layer.{i}.attention.self."
+        tensors.update({prefix + "query.weight": _linear(q), prefix + "key.weight": _linear(q),
+                        prefix + "value.weight": _linear(v), prefix + "query.bias": np.zeros(D)})  # fmt: skip
+    path = _write(tmp_path / "bert", "model.safetensors", tensors, {"num_attention_heads": N})
+    layers = load_safetensors(path, "bert")
+    assert len(layers) == 2
+    np.testing.assert_allclose(layers[0].q, q, rtol=1e-6)  # heads split the output dimension contiguously
+    report = analyze_layers(layers, "bert")
+    for layer in report["layers"]:
+        for name in ("qk_cos", "symmetry", "trace_ratio"):
+            assert layer[name] == pytest.approx(1.0, abs=1e-5), name
+    with pytest.raises(ValueError, match="--num-heads"):
+        load_safetensors(_write(tmp_path / "noconfig", "m.safetensors", tensors), "bert")
+
+
+def test_gpt2_fused_conv1d_splits_back_into_q_k_v(tmp_path):
+    q, k, v = _heads(), _heads(), _heads()
+    # Conv1D stores [in, out]: the fused weight is [D, 3 D] = [W_q^T | W_k^T | W_v^T].
+    fused = np.concatenate([_linear(q).T, _linear(k).T, _linear(v).T], axis=1)
+    path = _write(
+        tmp_path, "gpt2.safetensors", {"h.0.attn.c_attn.weight": fused, "h.0.attn.c_attn.bias": np.zeros(3 * D)}
+    )
+    (layer,) = load_safetensors(path, "gpt2", num_heads=N)
+    for got, want in ((layer.q, q), (layer.k, k), (layer.v, v)):
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+    with pytest.raises(ValueError, match=r"h\.0\.attn\.c_attn\.weight.*\[D, 3 D\]"):
+        load_safetensors(_write(tmp_path, "t.safetensors", {"h.0.attn.c_attn.weight": fused.T}), "gpt2", num_heads=N)
+
+
+def test_llama_grouped_heads_map_by_group(tmp_path):
+    n, k = 6, 2  # G = 3
+    d = D
+    q = RNG.standard_normal((n, d, H))
+    kv = q[:: n // k].copy()  # kv head j equals query head 3 j
+    names = {f"model.layers.0.self_attn.{r}_proj.weight": _linear(x) for r, x in (("q", q), ("k", kv), ("v", kv))}
+    path = _write(tmp_path / "llama", "m.safetensors", names, {"num_attention_heads": n, "num_key_value_heads": k})
+    (layer,) = load_safetensors(path, "llama")
+    m = head_measures(layer)
+    np.testing.assert_allclose(m["qk_cos"][[0, 3]], 1.0, rtol=1e-6)  # the heads their kv head was copied from
+    assert np.all(m["qk_cos"][[1, 2, 4, 5]] < 0.99)
+    bad = dict(names)
+    bad["model.layers.0.self_attn.k_proj.weight"] = _linear(kv).T  # transposed: [D, K H]
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.k_proj\.weight"):
+        load_safetensors(_write(tmp_path / "bad", "m.safetensors", bad), "llama", num_heads=n, num_kv_heads=k)
+    with pytest.raises(ValueError, match="not in the bert layout"):  # mislabelled format
+        load_safetensors(path, "bert", num_heads=n)
+
+
+def test_controls_match_an_independent_monte_carlo():
+    q, v = _heads(), _heads()
+    report = analyze_layers([LayerWeights(q=q, k=q, v=v)], "tied", random_seeds=4)
+    rng = np.random.default_rng(123)
+    draws = [merged_measures(a @ b.T) for a, b in (rng.standard_normal((2, D, H)) for _ in range(300))]
+    expected_sym = np.mean([d["symmetry"] for d in draws])
+    cos = np.mean([principal_cosines(*rng.standard_normal((2, D, H))) for _ in range(300)])
+    assert report["random"]["symmetry"] == pytest.approx(expected_sym, abs=0.03)
+    assert report["random"]["qk_cos"] == pytest.approx(cos, abs=0.05)
+    assert report["random"]["qk_cos"] < report["mean"]["qk_cos"] - 0.3  # matched pair: 1
+    # mismatched heads of a tied layer: head n's Q against head n+1's (= Q_{n+1}): no longer identical
+    assert report["mismatched"]["symmetry"] < 0.9 and report["mismatched"]["qk_cos"] < 0.9
+
+
+def test_bilinear_reports_its_merged_form():
+    cfg = AttentionConfig(num_heads=N, head_dim=H, scheme="bilinear")
+    params = Attention(cfg).init(jax.random.key(0), np.zeros((1, 3, D), np.float32))["params"]
+    layer = layer_from_params(jax.tree.map(np.asarray, nn.meta.unbox(params)), cfg.tying)
+    report = analyze_layers([layer], "bilinear")
+    assert report["layers"][0]["qk_cos"] is None and report["max_rank"] == D
+    assert 0.3 < report["layers"][0]["symmetry"] < 0.7  # an untrained merged form is not symmetric
+
+
+def test_shared_qk_run_is_symmetric_separate_is_not(tmp_path, corpus, data_dir):
+    runs = {}
+    for scheme in ("separate", "shared_qk"):
+        w = tmp_path / scheme
+        overrides = {"train.num_steps": 2, "model.attention.scheme": scheme, "train.log_weight_similarity": True}
+        assert run_in_process(train_args(w, corpus, data_dir, **overrides)) == 0
+        out = tmp_path / f"{scheme}.json"
+        assert run_in_process(["analyze", f"--workdir={w}", f"--json={out}", f"--plot={tmp_path / scheme}.png"]) == 0
+        runs[scheme] = json.loads(out.read_text())
+        with open(f"{tmp_path / scheme}.png", "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+        (ev,) = metrics(w, evals=True)  # the training-time option logged the same measures
+        for i, layer in enumerate(runs[scheme]["layers"]):
+            assert ev[f"symmetry/layer_{i}"] == pytest.approx(layer["symmetry"], abs=1e-4)
+            assert ev[f"qk_cos/layer_{i}"] == pytest.approx(layer["qk_cos"], abs=1e-4)
+    assert all(layer["symmetry"] == pytest.approx(1.0, abs=1e-6) for layer in runs["shared_qk"]["layers"])
+    assert all(layer["symmetry"] < 0.9 for layer in runs["separate"]["layers"])
+    assert set(runs["separate"]) >= {"source", "layers", "random", "mismatched"}
+
+
+def test_analyze_cli_errors(tmp_path, capsys):
+    assert run_in_process(["analyze"]) == 2
+    assert "exactly one of --workdir" in capsys.readouterr().err
+    assert run_in_process(["analyze", "--safetensors", str(tmp_path / "x.safetensors"), "--format", "gpt2"]) == 2
+    assert "is not a file" in capsys.readouterr().err
+    assert run_in_process(["analyze", "--workdir", str(tmp_path), "--json", str(tmp_path / "no" / "r.json")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "no")

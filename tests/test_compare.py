@@ -1,0 +1,117 @@
+"""The scheme-comparison harness end to end on the tiny config: rows, matchings, resume after a kill, plots."""
+
+import csv
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from experiments import compare_schemes
+from experiments.compare_schemes import MATCHINGS, kv_cache_bytes, matched_config, plan
+from qkvjax import SCHEMES
+from qkvjax.models.lm import param_count
+from qkvjax.train.config import load_config_file
+from tests.helpers import REPO, TINY
+
+STRICT_DTYPE_PROMOTION = False  # optax
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _rows(path):
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def _args(out, corpus, data_dir, *extra):
+    return ["--out", str(out), "--config", TINY, "--corpus", corpus, "--data-dir", data_dir, *extra]
+
+
+@pytest.mark.parametrize("preset", ["cpu", "gpu"])
+def test_matchings_hold_for_every_scheme_of_the_presets(preset):
+    base = load_config_file(str(REPO / "experiments" / "configs" / f"compare_{preset}.py"))
+    separate = matched_config(base, "separate", "width")
+    for scheme in SCHEMES:
+        cfg = matched_config(base, scheme, "params")
+        assert abs(param_count(cfg.model) - param_count(separate.model)) <= 0.02 * param_count(separate.model)
+    runs, notes = plan(base, list(SCHEMES), [0], ["kv_cache"], strict=False)
+    assert {r.scheme for r in runs} == {"separate", "shared_kv", "shared_qkv"}
+    assert {kv_cache_bytes(r.config) for r in runs} == {kv_cache_bytes(separate) // 2}
+    assert len(notes) == len(SCHEMES) - 3 and all("cannot be run at 0.5" in n for n in notes)
+
+
+def test_sweep_end_to_end_and_rerun_skips_finished_runs(tmp_path, corpus, data_dir, capsys):
+    out = tmp_path / "cmp"
+    args = _args(out, corpus, data_dir, "--schemes", "separate,shared_kv", "--seeds", "0,1", "--steps", "3")
+    assert compare_schemes.main(args) == 0
+    rows = _rows(out / "runs.csv")
+    assert sorted((r["matching"], r["scheme"], r["seed"]) for r in rows) == sorted(
+        (m, s, str(seed)) for m in MATCHINGS for s in ("separate", "shared_kv") for seed in (0, 1)
+    )
+    by = {(r["matching"], r["scheme"], r["seed"]): r for r in rows}
+    for seed in ("0", "1"):
+        sep, tied = int(by["params", "separate", seed]["params"]), int(by["params", "shared_kv", seed]["params"])
+        assert abs(tied - sep) <= 0.02 * sep and int(by["width", "shared_kv", seed]["params"]) < sep
+        assert (
+            by["kv_cache", "separate", seed]["kv_cache_bytes_per_token"]
+            == (by["kv_cache", "shared_kv", seed]["kv_cache_bytes_per_token"])
+        )
+        assert by["kv_cache", "separate", seed]["num_kv_heads"] == "2"  # GQA with N/2 kv heads
+        # one model, trained once, reported under both matchings
+        assert by["width", "separate", seed]["run"] == by["params", "separate", seed]["run"]
+    assert len({r["run"] for r in rows}) == 8
+    curves = _rows(out / "curves.csv")
+    assert {(c["matching"], c["scheme"], c["seed"]) for c in curves} == set(by)
+    assert all(int(c["step"]) in (1, 2, 3) for c in curves)
+    for name in ("curves_step.png", "curves_wall.png", "loss_vs_params.png", "loss_vs_kv_cache.png"):
+        assert (out / name).read_bytes()[:8] == PNG, name
+    summary = (out / "summary.md").read_text()
+    assert "## params" in summary and "separate (K=2)" in summary
+    capsys.readouterr()
+    assert compare_schemes.main(args) == 0  # a rerun trains nothing
+    assert "12 runs in the sweep, 12 already finished, 0 to go" in capsys.readouterr().out
+    assert _rows(out / "runs.csv") == rows
+
+
+def test_a_killed_sweep_resumes_without_redoing_finished_runs(tmp_path, corpus, data_dir):
+    out = tmp_path / "killed"
+    args = _args(out, corpus, data_dir, "--schemes", "separate,shared_qkv", "--seeds", "0", "--matchings", "width")
+    args += ["--steps", "300"]
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu"}
+    cmd = [sys.executable, str(REPO / "experiments" / "compare_schemes.py"), *args]
+    proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    second = out / "runs" / "width-shared_qkv-seed0" / "checkpoints"
+    deadline = time.time() + 240
+    while time.time() < deadline and not (second.is_dir() and any(p.name.isdigit() for p in second.iterdir())):
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGKILL)  # the second run has a checkpoint and is still training
+    proc.wait()
+    first = _rows(out / "runs.csv")
+    assert [r["scheme"] for r in first] == ["separate"]
+    done = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "2 runs in the sweep, 1 already finished, 1 to go" in done.stdout
+    assert "resumed from checkpoint step" in done.stdout
+    rows = _rows(out / "runs.csv")
+    assert [r["scheme"] for r in rows] == ["separate", "shared_qkv"] and rows[0] == first[0]
+    assert sorted({c["scheme"] for c in _rows(out / "curves.csv")}) == ["separate", "shared_qkv"]
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--schemes", "separate,nope"], "unknown scheme 'nope'"),
+        (["--seeds", ""], "--seeds is empty"),
+        (["--schemes", "shared_qk", "--matchings", "kv_cache"], "'shared_qk' cannot be run at 0.5"),
+        (["--matchings", "width,depth"], "unknown matching 'depth'"),
+        (["--steps", "0"], "--steps=0"),
+    ],
+)
+def test_bad_arguments_fail_before_training(tmp_path, corpus, data_dir, capsys, extra, message):
+    out = tmp_path / "bad"
+    assert compare_schemes.main(_args(out, corpus, data_dir, *extra)) == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()
