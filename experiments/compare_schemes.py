@@ -286,6 +286,7 @@ def base_config(args) -> Config:
 
 def check_protocol(out: Path, base: Config, args) -> None:
     """A results folder holds one protocol: refuse to mix runs of another base config into it."""
+
     def normal(config: Config) -> dict:  # what defines the sweep: not the seed, not the measured peak
         d = to_dict(dataclasses.replace(config, seed=0))
         d["train"]["peak_flops"] = None

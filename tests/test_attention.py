@@ -96,6 +96,10 @@ def reference(params, cfg, xq, xkv=None, mask=None, causal=False):
             k = np_rotary(k, np.broadcast_to(np.arange(s), (xq.shape[0], s)))
         logits = np.einsum("btnh,bsnh->bnts", q, np.repeat(k, g, axis=2))
     logits = logits / np.sqrt(cfg.head_dim)
+    if cfg.relative_bias:  # b_n(clip(s - t, -R, R))
+        r = cfg.relative_bias
+        offsets = np.clip(np.arange(s)[None, :] - np.arange(t)[:, None], -r, r) + r
+        logits = logits + p["rel_bias"][:, offsets][None]
     if scheme.mask_self and self_attn:
         logits = np.where(np.eye(t, dtype=bool), -1e4, logits)
     allowed = np.ones((1, 1, t, s), bool)
@@ -290,10 +294,33 @@ def test_decode_under_jit_compiles_once_for_all_steps():
 
 @pytest.mark.parametrize("scheme,kv", VALID)
 def test_parameter_count_matches_accounting(scheme, kv):
-    for use_bias in (False, True):
-        cfg = config(scheme, kv, use_bias=use_bias)
+    for use_bias, relative_bias in ((False, 0), (True, 0), (False, 3)):
+        cfg = config(scheme, kv, use_bias=use_bias, relative_bias=relative_bias)
         params = init_params(cfg, inputs(16, B, T, D))
         assert sum(p.size for p in jax.tree.leaves(params)) == attention_cost(cfg, D, T).params
+
+
+@pytest.mark.parametrize("scheme,kv", VALID)
+def test_relative_bias_matches_reference_in_self_cross_and_decode(scheme, kv):
+    cfg = config(scheme, kv, relative_bias=3)  # R = 3 < T - 1: offsets are clipped too
+    x, y = inputs(30, B, T, D), inputs(31, B, S, D)
+    params = init_params(cfg, x)
+    assert params["rel_bias"].shape == (N, 7)
+    np.testing.assert_allclose(
+        Attention(cfg).apply({"params": params}, x, causal=True), reference(params, cfg, x, causal=True),
+        rtol=1e-4, atol=1e-4,
+    )  # fmt: skip
+    np.testing.assert_allclose(
+        Attention(cfg).apply({"params": params}, x, y), reference(params, cfg, x, y), rtol=1e-4, atol=1e-4
+    )
+    model = Attention(cfg)
+    cache = model.init(jax.random.key(0), x, decode=True)["cache"]
+    steps = []
+    for i in range(T):
+        out, mutated = model.apply({"params": params, "cache": cache}, x[:, i : i + 1], decode=True, mutable=["cache"])
+        cache = mutated["cache"]
+        steps.append(out)
+    np.testing.assert_allclose(jnp.concatenate(steps, 1), reference(params, cfg, x, causal=True), rtol=1e-4, atol=1e-4)
 
 
 def test_kv_cache_accounting_matches_the_real_cache():

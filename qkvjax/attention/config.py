@@ -38,10 +38,13 @@ class AttentionConfig:
       rope_base: the rotary wavelength base.
       dtype: compute dtype; softmax is always taken in float32.
       param_dtype: dtype of the parameters.
+      relative_bias: R > 0 adds a learned bias per head and relative offset, b_n(clip(s - t, -R, R)), to every
+        score (a T5-style term without buckets, Raffel et al. 2020). b(d) and b(-d) are separate, so it breaks the
+        symmetry s(t, s) = s(s, t) of shared-QK scores; 0 (default) is off.
       implementation: how plain q.k attention is computed: 'einsum' (this package's grouped einsums, the path
         every scheme can take), or 'xla' / 'cudnn' (``jax.nn.dot_product_attention``; 'cudnn' is cuDNN flash
         attention on NVIDIA GPUs). None picks per backend: 'einsum' on CPU, 'xla' elsewhere. Schemes with
-        custom logits (bilinear, Reformer's self-mask) and attention dropout always take 'einsum'.
+        custom logits (bilinear, Reformer's self-mask, a relative bias) and attention dropout always take 'einsum'.
     """
 
     num_heads: int
@@ -55,6 +58,7 @@ class AttentionConfig:
     dtype: str = "float32"
     param_dtype: str = "float32"
     implementation: str | None = None
+    relative_bias: int = 0
 
     def __post_init__(self):
         for name in ("num_heads", "head_dim"):
@@ -90,6 +94,9 @@ class AttentionConfig:
             raise ValueError(f"rope=True needs an even head_dim; got head_dim={self.head_dim}")
         if self.rope and not self.rope_base > 0:
             raise ValueError(f"AttentionConfig.rope_base={self.rope_base!r}; allowed: a number > 0")
+        rb = self.relative_bias
+        if isinstance(rb, bool) or not isinstance(rb, int) or rb < 0:
+            raise ValueError(f"AttentionConfig.relative_bias={rb!r}; allowed: 0 (off) or a maximum offset R >= 1")
         if not 0.0 <= self.dropout_rate < 1.0:
             raise ValueError(f"AttentionConfig.dropout_rate={self.dropout_rate!r}; allowed: 0 <= rate < 1")
         object.__setattr__(self, "dtype", _canonical_dtype(self.dtype, "dtype"))

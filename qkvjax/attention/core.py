@@ -109,6 +109,17 @@ def bilinear_logits(x_q: Array, w_qk: Array, x_kv: Array, num_kv_heads: int, hea
     return jnp.einsum("BKQE,BSE->BKQS", fold_queries(qx, num_kv_heads), x_kv)
 
 
+def relative_bias(table: Array, q_index: Array, k_index: Array, num_kv_heads: int) -> Array:
+    """A learned score bias per head and relative offset, b_n(clip(s - t, -R, R)): table (N, 2R + 1), indices
+    (T,), (S,) -> (1, K, T * G, S), folded like the logits. b(d) and b(-d) are separate parameters, so the term
+    is asymmetric in (t, s)."""
+    n, width = table.shape
+    r = (width - 1) // 2
+    offsets = jnp.clip(k_index[None, :] - q_index[:, None], -r, r) + r  # (T, S) in [0, 2R]
+    bias = jnp.take(table, offsets, axis=1)[None]  # (1, N, T, S)
+    return grouped(bias, num_kv_heads, n // num_kv_heads)
+
+
 def softmax_weights(
     logits: Array,
     mask: Array | None,

@@ -125,11 +125,18 @@ class Attention(nn.Module):
         dropout = cfg.dropout_rate > 0.0 and not deterministic
 
         implementation = cfg.implementation or ("einsum" if jax.default_backend() == "cpu" else "xla")
-        if scheme.bilinear or self_mask is not None or dropout or implementation == "einsum" or cached is not None:
+        custom = scheme.bilinear or self_mask is not None or dropout or cfg.relative_bias > 0
+        if custom or implementation == "einsum" or cached is not None:
             if scheme.bilinear:
                 logits = core.bilinear_logits(x_q, w_qk, kv_side["x"], kv, h)
             else:
                 logits = core.qk_logits(q, k, kv_layout)
+            if cfg.relative_bias:
+                table = self._param(
+                    "rel_bias", (n, 2 * cfg.relative_bias + 1), (axes.HEADS, None), nn.initializers.zeros
+                )
+                logits = logits + core.relative_bias(table.astype(logits.dtype), q_index, k_index, kv)
+            self.sow("intermediates", "attention_logits", logits)  # (B, K, T * G, S), before masking
             weights = core.softmax_weights(
                 logits,
                 None if full_mask is None else core.grouped(full_mask, kv, cfg.group_size),

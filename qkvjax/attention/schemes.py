@@ -174,6 +174,9 @@ def attention_cost(config: AttentionConfig, d_model: int, seq_len: int) -> Atten
         cache_elems += d  # the key side is x itself
     else:
         score_flops = 2 * 2 * n * h * seq_len
+    if config.relative_bias:
+        params += n * (2 * config.relative_bias + 1)
+        score_flops += n * seq_len  # one addition per score
     itemsize = jnp.dtype(config.dtype).itemsize
     return AttentionCost(
         scheme=scheme.name,

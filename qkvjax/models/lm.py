@@ -112,19 +112,26 @@ class Block(nn.Module):
     """Pre-norm transformer block: causal self-attention, then the MLP, each on a residual.
 
     ``attention_cls`` is any linen module built as ``attention_cls(config.attention)`` and called like
-    ``Attention`` (the benchmark swaps in flax's own attention this way).
+    ``Attention`` (the benchmark swaps in flax's own attention this way). ``causal=False`` makes it an encoder
+    block. ``config`` is a ModelConfig or anything with the same ``attention``, ``mlp_width``, ``dtype``,
+    ``param_dtype`` and ``dropout_rate`` (the encoder's config).
     """
 
     config: ModelConfig
     attention_cls: type = Attention
+    causal: bool = True
 
     @nn.compact
-    def __call__(self, x: Array, positions: Array | None, decode: bool, deterministic: bool) -> Array:
+    def __call__(
+        self, x: Array, positions: Array | None, decode: bool, deterministic: bool, mask: Array | None = None
+    ) -> Array:
         cfg = self.config
         drop = nn.Dropout(cfg.dropout_rate)
+        extra = {} if mask is None else {"mask": mask}  # attention_cls need not take a mask unless given one
         h = self.attention_cls(cfg.attention, name="attention")(
             _layer_norm(cfg, "ln_attention")(x),
-            causal=True,
+            **extra,
+            causal=self.causal,
             positions=positions,
             decode=decode,
             deterministic=deterministic,

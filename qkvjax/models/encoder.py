@@ -1,0 +1,118 @@
+"""A bidirectional encoder with a per-token classification head, for the synthetic probes.
+
+``h_0 = E[x] (+ P)``, then the LM's pre-norm blocks without a causal mask, ``logits = LN(h_L) W_cls``
+(Devlin et al. 2019's encoder, token-level head). Any tying scheme and head sharing; positions are learned
+absolute embeddings, rotary (``attention.rope``, Su et al. 2021), both, or none (the model is then
+permutation-equivariant: permuting the tokens permutes the outputs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.linen as nn
+import jax.numpy as jnp
+from jax import Array
+
+from qkvjax import axes
+from qkvjax.attention import AttentionConfig, attention_cost
+from qkvjax.models.lm import Block, _dense_init, _layer_norm
+
+
+@dataclasses.dataclass(frozen=True)
+class EncoderConfig:
+    """A token classifier.
+
+    Attributes:
+      attention: the attention layer (``rope`` gives rotary positions; ``dtype``/``param_dtype`` are the model's).
+      vocab_size: input symbols.
+      num_classes: C, output classes per token.
+      d_model: D.
+      num_layers: blocks.
+      mlp_dim: F; None means 4 D.
+      max_len: the longest sequence (size of the learned position table).
+      learned_positions: add a learned absolute position embedding.
+      dropout_rate: residual and embedding dropout.
+    """
+
+    attention: AttentionConfig
+    vocab_size: int
+    num_classes: int
+    d_model: int = 64
+    num_layers: int = 2
+    mlp_dim: int | None = None
+    max_len: int = 64
+    learned_positions: bool = True
+    dropout_rate: float = 0.0
+
+    def __post_init__(self):
+        if isinstance(self.attention, dict):
+            object.__setattr__(self, "attention", AttentionConfig(**self.attention))
+        for name in ("vocab_size", "num_classes", "d_model", "num_layers", "max_len"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"EncoderConfig.{name}={value!r}; allowed: an integer >= 1")
+        if self.mlp_dim is not None and (not isinstance(self.mlp_dim, int) or self.mlp_dim < 1):
+            raise ValueError(f"EncoderConfig.mlp_dim={self.mlp_dim!r}; allowed: None (= 4 d_model) or >= 1")
+        if not 0.0 <= self.dropout_rate < 1.0:
+            raise ValueError(f"EncoderConfig.dropout_rate={self.dropout_rate!r}; allowed: 0 <= rate < 1")
+
+    @property
+    def mlp_width(self) -> int:
+        return 4 * self.d_model if self.mlp_dim is None else self.mlp_dim
+
+    @property
+    def dtype(self):
+        return jnp.dtype(self.attention.dtype)
+
+    @property
+    def param_dtype(self):
+        return jnp.dtype(self.attention.param_dtype)
+
+
+class Encoder(nn.Module):
+    """tokens (B, T) int, optional padding ``mask`` (B, T) bool -> logits (B, T, C) in float32."""
+
+    config: EncoderConfig
+
+    @nn.compact
+    def __call__(self, tokens: Array, *, mask: Array | None = None, deterministic: bool = True) -> Array:
+        cfg = self.config
+        if tokens.ndim != 2 or tokens.shape[1] > cfg.max_len:
+            raise ValueError(f"Encoder takes tokens (B, T) with T <= max_len={cfg.max_len}; got {tokens.shape}")
+        embed = self.param(
+            "embed",
+            nn.with_logical_partitioning(nn.initializers.normal(0.02), (axes.VOCAB, axes.EMBED)),
+            (cfg.vocab_size, cfg.d_model),
+            cfg.param_dtype,
+        )
+        x = jnp.take(embed, tokens, axis=0).astype(cfg.dtype)
+        if cfg.learned_positions:
+            table = self.param(
+                "pos_embed",
+                nn.with_logical_partitioning(nn.initializers.normal(0.02), (None, axes.EMBED)),
+                (cfg.max_len, cfg.d_model),
+                cfg.param_dtype,
+            )
+            x = x + table[None, : tokens.shape[1]].astype(cfg.dtype)
+        x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
+        if mask is not None:  # padding: (B, S) keys -> (B, 1, 1, S)
+            mask = mask.astype(jnp.bool_)[:, None, None, :]
+        for i in range(cfg.num_layers):
+            x = Block(cfg, causal=False, name=f"block_{i}")(x, None, False, deterministic, mask)
+        x = _layer_norm(cfg, "ln_final")(x)
+        w_cls = self.param(
+            "w_cls",
+            nn.with_logical_partitioning(_dense_init(0, 1), (axes.EMBED, None)),
+            (cfg.d_model, cfg.num_classes),
+            cfg.param_dtype,
+        )
+        return jnp.einsum("BTD,DC->BTC", x, w_cls.astype(cfg.dtype)).astype(jnp.float32)
+
+
+def encoder_param_count(config: EncoderConfig) -> int:
+    """Parameters of the whole encoder, from the configuration alone."""
+    d = config.d_model
+    per_layer = attention_cost(config.attention, d, config.max_len).params + 2 * d * config.mlp_width + 2 * d
+    total = config.num_layers * per_layer + config.vocab_size * d + d + d * config.num_classes
+    return total + (config.max_len * d if config.learned_positions else 0)
