@@ -44,6 +44,9 @@ def _eval(args: argparse.Namespace) -> int:
 
     from qkvjax.evaluate import evaluate
 
+    folder = os.path.dirname(os.path.abspath(args.output)) if args.output else None
+    if folder and not os.path.isdir(folder):
+        raise ValueError(f"--output={args.output!r}: folder {folder} does not exist")
     result = evaluate(args.workdir, args.step, args.split, args.source_path, args.data_dir)
     text = json.dumps(result)
     print(text)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 
 import flax.linen as nn
 import jax
@@ -12,7 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from qkvjax.data.builders import SPLITS, load_splits
 from qkvjax.models.lm import DecoderLM
 from qkvjax.train import checkpoint
-from qkvjax.train.config import Config, MeshConfig
+from qkvjax.train.config import Config, MeshConfig, from_dict
 from qkvjax.train.mesh import batch_sharding, make_mesh
 from qkvjax.train.state import abstract_state, make_optimizer
 from qkvjax.train.step import make_eval_step, mean_loss
@@ -20,12 +21,13 @@ from qkvjax.workdir import CONFIG_FILE, load_config
 
 
 def resolve_step(workdir: str, step: int | None) -> tuple[Config, object, int]:
-    """(config, read-only checkpoint manager, step), with errors that say what the workdir holds."""
+    """(config, read-only checkpoint manager, step), with errors that say what the workdir holds. The config is
+    the one saved in the checkpoint (``config.json`` only for checkpoints that carry none)."""
     workdir = os.path.abspath(workdir)
-    if not os.path.exists(os.path.join(workdir, CONFIG_FILE)):
+    has_checkpoints = os.path.isdir(os.path.join(workdir, "checkpoints"))
+    if not os.path.exists(os.path.join(workdir, CONFIG_FILE)) and not has_checkpoints:
         raise ValueError(f"workdir {workdir} holds no run (no {CONFIG_FILE}); pass the --workdir of a training run")
-    config = load_config(workdir)
-    if not os.path.isdir(os.path.join(workdir, "checkpoints")):
+    if not has_checkpoints:
         raise ValueError(f"workdir {workdir} has no checkpoint yet (no checkpoints/ directory)")
     mngr = checkpoint.manager(workdir, read_only=True)
     steps = sorted(mngr.all_steps())
@@ -35,22 +37,38 @@ def resolve_step(workdir: str, step: int | None) -> tuple[Config, object, int]:
         step = steps[-1]
     elif step not in steps:
         raise ValueError(f"checkpoint step {step} does not exist in {workdir}; available steps: {steps}")
-    return config, mngr, step
+    return checkpoint_config(workdir, mngr, step), mngr, step
+
+
+def checkpoint_config(workdir: str, mngr, step: int) -> Config:
+    saved = checkpoint.restore_config(mngr, step)
+    return from_dict(Config, saved) if saved is not None else load_config(workdir)
 
 
 def restore_params(workdir: str, step: int | None = None, mesh=None):
     """(model, params, config, step): the params of a checkpoint, replicated over ``mesh`` (default: every
     device, data parallel). The whole train state is restored strictly, so a checkpoint of another model fails
-    with the list of differences rather than loading part of it."""
-    config, mngr, step = resolve_step(workdir, step)
+    with the list of differences rather than loading part of it. Without ``step``, a damaged newest checkpoint
+    is skipped (with a warning) for the newest one that restores."""
+    config, mngr, chosen = resolve_step(workdir, step)
     mesh = mesh or make_mesh(MeshConfig(data=-1, fsdp=1, tensor=1))
-    model = DecoderLM(config.model)
-    abstract = nn.meta.unbox(abstract_state(model, config, make_optimizer(config.train)))
+    candidates = [chosen] if step is not None else sorted(mngr.all_steps(), reverse=True)
     replicated = NamedSharding(mesh, PartitionSpec())
-    target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), abstract)
-    state, _, _ = checkpoint.restore(mngr, step, target)
-    mngr.close()
-    return model, state.params, config, step
+    for i, candidate in enumerate(candidates):
+        config = checkpoint_config(workdir, mngr, candidate)
+        model = DecoderLM(config.model)
+        abstract = nn.meta.unbox(abstract_state(model, config, make_optimizer(config.train)))
+        target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), abstract)
+        try:
+            state, _, _ = checkpoint.restore(mngr, candidate, target)
+        except checkpoint.CorruptCheckpointError as e:
+            if i == len(candidates) - 1:
+                raise
+            print(f"warning: {e}; using the previous checkpoint", file=sys.stderr)
+            continue
+        mngr.close()
+        return model, state.params, config, candidate
+    raise AssertionError("unreachable")
 
 
 def load(workdir: str, step: int | None = None):

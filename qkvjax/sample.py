@@ -61,8 +61,13 @@ def generate(
     max_len = model.config.max_len
     if num_tokens < 1:
         raise ValueError(f"num_tokens={num_tokens}; allowed: >= 1")
-    if temperature < 0:
-        raise ValueError(f"temperature={temperature}; allowed: >= 0 (0 is greedy)")
+    if not 0 <= temperature < float("inf"):
+        raise ValueError(f"temperature={temperature}; allowed: a finite number >= 0 (0 is greedy)")
+    if len(prompt) >= max_len:
+        raise ValueError(
+            f"the prompt has {len(prompt)} tokens, but the model's context is max_len={max_len} tokens in all: "
+            f"shorten the prompt to at most {max_len - 1} tokens"
+        )
     if top_k is not None and top_k < 1:
         raise ValueError(f"top_k={top_k}; allowed: None or >= 1")
     if len(prompt) + num_tokens > max_len:

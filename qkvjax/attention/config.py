@@ -92,8 +92,8 @@ class AttentionConfig:
             )
         if self.rope and self.head_dim % 2:
             raise ValueError(f"rope=True needs an even head_dim; got head_dim={self.head_dim}")
-        if self.rope and not self.rope_base > 0:
-            raise ValueError(f"AttentionConfig.rope_base={self.rope_base!r}; allowed: a number > 0")
+        if self.rope and not 0 < self.rope_base < float("inf"):
+            raise ValueError(f"AttentionConfig.rope_base={self.rope_base!r}; allowed: a finite number > 0")
         rb = self.relative_bias
         if isinstance(rb, bool) or not isinstance(rb, int) or rb < 0:
             raise ValueError(f"AttentionConfig.relative_bias={rb!r}; allowed: 0 (off) or a maximum offset R >= 1")

@@ -199,6 +199,9 @@ def cost_table(
     """A text table of :func:`attention_cost` for every registered scheme, with ratios to ``separate``."""
     from qkvjax.attention.config import AttentionConfig
 
+    for name, value in (("d_model", d_model), ("num_heads", num_heads), ("seq_len", seq_len)):
+        if value < 1:
+            raise ValueError(f"{name}={value}; allowed: an integer >= 1")
     if head_dim is None:
         if d_model % num_heads:
             raise ValueError(f"d_model={d_model} is not divisible by num_heads={num_heads}; pass head_dim")

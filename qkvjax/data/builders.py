@@ -46,15 +46,17 @@ def read_text_file(path: str) -> bytes:
 
 
 class _ByteTextBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
-    """Shared body: one text feature, one example per split."""
+    """Shared body: one example per split holding its bytes. The model is byte-level, so a split is stored as
+    bytes (a uint8 tensor), never decoded: a 90% cut inside a multi-byte character is fine."""
 
-    VERSION = tfds.core.Version("1.0.0")
+    VERSION = tfds.core.Version("1.1.0")
+    RELEASE_NOTES = {"1.1.0": "splits stored as uint8 bytes (1.0.0 stored text, which a cut character broke)"}
 
     def _info(self) -> tfds.core.DatasetInfo:
         return tfds.core.DatasetInfo(
             builder=self,
             description=self.__doc__,
-            features=tfds.features.FeaturesDict({"text": tfds.features.Text()}),
+            features=tfds.features.FeaturesDict({"bytes": tfds.features.Tensor(shape=(None,), dtype=np.uint8)}),
         )
 
     def _source(self, dl_manager) -> bytes:
@@ -65,7 +67,7 @@ class _ByteTextBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
         return {name: self._generate_examples(name, text) for name, text in parts.items()}
 
     def _generate_examples(self, name: str, text: bytes):
-        yield name, {"text": text.decode("utf-8")}
+        yield name, {"bytes": np.frombuffer(text, dtype=np.uint8)}
 
 
 class TinyShakespeare(_ByteTextBuilder, skip_registration=True):
@@ -127,10 +129,6 @@ def load_splits(dataset: str, source_path: str | None, data_dir: str) -> dict[st
     out = {}
     for split in SPLITS:
         source = builder.as_data_source(split=split)
-        text = b"".join(_as_bytes(source[i]["text"]) for i in range(len(source)))
-        out[split] = np.frombuffer(text, dtype=np.uint8)
+        parts = [np.asarray(source[i]["bytes"], dtype=np.uint8) for i in range(len(source))]
+        out[split] = np.concatenate(parts) if parts else np.zeros(0, np.uint8)
     return out
-
-
-def _as_bytes(value) -> bytes:
-    return value if isinstance(value, bytes) else str(value).encode("utf-8")

@@ -9,8 +9,12 @@ reshaped. Restoring onto another mesh or device count only needs the target shar
 
 from __future__ import annotations
 
+import glob
 import json
 import os
+import shutil
+import time
+import zlib
 
 import jax
 import orbax.checkpoint as ocp
@@ -20,6 +24,36 @@ ITEMS = ("state", "data", "config")
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be restored as asked; the message says which step and why."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A step whose files are missing, resized or unreadable (as opposed to a checkpoint of another model)."""
+
+
+DAMAGED_DIR = "checkpoints_damaged"
+
+
+def quarantine(mngr: ocp.CheckpointManager, step: int) -> str:
+    """Moves a damaged step out of the checkpoints folder (never deletes it) and returns where it went."""
+    where = os.fspath(mngr.directory)
+    target = os.path.join(os.path.dirname(where), DAMAGED_DIR, f"{step}-{time.strftime('%Y%m%d-%H%M%S')}")
+    if jax.process_index() == 0:
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        os.replace(os.path.join(where, str(step)), target)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(f"qkvjax: quarantined {step}")
+    mngr.reload()
+    return target
+
+
+def restore_config(mngr: ocp.CheckpointManager, step: int) -> dict | None:
+    """The config saved with ``step``, or None when it cannot be read (the state restore then says why)."""
+    try:
+        return mngr.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
+    except Exception:
+        return None
 
 
 def manager(workdir: str, max_to_keep: int = 3, read_only: bool = False) -> ocp.CheckpointManager:
@@ -39,14 +73,23 @@ def manager(workdir: str, max_to_keep: int = 3, read_only: bool = False) -> ocp.
 INVENTORY = "inventory.json"
 
 
-def _inventory(step_dir: str) -> dict[str, int]:
+def _crc32(path: str) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _inventory(step_dir: str, checksums: bool = True) -> dict[str, list[int]]:
+    """{relative path: [size, crc32]} of a step's files (crc32 catches same-size garbage)."""
     out = {}
     for root, _, files in os.walk(step_dir):
         for name in files:
             path = os.path.join(root, name)
             rel = os.path.relpath(path, step_dir)
             if not rel.startswith(INVENTORY):
-                out[rel] = os.path.getsize(path)
+                out[rel] = [os.path.getsize(path), _crc32(path) if checksums else None]
     return out
 
 
@@ -56,6 +99,9 @@ def finish(mngr: ocp.CheckpointManager) -> None:
     mngr.wait_until_finished()
     if jax.process_index() != 0:
         return
+    # Folders of saves killed half-way; nothing else writes here (the workdir is locked) and no save is in flight.
+    for leftover in glob.glob(os.path.join(os.fspath(mngr.directory), "*.orbax-checkpoint-tmp*")):
+        shutil.rmtree(leftover, ignore_errors=True)
     for step in mngr.all_steps():
         step_dir = os.path.join(os.fspath(mngr.directory), str(step))
         target = os.path.join(step_dir, INVENTORY)
@@ -67,18 +113,23 @@ def finish(mngr: ocp.CheckpointManager) -> None:
 
 
 def damaged_files(step_dir: str) -> list[str]:
-    """Files of a finished step that are missing or changed size since it was written (empty: none known)."""
+    """Files of a finished step that are missing, resized or rewritten since it was written (empty: none known)."""
     path = os.path.join(step_dir, INVENTORY)
     if not os.path.exists(path):
         return []
     with open(path) as f:
         expected = json.load(f)
     now = _inventory(step_dir)
-    return sorted(
-        f"{rel} ({'missing' if rel not in now else f'{now[rel]} bytes, written as {size}'})"
-        for rel, size in expected.items()
-        if now.get(rel) != size
-    )
+    out = []
+    for rel, want in sorted(expected.items()):
+        size, crc = (want, None) if isinstance(want, int) else want  # inventories before checksums: sizes only
+        if rel not in now:
+            out.append(f"{rel} (missing)")
+        elif now[rel][0] != size:
+            out.append(f"{rel} ({now[rel][0]} bytes, written as {size})")
+        elif crc is not None and now[rel][1] != crc:
+            out.append(f"{rel} (same size, different content)")
+    return out
 
 
 def save(mngr: ocp.CheckpointManager, step: int, state, data_state: dict, config_dict: dict) -> None:
@@ -131,17 +182,19 @@ def restore(mngr: ocp.CheckpointManager, step: int, target_state):
     step_dir = os.path.join(where, str(step))
     damaged = damaged_files(step_dir)
     if damaged:
-        raise CheckpointError(
+        raise CorruptCheckpointError(
             f"checkpoint step {step} in {where} is corrupted: "
             + "; ".join(damaged[:8])
-            + f". Delete {step_dir} to fall back to an earlier step"
+            + " (training and evaluation fall back to an earlier step by themselves)"
         )
     try:
         metadata = mngr.item_metadata(step)["state"]
     except Exception as e:
-        raise CheckpointError(f"checkpoint step {step} in {where}: cannot read its metadata ({_short(e)})") from e
+        raise CorruptCheckpointError(
+            f"checkpoint step {step} in {where}: cannot read its metadata ({_short(e)})"
+        ) from e
     if metadata is None or not os.path.exists(os.path.join(step_dir, "state", "_METADATA")):
-        raise CheckpointError(
+        raise CorruptCheckpointError(
             f"checkpoint step {step} in {where} is corrupted: the state's metadata file state/_METADATA is missing"
         )
     tree = getattr(metadata, "tree", metadata)
@@ -154,9 +207,9 @@ def restore(mngr: ocp.CheckpointManager, step: int, target_state):
             ),
         )
     except Exception as e:
-        raise CheckpointError(
+        raise CorruptCheckpointError(
             f"checkpoint step {step} in {where} is corrupted or incomplete ({_short(e)}); "
-            f"delete {os.path.join(where, str(step))} to fall back to an earlier step"
+            "training and evaluation fall back to an earlier step by themselves"
         ) from e
     return restored["state"], restored["data"], restored["config"]
 

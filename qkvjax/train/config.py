@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import math
 import os
 import types
 import typing
@@ -40,7 +41,9 @@ class TrainConfig:
     """Optimisation (AdamW, linear warmup then cosine decay to ``min_lr_ratio`` x peak) and the loop's cadence.
 
     ``log_weight_similarity`` adds each layer's head-averaged ``symmetry/layer_i`` and ``qk_cos/layer_i`` of
-    W^Q (W^K)^T (see ``qkvjax.analyze``) to every evaluation record.
+    W^Q (W^K)^T (see ``qkvjax.analyze``) to every evaluation record. A step whose loss or gradient norm is not
+    finite is never applied; it stops the run (named, nothing saved after it) unless ``skip_nonfinite``, which
+    skips such batches and counts them in ``skipped_steps``.
     """
 
     batch_size: int = 64
@@ -60,14 +63,21 @@ class TrainConfig:
     max_to_keep: int = 3
     peak_flops: float | None = None
     log_weight_similarity: bool = False
+    skip_nonfinite: bool = False
 
     def __post_init__(self):
         for name in ("batch_size", "num_steps", "grad_accum_steps", "log_every", "eval_every", "checkpoint_every"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"train.{name}={value!r}; allowed: an integer >= 1")
-        if self.warmup_steps < 0 or self.max_to_keep < 1:
-            raise ValueError(f"train.warmup_steps={self.warmup_steps} must be >= 0, max_to_keep >= 1")
+        for name in ("learning_rate", "min_lr_ratio", "weight_decay", "b1", "b2", "grad_clip", "peak_flops"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not math.isfinite(value)):
+                raise ValueError(f"train.{name}={value!r}; allowed: a finite number")
+        if self.warmup_steps < 0:
+            raise ValueError(f"train.warmup_steps={self.warmup_steps}; allowed: an integer >= 0")
+        if self.max_to_keep < 1:
+            raise ValueError(f"train.max_to_keep={self.max_to_keep}; allowed: an integer >= 1 (checkpoints kept)")
         if self.batch_size % self.grad_accum_steps:
             raise ValueError(
                 f"train.batch_size={self.batch_size} is not divisible by grad_accum_steps={self.grad_accum_steps}"
@@ -145,8 +155,13 @@ def load_config_file(path: str) -> Config:
     if not os.path.isfile(path):
         raise ValueError(f"--config={path!r} is not a file; pass a Python file defining get_config()")
     spec = importlib.util.spec_from_file_location(f"qkvjax_config_{abs(hash(path))}", path)
+    if spec is None or spec.loader is None:
+        raise ValueError(f"--config={path!r} is not a Python file; pass a .py file defining get_config()")
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:  # a syntax error in a README, a typo in a preset: say which file, in one line
+        raise ValueError(f"--config={path!r} could not be run as Python ({type(e).__name__}: {e})") from None
     if not hasattr(module, "get_config"):
         raise ValueError(f"config file {path} has no get_config() function")
     config = module.get_config()

@@ -17,6 +17,7 @@ import time
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -26,11 +27,11 @@ from qkvjax.data.pipeline import check_corpus, train_batches
 from qkvjax.models.lm import DecoderLM, param_count, train_flops_per_token
 from qkvjax.perf import measure_peak_flops
 from qkvjax.train import checkpoint
-from qkvjax.train.config import Config, to_dict, to_json
+from qkvjax.train.config import Config, TrainConfig, from_dict, to_dict, to_json
 from qkvjax.train.mesh import batch_sharding, data_parallel_size, make_mesh, shardings_for
 from qkvjax.train.state import abstract_state, create_state, learning_rate_schedule, make_optimizer
 from qkvjax.train.step import make_eval_step, make_train_step, mean_loss
-from qkvjax.workdir import CONFIG_FILE, METRICS_FILE, load_config  # noqa: F401 (load_config: old import path)
+from qkvjax.workdir import CONFIG_FILE, METRICS_FILE, WorkdirLock, json_safe, load_config  # noqa: F401
 
 # What may change between runs on one workdir: cadence, length and layout, not the experiment itself.
 RESUMABLE_CHANGES = {
@@ -42,6 +43,7 @@ RESUMABLE_CHANGES = {
     "train.max_to_keep",
     "train.peak_flops",
     "train.log_weight_similarity",
+    "train.skip_nonfinite",
     "data.data_dir",
     "mesh.data",
     "mesh.fsdp",
@@ -108,7 +110,7 @@ class MetricsWriter:
         if not self.enabled:
             return
         with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(json.dumps(json_safe(record), allow_nan=False) + "\n")
         prefix = "eval/" if record.get("eval") else "train/"
         for k, v in record.items():
             if isinstance(v, int | float) and not isinstance(v, bool) and k != "step":
@@ -205,8 +207,29 @@ class _Parallel:
 
 
 def train(config: Config, workdir: str, *, overwrite: bool = False) -> dict:
-    """Trains (or resumes) ``config`` in ``workdir``; returns the last logged training record."""
+    """Trains (or resumes) ``config`` in ``workdir``; returns the last logged training record.
+
+    Process 0 holds the workdir's lock (:class:`qkvjax.workdir.WorkdirLock`) for the whole run, so a second run on
+    the same workdir refuses to start and names the holder.
+    """
     workdir = os.path.abspath(workdir)
+    if os.path.exists(workdir) and not os.path.isdir(workdir):
+        raise ValueError(f"--workdir={workdir} is a file; pass a folder (it is created if missing)")
+    lock = WorkdirLock(workdir)
+    if jax.process_index() == 0:
+        os.makedirs(workdir, exist_ok=True)
+        lock.acquire()
+    try:
+        return _train(config, workdir, overwrite, lock)
+    finally:
+        lock.release()
+
+
+class NonFiniteError(ValueError):
+    """The loss or gradient norm stopped being finite; nothing non-finite was saved."""
+
+
+def _train(config: Config, workdir: str, overwrite: bool, lock: WorkdirLock) -> dict:
     tc = config.train
     # Everything that can be checked is checked before anything compiles.
     model = DecoderLM(config.model)
@@ -219,19 +242,26 @@ def train(config: Config, workdir: str, *, overwrite: bool = False) -> dict:
 
         multihost_utils.sync_global_devices("qkvjax: workdir checked")
     splits = load_splits(config.data.dataset, config.data.source_path, os.path.expanduser(config.data.data_dir))
-    check_corpus(splits["train"], config.seq_len, "train")
-    os.makedirs(workdir, exist_ok=True)
+    check_splits(splits, config)
 
     mngr = checkpoint.manager(workdir, tc.max_to_keep)
     latest = mngr.latest_step()
     batches = train_batches(
         splits["train"], config.seq_len, tc.batch_size, config.seed, jax.process_index(), jax.process_count()
     )
-    if latest is not None:
-        state, data_state, _ = checkpoint.restore(mngr, latest, par.target())
+    while latest is not None:  # the newest checkpoint that restores; damaged ones are moved aside
+        check_resume(checkpoint.restore_config(mngr, latest), config, latest, overwrite)
+        try:
+            state, data_state, _ = checkpoint.restore(mngr, latest, par.target())
+        except checkpoint.CorruptCheckpointError as e:
+            moved = checkpoint.quarantine(mngr, latest)
+            _progress(f"warning: {e}; moved it to {moved} and falling back to the previous checkpoint", final=True)
+            latest = mngr.latest_step()
+            continue
         batches.set_state(data_state)
         _progress(f"resumed from checkpoint step {latest} in {mngr.directory}", final=True)
-    else:
+        break
+    if latest is None:
         state = create_state(model, config, tx, par.state_shardings)
     if jax.process_index() == 0:
         with open(os.path.join(workdir, CONFIG_FILE), "w") as f:
@@ -285,57 +315,133 @@ def train(config: Config, workdir: str, *, overwrite: bool = False) -> dict:
         host_state = par.unreplicate(state)
         checkpoint.save(mngr, step, host_state, batches.get_state(), to_dict(config))
 
+    # The first non-finite step and why (0: none), tracked on the device so the loop need not wait on every step.
+    track = jax.jit(lambda seen, code, step: jnp.where((seen[0] == 0) & (code > 0), jnp.stack([step, code]), seen))
+    nonfinite = jnp.zeros(2, jnp.int32)
+    skipped = 0
+
+    def check_finite() -> None:
+        nonlocal nonfinite, skipped
+        bad_step, code = (int(x) for x in jax.device_get(nonfinite))
+        if not bad_step:
+            return
+        what = "loss" if code == 1 else "gradient norm"
+        if tc.skip_nonfinite:
+            skipped += 1
+            nonfinite = jnp.zeros(2, jnp.int32)
+            _progress(f"step {bad_step}: the {what} is not finite; the batch was skipped ({skipped} so far)", True)
+            return
+        good = mngr.latest_step()
+        raise NonFiniteError(
+            f"step {bad_step}: the {what} is not finite, so training stopped there and saved nothing after it; "
+            f"the last good checkpoint is {'step ' + str(good) if good is not None else 'none (no step finished)'}. "
+            "Start again with a lower --config.train.learning_rate (a new --workdir, or --overwrite), or rerun with "
+            "--config.train.skip_nonfinite=true to skip batches like this one"
+        )
+
     record: dict = {}
     first_step, start_time = step, time.perf_counter()
-    with _Preemption() as preemption:
-        while step < tc.num_steps:
-            state, metrics = train_step(state, par.put_batch(next(batches)))
-            step += 1
-            if step == first_step + 1:  # the first call compiles: keep it out of the throughput
-                jax.block_until_ready(metrics)
-                compile_s = time.perf_counter() - start_time
-                last_time, last_step = time.perf_counter(), step
-                _progress(f"compiled and ran the first step in {compile_s:.1f}s", final=True)
-            if step % tc.log_every == 0 or step == tc.num_steps:
-                metrics = jax.device_get(par.unreplicate(metrics) if par.mesh is None else metrics)
-                now = time.perf_counter()
-                steps_timed = step - last_step
-                record = {
-                    "step": step,
-                    "loss": float(metrics["loss"]),
-                    "bits_per_byte": float(metrics["bits_per_byte"]),
-                    "grad_norm": float(metrics["grad_norm"]),
-                    "learning_rate": float(schedule(step - 1)),
-                }
-                if steps_timed:
-                    tokens_per_s = steps_timed * tc.batch_size * config.seq_len / (now - last_time)
-                    record.update(tokens_per_s=tokens_per_s, mfu=tokens_per_s * flops_per_token / peak)
-                else:
-                    record["compile_s"] = compile_s
-                writer.write(record)
-                speed = f" {record['tokens_per_s']:,.0f} tok/s mfu {100 * record['mfu']:.1f}%" if steps_timed else ""
-                _progress(
-                    f"step {step}/{tc.num_steps} loss {record['loss']:.4f} bpb {record['bits_per_byte']:.3f} "
-                    f"lr {record['learning_rate']:.2e}{speed}"
-                )
-                last_time, last_step = time.perf_counter(), step
-            if step % tc.eval_every == 0 or step == tc.num_steps:
-                ev = evaluate(state.params)
-                writer.write({"step": step, "eval": True, **ev})
-                _progress(f"step {step} eval {ev['split']} loss {ev['loss']:.4f} bpb {ev['bits_per_byte']:.3f}", True)
-                last_time = time.perf_counter()  # evaluation time is not training throughput
-            if step % tc.checkpoint_every == 0 or step == tc.num_steps or preemption.requested:
-                save(state, step)
-            if preemption.requested:
-                _progress(f"SIGTERM: saved checkpoint step {step}; exiting", final=True)
-                break
-    checkpoint.finish(mngr)
-    mngr.close()
-    writer.close()
+    try:
+        with _Preemption() as preemption:
+            while step < tc.num_steps:
+                state, metrics = train_step(state, par.put_batch(next(batches)))
+                step += 1
+                nonfinite = track(nonfinite, jnp.max(metrics["nonfinite"]), jnp.int32(step))
+                if step == first_step + 1:  # the first call compiles: keep it out of the throughput
+                    jax.block_until_ready(metrics)
+                    compile_s = time.perf_counter() - start_time
+                    last_time, last_step = time.perf_counter(), step
+                    _progress(f"compiled and ran the first step in {compile_s:.1f}s", final=True)
+                if step % tc.log_every == 0 or step == tc.num_steps:
+                    check_finite()
+                    lock.refresh()
+                    metrics = jax.device_get(par.unreplicate(metrics) if par.mesh is None else metrics)
+                    now = time.perf_counter()
+                    steps_timed = step - last_step
+                    record = {
+                        "step": step,
+                        "loss": float(metrics["loss"]),
+                        "bits_per_byte": float(metrics["bits_per_byte"]),
+                        "grad_norm": float(metrics["grad_norm"]),
+                        "learning_rate": float(schedule(step - 1)),
+                    }
+                    if skipped:
+                        record["skipped_steps"] = skipped
+                    if steps_timed:
+                        tokens_per_s = steps_timed * tc.batch_size * config.seq_len / (now - last_time)
+                        record.update(tokens_per_s=tokens_per_s, mfu=tokens_per_s * flops_per_token / peak)
+                    else:
+                        record["compile_s"] = compile_s
+                    writer.write(record)
+                    speed = (
+                        f" {record['tokens_per_s']:,.0f} tok/s mfu {100 * record['mfu']:.1f}%" if steps_timed else ""
+                    )
+                    _progress(
+                        f"step {step}/{tc.num_steps} loss {record['loss']:.4f} bpb {record['bits_per_byte']:.3f} "
+                        f"lr {record['learning_rate']:.2e}{speed}"
+                    )
+                    last_time, last_step = time.perf_counter(), step
+                if step % tc.eval_every == 0 or step == tc.num_steps:
+                    check_finite()
+                    ev = evaluate(state.params)
+                    writer.write({"step": step, "eval": True, **ev})
+                    _progress(
+                        f"step {step} eval {ev['split']} loss {ev['loss']:.4f} bpb {ev['bits_per_byte']:.3f}", True
+                    )
+                    last_time = time.perf_counter()  # evaluation time is not training throughput
+                if step % tc.checkpoint_every == 0 or step == tc.num_steps or preemption.requested:
+                    check_finite()
+                    save(state, step)
+                if preemption.requested:
+                    _progress(f"SIGTERM: saved checkpoint step {step}; exiting", final=True)
+                    break
+    finally:  # also on an error: the checkpoint in flight completes, metrics are flushed
+        checkpoint.finish(mngr)
+        mngr.close()
+        writer.close()
     if step >= tc.num_steps:
         export_params(workdir, step, par.unreplicate(state).params)
     _progress(f"done at step {step}; checkpoints in {os.path.join(workdir, 'checkpoints')}", final=True)
     return record
+
+
+def check_splits(splits: dict, config: Config) -> None:
+    """Every split the run touches is usable, and the model's vocabulary covers the bytes in it."""
+    check_corpus(splits["train"], config.seq_len, "train")
+    if len(splits["validation"]) < 2:
+        raise ValueError(
+            f"the validation split has {len(splits['validation'])} bytes; evaluation needs at least 2 (the split is "
+            "the 5% of the text after the training 90%): use a longer text"
+        )
+    top = max(int(s.max()) for s in splits.values() if len(s))
+    if top >= config.model.vocab_size:
+        raise ValueError(
+            f"model.vocab_size={config.model.vocab_size} does not cover the data: byte value {top} occurs in it; "
+            "use vocab_size >= 256 for byte-level text"
+        )
+
+
+def check_resume(saved: dict | None, config: Config, step: int, overwrite: bool) -> None:
+    """The checkpoint's own config against the requested one: only resumable fields may differ."""
+    if saved is None:
+        return
+    old, new = _flatten(saved), _flatten(to_dict(config))
+    diff = sorted(k for k in set(old) | set(new) if k not in RESUMABLE_CHANGES and k in old and old[k] != new.get(k))
+    if diff and not overwrite:
+        details = ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in diff[:8])
+        raise ValueError(
+            f"checkpoint step {step} was trained with another config ({details}); use another --workdir, or pass "
+            "--overwrite to delete that run and start again"
+        )
+    if old.get("train.num_steps") != config.train.num_steps:
+        before = learning_rate_schedule(from_dict(TrainConfig, saved["train"]))(step)
+        after = learning_rate_schedule(config.train)(step)
+        _progress(
+            f"train.num_steps {old.get('train.num_steps')} -> {config.train.num_steps}: the warmup-cosine schedule "
+            f"is recomputed for the new length, so the learning rate at step {step} moves from {float(before):.3g} "
+            f"to {float(after):.3g}",
+            final=True,
+        )
 
 
 def export_params(workdir: str, step: int, params) -> str:

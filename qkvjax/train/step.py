@@ -31,6 +31,8 @@ def make_train_step(
     ``batch`` is ``{"inputs": (B, T), "targets": (B, T)}`` int32. With ``grad_accum_steps`` > 1 the batch is
     split into that many micro-batches whose gradients are averaged by a ``lax.scan`` (one micro-batch of
     activations alive at a time). With ``axis_name`` (pmap) gradients and metrics are averaged over that axis.
+    A step whose loss or gradient norm is not finite leaves params and optimizer state unchanged and reports
+    ``metrics["nonfinite"]`` > 0; the loop decides whether that stops the run.
     """
 
     def loss_fn(params, inputs, targets, rng):
@@ -63,7 +65,13 @@ def make_train_step(
             loss, grads = jax.lax.pmean((loss, grads), axis_name)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "bits_per_byte": loss / math.log(2)}
+        grad_norm = optax.tree.norm(grads)
+        # A non-finite loss or gradient never reaches the state: the update is dropped (the step still counts,
+        # so the data stream and the step number stay in step) and ``nonfinite`` says why: 1 loss, 2 gradient.
+        nonfinite = jnp.where(jnp.isfinite(loss), jnp.where(jnp.isfinite(grad_norm), 0, 2), 1).astype(jnp.int32)
+        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(nonfinite == 0, n, o), new, old)  # noqa: E731
+        params, opt_state = keep(params, state.params), keep(opt_state, state.opt_state)
+        metrics = {"loss": loss, "grad_norm": grad_norm, "bits_per_byte": loss / math.log(2), "nonfinite": nonfinite}
         return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     return train_step

@@ -1,0 +1,154 @@
+"""Faults injected by hand: a second run on a workdir, non-finite training, bad data, a deleted config.json,
+damaged checkpoints, leftovers of killed saves, and inputs that used to end in raw tracebacks."""
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from qkvjax.evaluate import evaluate
+from qkvjax.train.config import apply_overrides, load_config_file
+from qkvjax.workdir import LOCK_FILE
+from tests.helpers import TINY, exported_params, flat, metrics, run_in_process, train_args
+
+STRICT_DTYPE_PROMOTION = False  # optax
+
+
+def _strict_json_lines(path):
+    def refuse(name):
+        raise AssertionError(f"{path} holds the non-JSON constant {name}")
+
+    with open(path) as f:
+        return [json.loads(line, parse_constant=refuse) for line in f if line.strip()]
+
+
+def test_a_second_run_on_a_locked_workdir_refuses_and_a_stale_lock_is_taken_over(tmp_path, corpus, data_dir, capsys):
+    w = tmp_path / "run"
+    w.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (w / LOCK_FILE).write_text(json.dumps({"host": socket.gethostname(), "pid": holder.pid, "started": "then"}))
+        assert run_in_process(train_args(w, corpus, data_dir, **{"train.num_steps": 2})) == 2
+        err = capsys.readouterr().err
+        assert f"in use by another training run (pid {holder.pid} on {socket.gethostname()}" in err
+        assert not (w / "checkpoints").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    # the holder is gone: its lock is stale and the next run takes it over, then releases it
+    assert run_in_process(train_args(w, corpus, data_dir, **{"train.num_steps": 2})) == 0
+    assert not (w / LOCK_FILE).exists()
+
+
+def test_a_diverging_run_stops_at_the_step_keeps_the_last_good_checkpoint_and_can_skip(
+    tmp_path, corpus, data_dir, capsys
+):
+    common = {"train.num_steps": 12, "train.checkpoint_every": 2, "train.warmup_steps": 0}
+    bad = tmp_path / "bad"  # a learning rate that makes the loss blow up within a few steps
+    proc_args = train_args(bad, corpus, data_dir, **common, **{"train.learning_rate": 1e6})
+    assert run_in_process(proc_args) == 2
+    err = capsys.readouterr().err
+    assert re.search(r"step \d+: the (loss|gradient norm) is not finite", err), err
+    assert "skip_nonfinite=true" in err and "learning_rate" in err
+    records = _strict_json_lines(bad / "metrics.jsonl")
+    steps = sorted(int(p) for p in os.listdir(bad / "checkpoints")) if (bad / "checkpoints").exists() else []
+    for step in steps:  # whatever was saved holds only finite numbers
+        assert all(np.isfinite(v).all() for v in flat(_restore_params(bad, step)).values())
+    assert all(r["loss"] is None or np.isfinite(r["loss"]) for r in records)
+    # skip mode: the same run goes to the end, counting the skipped batches
+    assert run_in_process(proc_args + ["--config.train.skip_nonfinite=true"]) == 0
+    last = metrics(bad)[-1]
+    assert last["step"] == 12 and last["skipped_steps"] >= 1
+    assert all(np.isfinite(v).all() for v in flat(exported_params(bad, 12)).values())
+
+
+def _restore_params(workdir, step):
+    import orbax.checkpoint as ocp
+
+    with ocp.StandardCheckpointer() as ckptr:
+        return ckptr.restore(os.path.join(workdir, "checkpoints", str(step), "state"))["params"]
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "-inf"])
+def test_config_refuses_non_finite_numbers(value):
+    with pytest.raises(ValueError, match=rf"train.learning_rate={value}.*finite"):
+        apply_overrides(load_config_file(TINY), {"train.learning_rate": value})
+
+
+def test_bad_data_is_refused_before_training(tmp_path, corpus, data_dir, capsys):
+    assert run_in_process(train_args(tmp_path / "v", corpus, data_dir, **{"model.vocab_size": 100})) == 2
+    assert "model.vocab_size=100 does not cover the data" in capsys.readouterr().err
+    short = tmp_path / "short.txt"
+    short.write_text("twenty bytes of text")
+    args = train_args(tmp_path / "s", str(short), data_dir, **{"data.seq_len": 8})
+    assert run_in_process(args) == 2
+    assert "the validation split has 1 bytes; evaluation needs at least 2" in capsys.readouterr().err
+    assert not (tmp_path / "s" / "checkpoints").exists()
+
+
+def test_a_split_cut_inside_a_multibyte_character_trains(tmp_path, data_dir):
+    text = ("a" * 601 + "é" * 60 + "c" * 79).encode()  # 800 bytes: the 90% cut (720) falls inside an 'é'
+    assert len(text) == 800 and text[720] & 0xC0 == 0x80  # a continuation byte
+    path = tmp_path / "cut.txt"
+    path.write_bytes(text)
+    assert run_in_process(train_args(tmp_path / "w", str(path), data_dir, **{"train.num_steps": 1})) == 0
+
+
+def test_config_provenance_is_the_checkpoints(tmp_path, corpus, data_dir, capsys):
+    w = tmp_path / "w"
+    assert run_in_process(train_args(w, corpus, data_dir, **{"train.num_steps": 2})) == 0
+    before = evaluate(str(w))
+    config = json.loads((w / "config.json").read_text())
+    config["model"]["attention"]["rope"] = True  # a hand edit of config.json no longer changes the model
+    (w / "config.json").write_text(json.dumps(config))
+    assert evaluate(str(w)) == before
+    os.remove(w / "config.json")  # and a deleted config.json does not let another config resume the checkpoint
+    args = train_args(w, corpus, data_dir, **{"train.num_steps": 4, "train.learning_rate": 0.01, "seed": 3})
+    assert run_in_process(args) == 2
+    err = capsys.readouterr().err
+    assert "checkpoint step 2 was trained with another config" in err and "train.learning_rate" in err and "seed" in err
+
+
+def test_a_damaged_newest_checkpoint_is_moved_aside_and_training_falls_back(tmp_path, corpus, data_dir, capsys):
+    w = tmp_path / "w"
+    common = {"train.checkpoint_every": 2, "train.max_to_keep": 3}
+    assert run_in_process(train_args(w, corpus, data_dir, **common, **{"train.num_steps": 4})) == 0
+    (w / "checkpoints" / "9.orbax-checkpoint-tmp-1234").mkdir()  # left by a save killed half-way
+    data = w / "checkpoints" / "4" / "state" / "ocdbt.process_0" / "d"
+    victim = sorted(os.listdir(data))[0]
+    with open(data / victim, "r+b") as f:  # same size, garbage content
+        size = os.path.getsize(data / victim)
+        f.write(b"\0" * size)
+    shutil.copytree(w, tmp_path / "copy")
+    assert evaluate(str(tmp_path / "copy"))["step"] == 2  # evaluation falls back by itself
+    assert "checkpoint step 4" in capsys.readouterr().err
+    assert run_in_process(train_args(w, corpus, data_dir, **common, **{"train.num_steps": 6})) == 0
+    out = capsys.readouterr().out
+    assert "checkpoint step 4" in out and "falling back" in out and "resumed from checkpoint step 2" in out
+    assert len(os.listdir(w / "checkpoints_damaged")) == 1
+    assert not list((w / "checkpoints").glob("*.orbax-checkpoint-tmp*"))
+    assert metrics(w)[-1]["step"] == 6
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (["train", f"--config={os.path.join(os.path.dirname(TINY), '..', '..', 'README.md')}", "--workdir={w}"],
+         r"is not a Python file"),
+        (["train", f"--config={TINY}", "--workdir={file}"], r"is a file; pass a folder"),
+        (["schemes", "--num-heads", "0"], r"num_heads=0; allowed: an integer >= 1"),
+        (["train", f"--config={TINY}", "--workdir={w}", "--config.train.max_to_keep=0"], r"train.max_to_keep=0"),
+    ],
+)  # fmt: skip
+def test_one_line_errors_instead_of_tracebacks(args, match, tmp_path, capsys):
+    (tmp_path / "afile").write_text("x")
+    args = [a.format(w=tmp_path / "w", file=tmp_path / "afile") for a in args]
+    assert run_in_process(args) == 2
+    err = capsys.readouterr().err
+    assert re.search(match, err) and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
