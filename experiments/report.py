@@ -186,18 +186,25 @@ def plot_tradeoff(out: Path, entries: list[dict], key: str, xlabel: str, path: P
     markers = {"width": "o", "params": "s", "kv_cache": "^"}
     colors = _colors({e["scheme"] for e in entries})
     fig, ax = plt.subplots(figsize=(7.5, 5))
+    labelled = set()
+    n_heads = max(e["num_kv_heads"] for e in entries)  # N: the K of every full multi-head model
     for e in entries:
         err = None if math.isnan(e["std"]) else e["std"]
         ax.errorbar(
             e[key], e["mean"], yerr=err, fmt=markers.get(e["matching"], "x"), color=colors[e["scheme"]],
             ms=7, capsize=3, alpha=0.9,
         )  # fmt: skip
-        label = e["scheme"] + (f" K={e['num_kv_heads']}" if e["matching"] == "kv_cache" else "")
-        ax.annotate(label, (e[key], e["mean"]), textcoords="offset points", xytext=(6, 3), fontsize=7)
+        label = _label(e, n_heads)
+        spot = (e[key], label)  # one label per scheme and position: matchings of one scheme sit close together
+        if spot not in labelled:
+            labelled.add(spot)
+            ax.annotate(label, (e[key], e["mean"]), textcoords="offset points", xytext=(6, 3), fontsize=7)
     for matching, marker in markers.items():
         if any(e["matching"] == matching for e in entries):
             ax.plot([], [], marker, color="gray", label=matching)
     ax.legend(title="matching", fontsize=8)
+    if key == "params":
+        ax.xaxis.set_major_formatter(lambda x, _: f"{x / 1e6:.2f}M")
     ax.set_xlabel(xlabel)
     ax.set_ylabel("final validation loss (nats/byte), mean ± std")
     ax.set_title(f"{out.name}: final validation loss against {xlabel.split(' (')[0]}", fontsize=10)
