@@ -144,6 +144,9 @@ def test_convert_to_bilinear_is_exact_and_to_gqa_pools_heads(run, tmp_path):
             ["sample", "--workdir={run}", "--prompt=abc", "--num-tokens=40"],
             r"exceeds the model's context length max_len=32; ask for at most 29",
         ),
+        (["sample", "--workdir={run}", "--prompt=abc", "--temperature=nan"], r"temperature=nan; allowed: a finite"),
+        (["sample", "--workdir={run}", "--prompt=" + "x" * 40], r"the prompt has 40 tokens.*at most 31 tokens"),
+        (["eval", "--workdir={run}", "--output={empty}/no/such/folder/r.json"], r"folder .* does not exist"),
     ],
 )
 def test_clear_errors(args, match, run, tmp_path, capsys):

@@ -174,11 +174,16 @@ class Attention(nn.Module):
         if not initialized:
             return None
         cur = index.value
+        max_len = next(iter(slots.values())).value.shape[-2]
+        if not isinstance(cur, jax.core.Tracer) and int(cur) + t > max_len:  # under jit the caller must check
+            raise ValueError(
+                f"decoding {t} more position(s) at cache index {int(cur)} overflows the cache of {max_len} positions "
+                "(its length is the input length of the init call with decode=True)"
+            )
         for name, slot in slots.items():  # every slot has its positions on axis -2: (B, K, S, H) or (B, S, D)
             start = (0,) * (slot.value.ndim - 2) + (cur, 0)
             slot.value = jax.lax.dynamic_update_slice(slot.value, new[name].astype(slot.value.dtype), start)
         index.value = cur + t
-        max_len = next(iter(slots.values())).value.shape[-2]
         return {name: slot.value for name, slot in slots.items()}, cur + jnp.arange(t), jnp.arange(max_len)
 
 

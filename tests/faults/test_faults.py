@@ -152,3 +152,17 @@ def test_one_line_errors_instead_of_tracebacks(args, match, tmp_path, capsys):
     assert run_in_process(args) == 2
     err = capsys.readouterr().err
     assert re.search(match, err) and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_decoding_past_the_cache_is_an_error():
+    import jax
+    import jax.numpy as jnp
+
+    from qkvjax import Attention, AttentionConfig
+
+    model = Attention(AttentionConfig(num_heads=3, head_dim=2))
+    x = jnp.ones((1, 5, 7))
+    variables = model.init(jax.random.key(0), x, decode=True)
+    _, mutated = model.apply(variables, x, decode=True, mutable=["cache"])  # fills all 5 positions
+    with pytest.raises(ValueError, match=r"decoding 1 more position\(s\) at cache index 5 overflows the cache of 5"):
+        model.apply({"params": variables["params"], **mutated}, x[:, :1], decode=True, mutable=["cache"])
