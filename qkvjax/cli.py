@@ -24,8 +24,14 @@ def _distributed(args: argparse.Namespace) -> None:
         raise ValueError("--coordinator needs --num-processes and --process-id")
     if jax.config.jax_platforms in ("cpu",) or args.cpu_collectives:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if args.distributed_timeout < 1:
+        raise ValueError(f"--distributed-timeout={args.distributed_timeout}; allowed: seconds >= 1")
     jax.distributed.initialize(
-        coordinator_address=args.coordinator, num_processes=args.num_processes, process_id=args.process_id
+        coordinator_address=args.coordinator,
+        num_processes=args.num_processes,
+        process_id=args.process_id,
+        initialization_timeout=args.distributed_timeout,  # a coordinator that never answers
+        heartbeat_timeout_seconds=args.distributed_timeout,  # a peer that died mid-run
     )
 
 
@@ -152,6 +158,7 @@ def split_overrides(argv: list[str]) -> tuple[list[str], dict[str, str]]:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="qkvjax", description=__doc__)
+    parser.add_argument("--verbose", action="store_true", help="show the full traceback of an error")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("schemes", help="parameters, FLOPs and KV-cache bytes of every tying scheme")
@@ -178,6 +185,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-processes", type=int, default=None)
     g.add_argument("--process-id", type=int, default=None)
     g.add_argument("--cpu-collectives", action="store_true", help="gloo collectives, for multi-process CPU runs")
+    g.add_argument(
+        "--distributed-timeout",
+        type=int,
+        default=300,
+        help="seconds to wait for the coordinator at start-up, and for a silent peer during the run (default 300)",
+    )
     p.set_defaults(func=_train, takes_overrides=True)
 
     p = sub.add_parser("eval", help="evaluate a checkpoint on a whole split; prints one JSON object")
@@ -243,7 +256,9 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, "takes_overrides", False):
             return args.func(args, overrides)
         return args.func(args)
-    except ValueError as e:
+    except (ValueError, OSError) as e:  # bad input, a damaged or full disk: one line (--verbose: the traceback)
+        if args.verbose:
+            raise
         print(f"qkvjax {args.command}: error: {e}", file=sys.stderr)
         return 2
 

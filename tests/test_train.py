@@ -126,7 +126,8 @@ def test_half_written_checkpoint_is_skipped(tmp_path, small_text, data_dir):
     assert [r["step"] for r in metrics(tmp_path)] == [1, 2, 3]
 
 
-def test_sigterm_saves_and_exits_cleanly(tmp_path, small_text, data_dir):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_sigterm_and_sigint_save_and_exit_cleanly(tmp_path, small_text, data_dir, sig):
     args = train_args(tmp_path, small_text, data_dir, **{"train.num_steps": 100000, "train.checkpoint_every": 100000})
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(
@@ -141,11 +142,11 @@ def test_sigterm_saves_and_exits_cleanly(tmp_path, small_text, data_dir):
     for line in proc.stdout:  # wait until training really runs
         seen.append(line)
         if line.startswith("step 3/"):
-            proc.send_signal(signal.SIGTERM)
+            proc.send_signal(sig)
             break
     out = "".join(seen) + proc.stdout.read()
     assert proc.wait(timeout=120) == 0, out[-3000:]
-    assert "SIGTERM: saved checkpoint step" in out
+    assert f"{sig.name}: saved checkpoint step" in out
     saved = checkpoint.manager(str(tmp_path), read_only=True).latest_step()
     assert saved is not None and saved >= 3
     assert metrics(tmp_path)[-1]["step"] >= saved

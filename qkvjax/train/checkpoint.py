@@ -9,6 +9,7 @@ reshaped. Restoring onto another mesh or device count only needs the target shar
 
 from __future__ import annotations
 
+import errno
 import glob
 import json
 import os
@@ -93,10 +94,37 @@ def _inventory(step_dir: str, checksums: bool = True) -> dict[str, list[int]]:
     return out
 
 
+class DiskFullError(CheckpointError):
+    """No space left while writing a checkpoint; the earlier checkpoints are intact."""
+
+
+def _disk_full(mngr: ocp.CheckpointManager, e: BaseException) -> DiskFullError | None:
+    """A DiskFullError saying where and how much is free, if ``e`` (or its cause) is ENOSPC; else None."""
+    text, chain = "", e
+    while chain is not None:
+        text += f" {chain}" + (" [errno 28]" if getattr(chain, "errno", None) == errno.ENOSPC else "")
+        chain = chain.__cause__ or chain.__context__
+    if "No space left on device" not in text and "errno 28" not in text:
+        return None
+    where = os.fspath(mngr.directory)
+    for leftover in glob.glob(os.path.join(where, "*.orbax-checkpoint-tmp*")):  # give the space back
+        shutil.rmtree(leftover, ignore_errors=True)
+    free = shutil.disk_usage(where).free
+    good = [s for s in mngr.all_steps() if os.path.isdir(os.path.join(where, str(s)))]
+    return DiskFullError(
+        f"disk full while writing a checkpoint to {where} ({free:,} bytes free after removing the partial save); "
+        f"the last complete checkpoint is {'step ' + str(max(good)) if good else 'none'}. Free space (or lower "
+        "--config.train.max_to_keep) and rerun the same command to resume"
+    )
+
+
 def finish(mngr: ocp.CheckpointManager) -> None:
     """Waits for the save in flight, then records each finished step's files and sizes (``inventory.json``), so a
     later restore can name a file that went missing or changed."""
-    mngr.wait_until_finished()
+    try:
+        mngr.wait_until_finished()
+    except Exception as e:
+        raise (_disk_full(mngr, e) or e) from e
     if jax.process_index() != 0:
         return
     # Folders of saves killed half-way; nothing else writes here (the workdir is locked) and no save is in flight.
@@ -135,6 +163,13 @@ def damaged_files(step_dir: str) -> list[str]:
 def save(mngr: ocp.CheckpointManager, step: int, state, data_state: dict, config_dict: dict) -> None:
     """Starts an async save of the step (returns once the arrays are copied off the devices)."""
     finish(mngr)  # orbax would wait for the previous save here anyway
+    try:
+        _save(mngr, step, state, data_state, config_dict)
+    except Exception as e:
+        raise (_disk_full(mngr, e) or e) from e
+
+
+def _save(mngr: ocp.CheckpointManager, step: int, state, data_state: dict, config_dict: dict) -> None:
     mngr.save(
         step,
         args=ocp.args.Composite(

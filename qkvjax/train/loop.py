@@ -122,25 +122,31 @@ class MetricsWriter:
 
 
 class _Preemption:
-    """Turns SIGTERM into a flag the loop checks after each step."""
+    """Turns SIGTERM (preemption) and SIGINT (Ctrl-C) into a flag the loop checks after each step: it saves a
+    checkpoint and exits. A second SIGINT interrupts at once."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
     def __init__(self):
-        self.requested = False
-        self.previous = None
+        self.requested = None  # the signal's name once one arrived
+        self.previous = {}
 
     def __enter__(self):
-        try:
-            self.previous = signal.signal(signal.SIGTERM, self._handle)
-        except ValueError:  # not the main thread: no handler, no preemption support
-            self.previous = None
+        for sig in self.SIGNALS:
+            try:
+                self.previous[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread: no handler, no preemption support
+                pass
         return self
 
     def _handle(self, signum, frame):
-        self.requested = True
+        if self.requested == "SIGINT" and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.requested = signal.Signals(signum).name
 
     def __exit__(self, *exc):
-        if self.previous is not None:
-            signal.signal(signal.SIGTERM, self.previous)
+        for sig, previous in self.previous.items():
+            signal.signal(sig, previous)
 
 
 def _progress(line: str, final: bool = False) -> None:
@@ -393,12 +399,14 @@ def _train(config: Config, workdir: str, overwrite: bool, lock: WorkdirLock) -> 
                     check_finite()
                     save(state, step)
                 if preemption.requested:
-                    _progress(f"SIGTERM: saved checkpoint step {step}; exiting", final=True)
+                    _progress(f"{preemption.requested}: saved checkpoint step {step}; exiting", final=True)
                     break
     finally:  # also on an error: the checkpoint in flight completes, metrics are flushed
-        checkpoint.finish(mngr)
-        mngr.close()
-        writer.close()
+        try:
+            checkpoint.finish(mngr)
+        finally:
+            mngr.close()
+            writer.close()
     if step >= tc.num_steps:
         export_params(workdir, step, par.unreplicate(state).params)
     _progress(f"done at step {step}; checkpoints in {os.path.join(workdir, 'checkpoints')}", final=True)

@@ -166,3 +166,29 @@ def test_decoding_past_the_cache_is_an_error():
     _, mutated = model.apply(variables, x, decode=True, mutable=["cache"])  # fills all 5 positions
     with pytest.raises(ValueError, match=r"decoding 1 more position\(s\) at cache index 5 overflows the cache of 5"):
         model.apply({"params": variables["params"], **mutated}, x[:, :1], decode=True, mutable=["cache"])
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 1.2 MB tmpfs: room for two checkpoints of the tiny model, not for five."""
+    where = tmp_path / "small"
+    where.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1200k", "tmpfs", str(where)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here (needs root): {mounted.stderr.decode().strip()}")
+    yield where
+    subprocess.run(["umount", str(where)], check=True)
+
+
+def test_disk_full_gives_one_clear_line_and_keeps_the_last_checkpoint(small_disk, corpus, data_dir, capsys):
+    w = small_disk / "w"
+    args = train_args(w, corpus, data_dir, **{"train.num_steps": 20, "train.checkpoint_every": 1,
+                                               "train.max_to_keep": 5})  # fmt: skip
+    assert run_in_process(args) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    match = re.search(
+        r"disk full while writing a checkpoint to .* bytes free.*the last complete checkpoint is step (\d)", last
+    )
+    assert match, last
+    assert evaluate(str(w))["step"] == int(match.group(1))  # that checkpoint restores
+    assert not list((w / "checkpoints").glob("*.orbax-checkpoint-tmp*"))  # the partial save gave its space back
