@@ -41,6 +41,7 @@ from experiments import report
 from qkvjax.attention import SCHEMES, attention_cost
 from qkvjax.models.lm import param_count
 from qkvjax.train.config import Config, from_dict, load_config_file, to_dict
+from qkvjax.workdir import training_clock
 
 REPO = Path(__file__).resolve().parents[1]
 MATCHINGS = ("width", "params", "kv_cache")
@@ -217,27 +218,15 @@ def _drop_curve(path: Path, run: Run) -> None:
 
 
 def curve_rows(run: Run, train_records: list[dict], eval_records: list[dict]) -> list[dict]:
-    """One row per logged step. ``wall_s`` is training time only (steps x tokens / measured tokens/s; the
-    compiling first interval and evaluations are left out), so curves of resumed runs stay continuous."""
+    """One row per logged step; ``wall_s`` is training time only (:func:`qkvjax.workdir.training_clock`)."""
     tokens_per_step = run.config.train.batch_size * run.config.seq_len
     val = {r["step"]: r["loss"] for r in eval_records}
-    rows, wall, prev = [], 0.0, 0
-    for r in train_records:
-        if r.get("tokens_per_s"):
-            wall += (r["step"] - prev) * tokens_per_step / r["tokens_per_s"]
-        prev = r["step"]
-        rows.append(
-            {
-                "scheme": run.scheme,
-                "matching": run.matching,
-                "seed": run.seed,
-                "step": r["step"],
-                "wall_s": round(wall, 3),
-                "train_loss": r["loss"],
-                "val_loss": val.get(r["step"], ""),
-            }
-        )
-    return rows
+    clock = training_clock(train_records, tokens_per_step)
+    return [
+        {"scheme": run.scheme, "matching": run.matching, "seed": run.seed, "step": r["step"],
+         "wall_s": round(wall, 3), "train_loss": r["loss"], "val_loss": val.get(r["step"], "")}
+        for r, wall in zip(train_records, clock, strict=True)
+    ]  # fmt: skip
 
 
 def run_row(run: Run, result: dict, curve: list[dict], train_records: list[dict]) -> dict:

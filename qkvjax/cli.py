@@ -138,6 +138,27 @@ def _analyze(args: argparse.Namespace) -> int:
     return 0
 
 
+def _compare(args: argparse.Namespace) -> int:
+    import json
+
+    from qkvjax.compare import compare, format_table, plot
+    from qkvjax.workdir import json_safe
+
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        folder = os.path.dirname(os.path.abspath(path)) if path else None
+        if folder and not os.path.isdir(folder):
+            raise ValueError(f"{flag}={path!r}: folder {folder} does not exist")
+    rows = compare(args.workdirs)
+    print(format_table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(json_safe(rows), f, indent=2, allow_nan=False)
+            f.write("\n")
+    if args.plot:
+        plot(rows, args.plot)
+    return 0
+
+
 def split_overrides(argv: list[str]) -> tuple[list[str], dict[str, str]]:
     """Separates ``--config.a.b=v`` / ``--config.a.b v`` overrides from the other arguments."""
     rest, overrides, i = [], {}, 0
@@ -243,6 +264,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the random control (default 0)")
     p.add_argument("--random-seeds", type=int, default=3, help="random draws averaged in the control (default 3)")
     p.set_defaults(func=_analyze)
+
+    p = sub.add_parser(
+        "compare",
+        help="several runs side by side: scheme, params, KV cache, losses, speed; validation curves as PNG",
+    )
+    p.add_argument("workdirs", nargs="+", metavar="DIR", help="workdirs of training runs")
+    p.add_argument("--plot", default=None, help="write the validation curves (against step and time) as PNG here")
+    p.add_argument("--json", default=None, help="write the rows (and curves) as JSON here")
+    p.set_defaults(func=_compare)
     return parser
 
 

@@ -142,3 +142,15 @@ class WorkdirLock:
 
     def __exit__(self, *exc):
         self.release()
+
+
+def training_clock(train_records: list[dict], tokens_per_step: int) -> list[float]:
+    """Cumulative training seconds at each training record: steps x tokens / the measured tokens/s of each
+    interval. The compiling first interval and evaluations are left out, so curves of resumed runs continue."""
+    clock, wall, prev = [], 0.0, 0
+    for r in train_records:
+        if r.get("tokens_per_s"):
+            wall += (r["step"] - prev) * tokens_per_step / r["tokens_per_s"]
+        prev = r["step"]
+        clock.append(wall)
+    return clock

@@ -43,9 +43,9 @@ def test_matchings_hold_for_every_scheme_of_the_presets(preset):
     assert len(notes) == len(SCHEMES) - 3 and all("cannot be run at 0.5" in n for n in notes)
 
 
-def test_sweep_end_to_end_and_rerun_skips_finished_runs(tmp_path, corpus, data_dir, capsys):
+def test_sweep_end_to_end_and_rerun_skips_finished_runs(tmp_path, small_text, data_dir, capsys):
     out = tmp_path / "cmp"
-    args = _args(out, corpus, data_dir, "--schemes", "separate,shared_kv", "--seeds", "0,1", "--steps", "3")
+    args = _args(out, small_text, data_dir, "--schemes", "separate,shared_kv", "--seeds", "0,1", "--steps", "3")
     assert compare_schemes.main(args) == 0
     rows = _rows(out / "runs.csv")
     assert sorted((r["matching"], r["scheme"], r["seed"]) for r in rows) == sorted(
@@ -76,9 +76,9 @@ def test_sweep_end_to_end_and_rerun_skips_finished_runs(tmp_path, corpus, data_d
     assert _rows(out / "runs.csv") == rows
 
 
-def test_a_killed_sweep_resumes_without_redoing_finished_runs(tmp_path, corpus, data_dir):
+def test_a_killed_sweep_resumes_without_redoing_finished_runs(tmp_path, small_text, data_dir):
     out = tmp_path / "killed"
-    args = _args(out, corpus, data_dir, "--schemes", "separate,shared_qkv", "--seeds", "0", "--matchings", "width")
+    args = _args(out, small_text, data_dir, "--schemes", "separate,shared_qkv", "--seeds", "0", "--matchings", "width")
     args += ["--steps", "300"]
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu"}
     cmd = [sys.executable, str(REPO / "experiments" / "compare_schemes.py"), *args]
@@ -110,8 +110,8 @@ def test_a_killed_sweep_resumes_without_redoing_finished_runs(tmp_path, corpus, 
         (["--steps", "0"], "--steps=0"),
     ],
 )
-def test_bad_arguments_fail_before_training(tmp_path, corpus, data_dir, capsys, extra, message):
+def test_bad_arguments_fail_before_training(tmp_path, small_text, data_dir, capsys, extra, message):
     out = tmp_path / "bad"
-    assert compare_schemes.main(_args(out, corpus, data_dir, *extra)) == 2
+    assert compare_schemes.main(_args(out, small_text, data_dir, *extra)) == 2
     assert message in capsys.readouterr().err
     assert not out.exists()

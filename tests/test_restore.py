@@ -178,3 +178,24 @@ def test_readme_python_blocks_run():
         for block in blocks:
             exec(compile(block, "README.md", "exec"), namespace)  # noqa: S102
     assert namespace["y"].shape == namespace["x"].shape
+
+
+def test_compare_puts_runs_side_by_side(run, tmp_path, small_text, data_dir, capsys):
+    other = tmp_path / "gqa"
+    overrides = {"train.num_steps": 2, "model.attention.scheme": "shared_kv", "model.attention.num_kv_heads": 2}
+    assert run_in_process(train_args(other, small_text, data_dir, **overrides)) == 0
+    capsys.readouterr()
+    out_json, out_png = tmp_path / "c.json", tmp_path / "c.png"
+    assert run_in_process(["compare", str(run), str(other), f"--json={out_json}", f"--plot={out_png}"]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].split()[:3] == ["run", "scheme", "K"] and len(table) == 3
+    rows = json.loads(out_json.read_text())
+    first, second = rows
+    assert (first["scheme"], first["kv_heads"], first["steps"]) == ("separate", 4, 4)
+    assert (second["scheme"], second["kv_heads"], second["steps"]) == ("shared_kv", 2, 2)
+    # shared_kv with half the kv heads caches a quarter of separate's bytes
+    assert second["kv_cache_bytes_per_token"] * 4 == first["kv_cache_bytes_per_token"]
+    assert first["params"] == param_count(qkvjax.load(str(run))[2].model)
+    assert first["best_val_loss"] == min(r["loss"] for r in metrics(run, evals=True))
+    assert [c["step"] for c in first["curve"]] == [2, 4]
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

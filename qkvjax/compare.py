@@ -1,0 +1,108 @@
+"""Several training runs side by side: ``qkvjax compare DIR [DIR ...] [--plot FILE.png] [--json FILE]``.
+
+Reads each workdir through :mod:`qkvjax.workdir` (config and metrics.jsonl; no checkpoint is restored, so it is
+instant and works while a run is still training).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+
+from qkvjax.attention import attention_cost
+from qkvjax.models.lm import param_count
+from qkvjax.workdir import load_config, read_metrics, training_clock
+
+COLUMNS = (
+    ("run", "run", "{}"),
+    ("scheme", "scheme", "{}"),
+    ("kv_heads", "K", "{}"),
+    ("params", "params", "{:,}"),
+    ("kv_cache_bytes_per_token", "KV B/tok", "{:,}"),
+    ("steps", "steps", "{:,}"),
+    ("tokens", "tokens", "{:,}"),
+    ("last_train_loss", "train", "{:.4f}"),
+    ("best_val_loss", "best val", "{:.4f}"),
+    ("last_val_loss", "last val", "{:.4f}"),
+    ("bits_per_byte", "bpb", "{:.3f}"),
+    ("tokens_per_s", "tok/s", "{:,.0f}"),
+)
+
+
+def summarize(workdir: str) -> dict:
+    """One run's row: what it is (from its config) and how far it got (from its metrics)."""
+    config = load_config(workdir)
+    m = config.model
+    train, evals = read_metrics(workdir)
+    tokens_per_step = config.train.batch_size * config.seq_len
+    steps = train[-1]["step"] if train else 0
+    vals = [r["loss"] for r in evals if r.get("loss") is not None]
+    speeds = [r["tokens_per_s"] for r in train if r.get("tokens_per_s")]
+    clock = training_clock(train, tokens_per_step)
+    at_step = dict(zip((r["step"] for r in train), clock, strict=True))
+    return {
+        "run": os.path.basename(os.path.abspath(workdir)),
+        "workdir": os.path.abspath(workdir),
+        "scheme": m.attention.scheme,
+        "kv_heads": m.attention.kv_heads,
+        "params": param_count(m),
+        "kv_cache_bytes_per_token": m.num_layers
+        * attention_cost(m.attention, m.d_model, config.seq_len).kv_cache_bytes_per_token,
+        "steps": steps,
+        "tokens": steps * tokens_per_step,
+        "last_train_loss": train[-1]["loss"] if train else None,
+        "best_val_loss": min(vals) if vals else None,
+        "last_val_loss": vals[-1] if vals else None,
+        "bits_per_byte": evals[-1].get("bits_per_byte") if evals else None,
+        "tokens_per_s": statistics.median(speeds) if speeds else None,
+        "curve": [
+            {"step": r["step"], "wall_s": at_step.get(r["step"]), "val_loss": r.get("loss")}
+            for r in evals
+            if r.get("loss") is not None
+        ],
+    }
+
+
+def compare(workdirs: list[str]) -> list[dict]:
+    if not workdirs:
+        raise ValueError("qkvjax compare needs at least one --workdir")
+    missing = [w for w in workdirs if not os.path.isdir(w)]
+    if missing:
+        raise ValueError(f"not a folder: {', '.join(missing)}; pass the workdirs of training runs")
+    return [summarize(w) for w in workdirs]
+
+
+def format_table(rows: list[dict]) -> str:
+    cells = [[head for _, head, _ in COLUMNS]]
+    for r in rows:
+        cells.append(["—" if r[key] is None else fmt.format(r[key]) for key, _, fmt in COLUMNS])
+    widths = [max(len(row[i]) for row in cells) for i in range(len(COLUMNS))]
+    return "\n".join(
+        "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True)))
+        for row in cells
+    )
+
+
+def plot(rows: list[dict], path: str) -> None:
+    """Validation loss against step and against training wall-clock, one line per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for r in rows:
+        curve = r["curve"]
+        label = f"{r['run']} ({r['scheme']}, K={r['kv_heads']})"
+        axes[0].plot([c["step"] for c in curve], [c["val_loss"] for c in curve], marker="o", ms=3, label=label)
+        timed = [c for c in curve if c["wall_s"] is not None]
+        axes[1].plot([c["wall_s"] for c in timed], [c["val_loss"] for c in timed], marker="o", ms=3, label=label)
+    for ax, xlabel in zip(axes, ("step", "training wall-clock (s)"), strict=True):
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("validation loss (nats/byte)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("qkvjax compare: validation loss", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
