@@ -8,16 +8,16 @@
 Why ``left`` separates the schemes. Position i must read i - 1 and not i + 1, a relation that holds from i to j but
 not from j to i. With shared QK (W^Q = W^K; also ``shared_qkv`` and Reformer's ``reformer_qk``) every score is
 symmetric, s(i, j) = s(j, i): q_i . k_j = x_i^T W W^T x_j, and with rotary positions x_i^T W R_{j-i} W^T x_j, which
-is symmetric too because R_{i-j} = R_{j-i}^T (tested in tests/test_synthetic.py). So the positional part of a
-score cannot prefer left over right: with learned positions p_i^T W W^T p_j is symmetric, and with rotary
-positions two equal tokens score the same at offsets +d and -d. A tied model can still solve ``left``, but only
-indirectly: through content (x_i^T W R_d W^T x_j differs from x_i^T W R_{-d} W^T x_j when x_i != x_j; we expect
-it to fail where neighbouring digits repeat), or by ordering the scores along the sequence, s(1, 0) > s(2, 1) > ..., which the
-per-row softmax allows but which is fragile. Every scheme with W^Q != W^K (``separate``, ``shared_kv``,
-``shared_qv``, ``bilinear``), and any scheme with the asymmetric relative bias b(j - i), can put the score peak at
-j = i - 1 with a positional rule that holds for every content. ``reverse`` and ``swap`` pair positions
-symmetrically (i <-> L-1-i, i <-> i + L/2), so symmetric scores are no obstacle there; they need absolute
-positions, which rotary embeddings alone do not give.
+is symmetric too because R_{i-j} = R_{j-i}^T (tested in tests/test_synthetic.py). So the positional part of a score
+cannot prefer left over right: with learned positions p_i^T W W^T p_j is symmetric, and with rotary positions two
+equal tokens score the same at offsets +d and -d. A tied model can still solve ``left``, but only indirectly:
+through content (x_i^T W R_d W^T x_j differs from x_i^T W R_{-d} W^T x_j when x_i != x_j; we expect it to fail where
+neighbouring digits repeat), or by ordering the scores along the sequence, s(1, 0) > s(2, 1) > ..., which the per-
+row softmax allows but which is fragile. Every scheme with W^Q != W^K (``separate``, ``shared_kv``, ``shared_qv``,
+``bilinear``), and any scheme with the asymmetric relative bias b(j - i), can put the score peak at j = i - 1 with a
+positional rule that holds for every content. ``reverse`` and ``swap`` pair positions symmetrically (i <-> L-1-i, i
+<-> i + L/2), so symmetric scores are no obstacle there; they need absolute positions, which rotary embeddings alone
+do not give.
 """
 
 from __future__ import annotations
