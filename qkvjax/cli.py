@@ -159,6 +159,20 @@ def _compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _quiet_dependencies() -> None:
+    """Warnings that do not concern the user (orbax's read-only manager, TFDS's builder notes) and TFDS's
+    progress bars are off unless --verbose."""
+    import logging
+
+    from absl import logging as absl_logging
+
+    absl_logging.set_verbosity(absl_logging.ERROR)
+    logging.getLogger("absl").setLevel(logging.ERROR)
+    import tensorflow_datasets as tfds
+
+    tfds.disable_progress_bar()
+
+
 def split_overrides(argv: list[str]) -> tuple[list[str], dict[str, str]]:
     """Separates ``--config.a.b=v`` / ``--config.a.b v`` overrides from the other arguments."""
     rest, overrides, i = [], {}, 0
@@ -178,16 +192,24 @@ def split_overrides(argv: list[str]) -> tuple[list[str], dict[str, str]]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from qkvjax import __version__
+
     parser = argparse.ArgumentParser(prog="qkvjax", description=__doc__)
-    parser.add_argument("--verbose", action="store_true", help="show the full traceback of an error")
+    parser.add_argument("--version", action="version", version=f"qkvjax {__version__}")
+    parser.add_argument(
+        "--verbose", action="store_true", help="tracebacks of errors, dependency warnings, dataset progress bars"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
+    # Every option's help shows its default.
+    add_parser = sub.add_parser
+    sub.add_parser = lambda *a, **kw: add_parser(*a, formatter_class=argparse.ArgumentDefaultsHelpFormatter, **kw)
 
     p = sub.add_parser("schemes", help="parameters, FLOPs and KV-cache bytes of every tying scheme")
-    p.add_argument("--d-model", type=int, default=768)
-    p.add_argument("--num-heads", type=int, default=12)
+    p.add_argument("--d-model", type=int, default=768, help="D, the model width")
+    p.add_argument("--num-heads", type=int, default=12, help="N, query heads")
     p.add_argument("--num-kv-heads", type=int, default=None, help="K (default: num_heads)")
     p.add_argument("--head-dim", type=int, default=None, help="H (default: d_model // num_heads)")
-    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--seq-len", type=int, default=1024, help="keys each query attends to, for the FLOPs column")
     p.add_argument("--dtype", default="bfloat16", help="cache dtype for the bytes column")
     p.set_defaults(func=_schemes)
 
@@ -203,8 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("multi-process (one process per host; see launch/)")
     g.add_argument("--distributed", action="store_true", help="jax.distributed.initialize() with auto-detection")
     g.add_argument("--coordinator", default=None, help="host:port of process 0 (explicit set-up)")
-    g.add_argument("--num-processes", type=int, default=None)
-    g.add_argument("--process-id", type=int, default=None)
+    g.add_argument("--num-processes", type=int, default=None, help="processes in the run (with --coordinator)")
+    g.add_argument("--process-id", type=int, default=None, help="this process's index (with --coordinator)")
     g.add_argument("--cpu-collectives", action="store_true", help="gloo collectives, for multi-process CPU runs")
     g.add_argument(
         "--distributed-timeout",
@@ -215,35 +237,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_train, takes_overrides=True)
 
     p = sub.add_parser("eval", help="evaluate a checkpoint on a whole split; prints one JSON object")
-    p.add_argument("--workdir", required=True)
-    p.add_argument("--step", type=int, default=None, help="default: the newest checkpoint")
-    p.add_argument("--split", default="validation", choices=["train", "validation", "test"])
+    p.add_argument("--workdir", required=True, help="a training run's folder")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step (None: the newest that restores)")
+    p.add_argument("--split", default="validation", choices=["train", "validation", "test"], help="split to score")
     p.add_argument("--output", default=None, help="also write the JSON here")
     p.add_argument("--source-path", default=None, help="the text file, if it moved since training")
     p.add_argument("--data-dir", default=None, help="the TFDS data_dir, if not the run's")
     p.set_defaults(func=_eval)
 
     p = sub.add_parser("sample", help="generate text from a checkpoint with the KV cache")
-    p.add_argument("--workdir", required=True)
-    p.add_argument("--prompt", required=True)
-    p.add_argument("--num-tokens", type=int, default=200)
+    p.add_argument("--workdir", required=True, help="a training run's folder")
+    p.add_argument("--prompt", required=True, help="text to continue (bytes; prompt + new tokens <= max_len)")
+    p.add_argument("--num-tokens", type=int, default=200, help="bytes to generate")
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=40, help="0 = no top-k cut")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--step", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step (None: the newest)")
     p.set_defaults(func=_sample)
 
     p = sub.add_parser("info", help="checkpoints, config, parameters per component and last metrics of a run")
-    p.add_argument("--workdir", required=True)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--workdir", required=True, help="a training run's folder")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(func=_info)
 
     p = sub.add_parser("convert", help="convert a checkpoint to another scheme (bilinear) or fewer kv heads")
-    p.add_argument("--workdir", required=True)
+    p.add_argument("--workdir", required=True, help="the run to convert")
     p.add_argument("--out", required=True, help="a new workdir for the converted checkpoint")
     p.add_argument("--to", default=None, help="target scheme (bilinear: exact)")
     p.add_argument("--num-kv-heads", type=int, default=None, help="mean-pool kv heads to K (GQA/MQA)")
-    p.add_argument("--step", type=int, default=None)
+    p.add_argument("--step", type=int, default=None, help="checkpoint step (None: the newest)")
     p.set_defaults(func=_convert)
 
     p = sub.add_parser(
@@ -282,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(rest)
     if overrides and not getattr(args, "takes_overrides", False):
         raise SystemExit(f"qkvjax {args.command}: --config.* overrides are not taken here")
+    if not args.verbose:
+        _quiet_dependencies()
     try:
         if getattr(args, "takes_overrides", False):
             return args.func(args, overrides)

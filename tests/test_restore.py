@@ -199,3 +199,29 @@ def test_compare_puts_runs_side_by_side(run, tmp_path, small_text, data_dir, cap
     assert first["best_val_loss"] == min(r["loss"] for r in metrics(run, evals=True))
     assert [c["step"] for c in first["curve"]] == [2, 4]
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_every_cli_option_is_documented_with_its_default(capsys):
+    import argparse
+
+    from qkvjax.cli import build_parser
+
+    parser = build_parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    for name, sp in sub.choices.items():
+        undocumented = [a.option_strings for a in sp._actions if a.option_strings and a.dest != "help" and not a.help]
+        assert not undocumented, (name, undocumented)
+        with pytest.raises(SystemExit):
+            sp.parse_args(["--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        for action in sp._actions:
+            if (
+                action.option_strings
+                and action.dest != "help"
+                and action.default is not None
+                and action.required is False
+            ):
+                assert f"(default: {action.default})" in text, (name, action.option_strings)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--version"])
+    assert capsys.readouterr().out.strip() == f"qkvjax {qkvjax.__version__}"
