@@ -16,7 +16,7 @@ from jax import Array
 
 from qkvjax import axes
 from qkvjax.attention import AttentionConfig, attention_cost
-from qkvjax.models.lm import Block, _dense_init, _layer_norm
+from qkvjax.models.lm import Block, _dense_init, _layer_norm, position_table, token_table
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,21 +80,9 @@ class Encoder(nn.Module):
         cfg = self.config
         if tokens.ndim != 2 or tokens.shape[1] > cfg.max_len:
             raise ValueError(f"Encoder takes tokens (B, T) with T <= max_len={cfg.max_len}; got {tokens.shape}")
-        embed = self.param(
-            "embed",
-            nn.with_logical_partitioning(nn.initializers.normal(0.02), (axes.VOCAB, axes.EMBED)),
-            (cfg.vocab_size, cfg.d_model),
-            cfg.param_dtype,
-        )
-        x = jnp.take(embed, tokens, axis=0).astype(cfg.dtype)
+        x = jnp.take(token_table(self, cfg), tokens, axis=0).astype(cfg.dtype)
         if cfg.learned_positions:
-            table = self.param(
-                "pos_embed",
-                nn.with_logical_partitioning(nn.initializers.normal(0.02), (None, axes.EMBED)),
-                (cfg.max_len, cfg.d_model),
-                cfg.param_dtype,
-            )
-            x = x + table[None, : tokens.shape[1]].astype(cfg.dtype)
+            x = x + position_table(self, cfg, stddev=0.02)[None, : tokens.shape[1]].astype(cfg.dtype)
         x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
         if mask is not None:  # padding: (B, S) keys -> (B, 1, 1, S)
             mask = mask.astype(jnp.bool_)[:, None, None, :]

@@ -108,6 +108,18 @@ def _layer_norm(cfg: ModelConfig, name: str) -> nn.LayerNorm:
     )
 
 
+def token_table(module: nn.Module, cfg) -> Array:
+    """``embed: (V, D)``, a parameter of ``module`` (``cfg`` has vocab_size, d_model, param_dtype)."""
+    init = nn.with_logical_partitioning(nn.initializers.normal(0.02), (axes.VOCAB, axes.EMBED))
+    return module.param("embed", init, (cfg.vocab_size, cfg.d_model), cfg.param_dtype)
+
+
+def position_table(module: nn.Module, cfg, stddev: float) -> Array:
+    """``pos_embed: (max_len, D)``, learned absolute positions, a parameter of ``module``."""
+    init = nn.with_logical_partitioning(nn.initializers.normal(stddev), (None, axes.EMBED))
+    return module.param("pos_embed", init, (cfg.max_len, cfg.d_model), cfg.param_dtype)
+
+
 class Block(nn.Module):
     """Pre-norm transformer block: causal self-attention, then the MLP, each on a residual.
 
@@ -156,20 +168,10 @@ class DecoderLM(nn.Module):
             raise ValueError(f"DecoderLM takes tokens of shape (B, T); got {tokens.shape}")
         if tokens.shape[1] > cfg.max_len:
             raise ValueError(f"sequence length {tokens.shape[1]} exceeds the model's max_len={cfg.max_len}")
-        embed = self.param(
-            "embed",
-            nn.with_logical_partitioning(nn.initializers.normal(0.02), (axes.VOCAB, axes.EMBED)),
-            (cfg.vocab_size, cfg.d_model),
-            cfg.param_dtype,
-        )
+        embed = token_table(self, cfg)
         x = jnp.take(embed, tokens, axis=0).astype(cfg.dtype)
         if cfg.learned_positions:
-            pos_table = self.param(
-                "pos_embed",
-                nn.with_logical_partitioning(nn.initializers.normal(0.01), (None, axes.EMBED)),
-                (cfg.max_len, cfg.d_model),
-                cfg.param_dtype,
-            )
+            pos_table = position_table(self, cfg, stddev=0.01)
             if decode:
                 pos = self._decode_positions(tokens.shape)
             elif positions is None:
