@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -41,6 +42,9 @@ def _train(args: argparse.Namespace, overrides: dict[str, str]) -> int:
 
     _distributed(args)
     config = apply_overrides(load_config_file(args.config), overrides)
+    source = config.data.source_path
+    if source and "://" not in source and not os.path.isabs(source):  # stored absolute: tools run from anywhere
+        config = dataclasses.replace(config, data=dataclasses.replace(config.data, source_path=os.path.abspath(source)))
     train(config, args.workdir, overwrite=args.overwrite)
     return 0
 

@@ -192,3 +192,10 @@ def test_disk_full_gives_one_clear_line_and_keeps_the_last_checkpoint(small_disk
     assert match, last
     assert evaluate(str(w))["step"] == int(match.group(1))  # that checkpoint restores
     assert not list((w / "checkpoints").glob("*.orbax-checkpoint-tmp*"))  # the partial save gave its space back
+
+
+def test_a_relative_source_path_is_stored_absolute(tmp_path, small_text, data_dir, monkeypatch):
+    monkeypatch.chdir(os.path.dirname(small_text))
+    w = tmp_path / "w"
+    assert run_in_process(train_args(w, os.path.basename(small_text), data_dir, **{"train.num_steps": 1})) == 0
+    assert json.loads((w / "config.json").read_text())["data"]["source_path"] == small_text
