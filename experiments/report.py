@@ -99,6 +99,9 @@ def summary_markdown(out: Path, entries: list[dict], n_runs: int) -> str:
         "- loss: next-byte cross-entropy in nats on the whole validation split, mean ± sample std over seeds;",
         "  Δ: minus `separate` of the same matching, paired by seed, with a 95% t interval;",
         "  *inside spread*: |Δ| ≤ the larger seed std of the two.",
+        "- tokens/s and the wall-clock plot are as measured during the sweep, one run after another: anything else",
+        "  running on the machine slows some runs and not others, so compare speed with `benchmarks/bench.py`",
+        "  (interleaved timing), not here.",
         "",
     ]
     for matching, title in MATCHING_TITLES.items():
@@ -139,7 +142,7 @@ def _colors(schemes) -> dict:
     return {s: cmap(i % 10) for i, s in enumerate(order)}
 
 
-def plot_curves(out: Path, curves: list[dict], x: str, path: Path) -> None:
+def plot_curves(out: Path, curves: list[dict], x: str, path: Path, labels: dict | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -160,7 +163,8 @@ def plot_curves(out: Path, curves: list[dict], x: str, path: Path) -> None:
                 continue
             xs = np.array([[seeds[s][t][0] for t in steps] for s in seeds]).mean(0)
             ys = np.array([[seeds[s][t][1] for t in steps] for s in seeds])
-            ax.plot(xs, ys.mean(0), color=colors[scheme], label=f"{scheme} ({len(seeds)})", lw=1.6, marker="o", ms=2.5)
+            name = (labels or {}).get((matching, scheme), scheme)
+            ax.plot(xs, ys.mean(0), color=colors[scheme], label=f"{name} ({len(seeds)})", lw=1.6, marker="o", ms=2.5)
             ax.fill_between(xs, ys.min(0), ys.max(0), color=colors[scheme], alpha=0.18, lw=0)
         ax.set_title(f"{matching}: {MATCHING_TITLES[matching]}", fontsize=10)
         ax.set_xlabel("step" if x == "step" else "training wall-clock (s)")
@@ -222,8 +226,10 @@ def write_report(out: Path | str) -> Path:
         raise ValueError(f"{out} has no finished runs (no rows in {out / 'runs.csv'})")
     entries = summarize(rows)
     (out / "summary.md").write_text(summary_markdown(out, entries, len(rows)))
-    plot_curves(out, curves, "step", out / PLOTS[0])
-    plot_curves(out, curves, "wall_s", out / PLOTS[1])
+    n_heads = max(e["num_kv_heads"] for e in entries)
+    labels = {(e["matching"], e["scheme"]): _label(e, n_heads) for e in entries}
+    plot_curves(out, curves, "step", out / PLOTS[0], labels)
+    plot_curves(out, curves, "wall_s", out / PLOTS[1], labels)
     plot_tradeoff(out, entries, "params", "parameters (whole model)", out / PLOTS[2])
     plot_tradeoff(out, entries, "kv_cache_bytes_per_token", "KV-cache bytes per token (all layers)", out / PLOTS[3])
     return out / "summary.md"
