@@ -50,6 +50,7 @@ def test_resume_in_a_new_process_is_bitwise_exact(tmp_path, corpus, data_dir):
     proc = run_in_new_process(train_args(resumed, corpus, data_dir, **common, **{"train.num_steps": 6}))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from checkpoint step 3" in proc.stdout
+    assert "train.num_steps 3 -> 6: the warmup-cosine schedule is recomputed" in proc.stdout
     a, b = flat(exported_params(straight, 6)), flat(exported_params(resumed, 6))
     assert a.keys() == b.keys()
     for k in a:

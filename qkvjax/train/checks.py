@@ -1,0 +1,110 @@
+"""Checks made before a run trains: the workdir holds no other experiment, a checkpoint was trained with this
+config, and the data suits the model. Each raises a ValueError that names the field or value and what to do."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import jax
+
+from qkvjax.data.pipeline import check_corpus
+from qkvjax.train.config import Config, TrainConfig, from_dict, to_dict
+from qkvjax.train.state import learning_rate_schedule
+from qkvjax.workdir import CONFIG_FILE, METRICS_FILE
+
+# What may change between runs on one workdir: cadence, length and layout, not the experiment itself.
+RESUMABLE_CHANGES = {
+    "train.num_steps",
+    "train.log_every",
+    "train.eval_every",
+    "train.eval_batches",
+    "train.checkpoint_every",
+    "train.max_to_keep",
+    "train.peak_flops",
+    "train.log_weight_similarity",
+    "train.skip_nonfinite",
+    "data.data_dir",
+    "mesh.data",
+    "mesh.fsdp",
+    "mesh.tensor",
+    "parallelism",
+}
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = v
+    return out
+
+
+def check_workdir(workdir: str, config: Config, overwrite: bool) -> None:
+    """Refuses a workdir that holds a run of another experiment, unless ``overwrite`` (which clears it)."""
+    path = os.path.join(workdir, CONFIG_FILE)
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        old = _flatten(json.load(f))
+    new = _flatten(to_dict(config))
+    diff = sorted(k for k in set(old) | set(new) if k not in RESUMABLE_CHANGES and old.get(k) != new.get(k))
+    if diff and not overwrite:
+        details = ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in diff[:8])
+        raise ValueError(
+            f"workdir {workdir} holds a run of another config ({details}); use another --workdir, or pass "
+            "--overwrite to delete that run and start again"
+        )
+    if overwrite and jax.process_index() == 0:
+        for name in ("checkpoints", "params", "tensorboard", METRICS_FILE, CONFIG_FILE):
+            target = os.path.join(workdir, name)
+            if os.path.isdir(target):
+                shutil.rmtree(target)
+            elif os.path.exists(target):
+                os.remove(target)
+
+
+def check_splits(splits: dict, config: Config) -> None:
+    """Every split the run touches is usable, and the model's vocabulary covers the bytes in it."""
+    check_corpus(splits["train"], config.seq_len, "train")
+    if len(splits["validation"]) < 2:
+        raise ValueError(
+            f"the validation split has {len(splits['validation'])} bytes; evaluation needs at least 2 (the split is "
+            "the 5% of the text after the training 90%): use a longer text"
+        )
+    top = max(int(s.max()) for s in splits.values() if len(s))
+    if top >= config.model.vocab_size:
+        raise ValueError(
+            f"model.vocab_size={config.model.vocab_size} does not cover the data: byte value {top} occurs in it; "
+            "use vocab_size >= 256 for byte-level text"
+        )
+
+
+def check_resume(saved: dict | None, config: Config, step: int, overwrite: bool) -> None:
+    """The checkpoint's own config against the requested one: only resumable fields may differ."""
+    if saved is None:
+        return
+    old, new = _flatten(saved), _flatten(to_dict(config))
+    diff = sorted(k for k in set(old) | set(new) if k not in RESUMABLE_CHANGES and k in old and old[k] != new.get(k))
+    if diff and not overwrite:
+        details = ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in diff[:8])
+        raise ValueError(
+            f"checkpoint step {step} was trained with another config ({details}); use another --workdir, or pass "
+            "--overwrite to delete that run and start again"
+        )
+    if old.get("train.num_steps") != config.train.num_steps:
+        before = learning_rate_schedule(from_dict(TrainConfig, saved["train"]))(step)
+        after = learning_rate_schedule(config.train)(step)
+        _say(
+            f"train.num_steps {old.get('train.num_steps')} -> {config.train.num_steps}: the warmup-cosine schedule "
+            f"is recomputed for the new length, so the learning rate at step {step} moves from {float(before):.3g} "
+            f"to {float(after):.3g}"
+        )
+
+
+def _say(line: str) -> None:
+    if jax.process_index() == 0:
+        print(line, flush=True)
