@@ -175,7 +175,10 @@ def plot_curves(out: Path, curves: list[dict], x: str, path: Path, labels: dict 
         finals = [line.get_ydata()[-1] for line in ax.get_lines()]
         if finals:
             ax.set_ylim(min(finals) - 0.15, max(finals) + 0.6)
-    fig.suptitle(f"{out.name}: validation loss (mean over seeds; band: min-max)", fontsize=11)
+    title = f"{out.name}: validation loss (mean over seeds; band: min-max)"
+    if x == "wall_s":  # the clock is whatever the machine gave each run; say so where the reader looks
+        title += "\ntraining time as measured during the sweep: other work on the machine slows some runs"
+    fig.suptitle(title, fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

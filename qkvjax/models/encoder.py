@@ -16,11 +16,11 @@ from jax import Array
 
 from qkvjax import axes
 from qkvjax.attention import AttentionConfig, attention_cost
-from qkvjax.models.lm import Block, _dense_init, _layer_norm, position_table, token_table
+from qkvjax.models.lm import Block, BlockShape, _dense_init, _layer_norm, position_table, token_table
 
 
 @dataclasses.dataclass(frozen=True)
-class EncoderConfig:
+class EncoderConfig(BlockShape):
     """A token classifier.
 
     Attributes:
@@ -46,28 +46,7 @@ class EncoderConfig:
     dropout_rate: float = 0.0
 
     def __post_init__(self):
-        if isinstance(self.attention, dict):
-            object.__setattr__(self, "attention", AttentionConfig(**self.attention))
-        for name in ("vocab_size", "num_classes", "d_model", "num_layers", "max_len"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"EncoderConfig.{name}={value!r}; allowed: an integer >= 1")
-        if self.mlp_dim is not None and (not isinstance(self.mlp_dim, int) or self.mlp_dim < 1):
-            raise ValueError(f"EncoderConfig.mlp_dim={self.mlp_dim!r}; allowed: None (= 4 d_model) or >= 1")
-        if not 0.0 <= self.dropout_rate < 1.0:
-            raise ValueError(f"EncoderConfig.dropout_rate={self.dropout_rate!r}; allowed: 0 <= rate < 1")
-
-    @property
-    def mlp_width(self) -> int:
-        return 4 * self.d_model if self.mlp_dim is None else self.mlp_dim
-
-    @property
-    def dtype(self):
-        return jnp.dtype(self.attention.dtype)
-
-    @property
-    def param_dtype(self):
-        return jnp.dtype(self.attention.param_dtype)
+        self._check_shape(("vocab_size", "num_classes", "d_model", "num_layers", "max_len"))
 
 
 class Encoder(nn.Module):

@@ -19,8 +19,38 @@ from qkvjax.attention import Attention, AttentionConfig, attention_cost
 REMAT_POLICIES = ("none", "full", "dots")
 
 
+class BlockShape:
+    """What a ``Block`` reads from its model's config, and the checks every such config shares (mixed into the
+    LM's and the encoder's frozen dataclasses)."""
+
+    def _check_shape(self, positive_ints: tuple[str, ...]) -> None:
+        name = type(self).__name__
+        if isinstance(self.attention, dict):  # from JSON
+            object.__setattr__(self, "attention", AttentionConfig(**self.attention))
+        for field in positive_ints:
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}.{field}={value!r}; allowed: an integer >= 1")
+        if self.mlp_dim is not None and (not isinstance(self.mlp_dim, int) or self.mlp_dim < 1):
+            raise ValueError(f"{name}.mlp_dim={self.mlp_dim!r}; allowed: None (= 4 d_model) or an integer >= 1")
+        if not 0.0 <= self.dropout_rate < 1.0:
+            raise ValueError(f"{name}.dropout_rate={self.dropout_rate!r}; allowed: 0 <= rate < 1")
+
+    @property
+    def mlp_width(self) -> int:
+        return 4 * self.d_model if self.mlp_dim is None else self.mlp_dim
+
+    @property
+    def dtype(self):
+        return jnp.dtype(self.attention.dtype)
+
+    @property
+    def param_dtype(self):
+        return jnp.dtype(self.attention.param_dtype)
+
+
 @dataclasses.dataclass(frozen=True)
-class ModelConfig:
+class ModelConfig(BlockShape):
     """A decoder-only LM.
 
     Attributes:
@@ -49,30 +79,9 @@ class ModelConfig:
     remat: str = "none"
 
     def __post_init__(self):
-        if isinstance(self.attention, dict):  # from JSON
-            object.__setattr__(self, "attention", AttentionConfig(**self.attention))
-        for name in ("vocab_size", "d_model", "num_layers", "max_len"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"ModelConfig.{name}={value!r}; allowed: an integer >= 1")
-        if self.mlp_dim is not None and (not isinstance(self.mlp_dim, int) or self.mlp_dim < 1):
-            raise ValueError(f"ModelConfig.mlp_dim={self.mlp_dim!r}; allowed: None (= 4 d_model) or an integer >= 1")
-        if not 0.0 <= self.dropout_rate < 1.0:
-            raise ValueError(f"ModelConfig.dropout_rate={self.dropout_rate!r}; allowed: 0 <= rate < 1")
+        self._check_shape(("vocab_size", "d_model", "num_layers", "max_len"))
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"ModelConfig.remat={self.remat!r}; allowed: {list(REMAT_POLICIES)}")
-
-    @property
-    def mlp_width(self) -> int:
-        return 4 * self.d_model if self.mlp_dim is None else self.mlp_dim
-
-    @property
-    def dtype(self):
-        return jnp.dtype(self.attention.dtype)
-
-    @property
-    def param_dtype(self):
-        return jnp.dtype(self.attention.param_dtype)
 
 
 def _dense_init(in_axis, out_axis):
