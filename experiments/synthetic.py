@@ -127,9 +127,11 @@ def plan(preset: dict, grids, tasks=None, schemes=None, seeds=None, steps=None, 
                     cells.append((seeds or preset["seeds"], dict(base, task=t, scheme=s, positions="learned")))
         elif grid == "rope":
             for t in want_tasks(preset["rope_tasks"]):
-                for s in want_schemes(DEFAULT_SCHEMES) if schemes is None else schemes:
-                    if not (s == "bilinear" and schemes is None):
-                        cells.append((seeds or preset["seeds"], dict(base, task=t, scheme=s, positions="rope")))
+                for s in schemes or DEFAULT_SCHEMES:
+                    spec = dict(base, task=t, scheme=s, positions="rope")
+                    if schemes is None and not _fits(spec):
+                        continue  # a scheme that cannot rotate (bilinear) leaves the default grid; named, it errs
+                    cells.append((seeds or preset["seeds"], spec))
         else:
             for axis, values in preset["size"].items():
                 for value in values:
@@ -146,6 +148,14 @@ def plan(preset: dict, grids, tasks=None, schemes=None, seeds=None, steps=None, 
                 seen.add(probe.key())
                 probes.append(probe)
     return probes
+
+
+def _fits(spec: dict) -> bool:
+    try:
+        Probe(seed=0, **spec).encoder_config()
+        return True
+    except ValueError:
+        return False
 
 
 def train_probe(probe: Probe, batch_size: int, lr: float) -> dict:
