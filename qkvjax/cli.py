@@ -27,6 +27,10 @@ def _distributed(args: argparse.Namespace) -> None:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if args.distributed_timeout < 1:
         raise ValueError(f"--distributed-timeout={args.distributed_timeout}; allowed: seconds >= 1")
+    if args.coordinator_port is not None:
+        if not 1 <= args.coordinator_port <= 65535:
+            raise ValueError(f"--coordinator-port={args.coordinator_port}; allowed: 1 to 65535")
+        os.environ["JAX_COORDINATOR_PORT"] = str(args.coordinator_port)  # read by jax's cluster auto-detection
     jax.distributed.initialize(
         coordinator_address=args.coordinator,
         num_processes=args.num_processes,
@@ -229,6 +233,12 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("multi-process (one process per host; see launch/)")
     g.add_argument("--distributed", action="store_true", help="jax.distributed.initialize() with auto-detection")
     g.add_argument("--coordinator", default=None, help="host:port of process 0 (explicit set-up)")
+    g.add_argument(
+        "--coordinator-port",
+        type=int,
+        default=None,
+        help="port of the auto-detected coordinator with --distributed (default: the platform's, e.g. 8482 on TPU VMs)",
+    )
     g.add_argument("--num-processes", type=int, default=None, help="processes in the run (with --coordinator)")
     g.add_argument("--process-id", type=int, default=None, help="this process's index (with --coordinator)")
     g.add_argument("--cpu-collectives", action="store_true", help="gloo collectives, for multi-process CPU runs")

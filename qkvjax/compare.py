@@ -11,7 +11,7 @@ import statistics
 
 from qkvjax.attention import attention_cost
 from qkvjax.models.lm import param_count
-from qkvjax.workdir import load_config, read_metrics, training_clock
+from qkvjax.workdir import load_config, path, read_metrics, training_clock
 
 COLUMNS = (
     ("run", "run", "{}"),
@@ -41,8 +41,8 @@ def summarize(workdir: str) -> dict:
     clock = training_clock(train, tokens_per_step)
     at_step = dict(zip((r["step"] for r in train), clock, strict=True))
     return {
-        "run": os.path.basename(os.path.abspath(workdir)),
-        "workdir": os.path.abspath(workdir),
+        "run": path(workdir).name,
+        "workdir": os.fspath(path(workdir)),
         "scheme": m.attention.scheme,
         "kv_heads": m.attention.kv_heads,
         "params": param_count(m),
@@ -66,7 +66,7 @@ def summarize(workdir: str) -> dict:
 def compare(workdirs: list[str]) -> list[dict]:
     if not workdirs:
         raise ValueError("qkvjax compare needs at least one --workdir")
-    missing = [w for w in workdirs if not os.path.isdir(w)]
+    missing = [w for w in workdirs if not path(w).is_dir()]
     if missing:
         raise ValueError(f"not a folder: {', '.join(missing)}; pass the workdirs of training runs")
     return [summarize(w) for w in workdirs]

@@ -97,11 +97,12 @@ def convert_workdir(workdir: str, out: str, to: str | None, num_kv_heads: int | 
     from qkvjax.train import checkpoint
     from qkvjax.train.config import to_dict, to_json
     from qkvjax.train.state import TrainState, make_optimizer
-    from qkvjax.workdir import CONFIG_FILE
+    from qkvjax.workdir import CONFIG_FILE, path, write_text
 
     if to is None and num_kv_heads is None:
         raise ValueError("nothing to convert: pass --to SCHEME and/or --num-kv-heads K")
-    if os.path.exists(os.path.join(out, CONFIG_FILE)):
+    out = os.fspath(path(out))
+    if (path(out) / CONFIG_FILE).exists():
         raise ValueError(f"--out {out} already holds a run; choose an empty directory")
     _, params, config, step = restore_params(workdir, step)
     model_cfg, new_params = convert(config.model, params, to, num_kv_heads)
@@ -116,11 +117,10 @@ def convert_workdir(workdir: str, out: str, to: str | None, num_kv_heads: int | 
         opt_state=tx.init(new_params),
         rng=jax.random.PRNGKey(config.seed),
     )
-    os.makedirs(out, exist_ok=True)
+    path(out).mkdir(parents=True, exist_ok=True)
     mngr = checkpoint.manager(out)
     checkpoint.save(mngr, step, state, data_state, to_dict(config))
     checkpoint.finish(mngr)
     mngr.close()
-    with open(os.path.join(out, CONFIG_FILE), "w") as f:
-        f.write(to_json(config))
+    write_text(path(out) / CONFIG_FILE, to_json(config))
     return out

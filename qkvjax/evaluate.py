@@ -17,15 +17,15 @@ from qkvjax.train.config import Config, MeshConfig, from_dict
 from qkvjax.train.mesh import batch_sharding, make_mesh
 from qkvjax.train.state import abstract_state, make_optimizer
 from qkvjax.train.step import make_eval_step, mean_loss
-from qkvjax.workdir import CONFIG_FILE, load_config
+from qkvjax.workdir import CONFIG_FILE, load_config, path
 
 
 def resolve_step(workdir: str, step: int | None) -> tuple[Config, object, int]:
     """(config, read-only checkpoint manager, step), with errors that say what the workdir holds. The config is
     the one saved in the checkpoint (``config.json`` only for checkpoints that carry none)."""
-    workdir = os.path.abspath(workdir)
-    has_checkpoints = os.path.isdir(os.path.join(workdir, "checkpoints"))
-    if not os.path.exists(os.path.join(workdir, CONFIG_FILE)) and not has_checkpoints:
+    workdir = path(workdir)
+    has_checkpoints = (workdir / "checkpoints").is_dir()
+    if not (workdir / CONFIG_FILE).exists() and not has_checkpoints:
         raise ValueError(f"workdir {workdir} holds no run (no {CONFIG_FILE}); pass the --workdir of a training run")
     if not has_checkpoints:
         raise ValueError(f"workdir {workdir} has no checkpoint yet (no checkpoints/ directory)")

@@ -9,22 +9,24 @@ import time
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from etils import epath
 
 from qkvjax.evaluate import resolve_step
 from qkvjax.models.lm import DecoderLM, param_count
+from qkvjax.train import checkpoint
 from qkvjax.train.config import to_dict
-from qkvjax.workdir import read_metrics
+from qkvjax.workdir import path, read_metrics
 
 
-def _size(path: str) -> int:
-    return sum(os.path.getsize(os.path.join(r, f)) for r, _, files in os.walk(path) for f in files)
+def _size(folder: epath.Path) -> int:
+    return sum(file.stat().length for _, file in checkpoint.files_under(folder))
 
 
 def parameter_breakdown(params) -> dict[str, int]:
     """Parameters summed over layers by component: ``attention/w_qk``, ``mlp/w_in``, ``embed``, ..."""
     counts: dict[str, int] = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-        names = [str(getattr(k, "key", k)) for k in path]
+    for key_path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        names = [str(getattr(k, "key", k)) for k in key_path]
         if names[0].startswith("block_"):
             names = names[1:]
         key = "/".join(names)
@@ -37,12 +39,12 @@ def describe(workdir: str) -> dict:
     config, mngr, latest = resolve_step(workdir, None)
     checkpoints = []
     for step in sorted(mngr.all_steps()):
-        path = os.path.join(os.fspath(mngr.directory), str(step))
+        folder = epath.Path(mngr.directory) / str(step)
         checkpoints.append(
             {
                 "step": step,
-                "time": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(os.path.getmtime(path))),
-                "bytes": _size(path),
+                "time": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(folder.stat().mtime)),
+                "bytes": _size(folder),
             }
         )
     model = DecoderLM(config.model)
@@ -52,7 +54,7 @@ def describe(workdir: str) -> dict:
     last_train = train_records[-1] if train_records else None
     last_eval = eval_records[-1] if eval_records else None
     return {
-        "workdir": os.path.abspath(workdir),
+        "workdir": os.fspath(path(workdir)),
         "scheme": config.model.attention.scheme,
         "checkpoints": checkpoints,
         "parameters": {"total": param_count(config.model), "by_component": breakdown},

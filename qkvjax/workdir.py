@@ -1,4 +1,4 @@
-"""The run folder, as tools see it: file names, the saved config, the metrics log.
+"""The run folder, as tools see it: where it is, file names, the saved config, the metrics log, the lock.
 
 Tools (eval, info, convert, analyze, the experiments) read a workdir through this module, never through the
 training loop. Layout::
@@ -7,7 +7,13 @@ training loop. Layout::
     WORKDIR/metrics.jsonl          one JSON object per logged step; evaluation records carry "eval": true
     WORKDIR/checkpoints/<step>/    orbax: state, data iterator, config (see qkvjax.train.checkpoint)
     WORKDIR/params/<step>/         params only, written when a run finishes
-    WORKDIR/tensorboard/           TensorBoard events
+    WORKDIR/tensorboard/           TensorBoard events, one file per (re)start
+    WORKDIR/train.lock             the running trainer's host and pid
+
+A workdir is a local folder or a URI that ``etils.epath`` opens (``gs://bucket/run`` with ``gcsfs`` installed,
+``s3://``, ...). Object stores have no atomic rename and no append: there a file is written whole (an object
+appears complete or not at all), orbax marks finished checkpoints with a commit file instead of renaming a temporary
+folder, and the metrics log and TensorBoard events are rewritten whole when the loop flushes them.
 """
 
 from __future__ import annotations
@@ -17,6 +23,9 @@ import math
 import os
 import socket
 import time
+import uuid
+
+from etils import epath
 
 from qkvjax.train.config import Config, from_dict
 
@@ -24,25 +33,47 @@ CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"
 
 
-def load_config(workdir: str) -> Config:
+def path(workdir) -> epath.Path:
+    """``workdir`` as an ``epath.Path``: a local path made absolute (``~`` expanded), a URI kept as given."""
+    text = os.fspath(workdir)
+    if is_remote(text):
+        return epath.Path(text)
+    return epath.Path(os.path.abspath(os.path.expanduser(text)))
+
+
+def is_remote(workdir) -> bool:
+    """True for ``scheme://...`` paths (object stores), False for local files."""
+    return "://" in os.fspath(workdir)
+
+
+def write_text(target: epath.Path, text: str) -> None:
+    """Writes ``text`` so that readers see the old file or the new one, never a part: a local file through a
+    temporary file and ``os.replace``, an object in one upload."""
+    if is_remote(target):
+        target.write_text(text)
+        return
+    tmp = target.with_name(target.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, target)
+
+
+def load_config(workdir) -> Config:
     """The Config a run was started with; a clear error when ``workdir`` holds no run."""
-    path = os.path.join(workdir, CONFIG_FILE)
-    if not os.path.exists(path):
-        raise ValueError(f"workdir {os.path.abspath(workdir)} holds no run (no {CONFIG_FILE})")
-    with open(path) as f:
-        return from_dict(Config, json.load(f))
+    file = path(workdir) / CONFIG_FILE
+    if not file.exists():
+        raise ValueError(f"workdir {path(workdir)} holds no run (no {CONFIG_FILE})")
+    return from_dict(Config, json.loads(file.read_text()))
 
 
-def read_metrics(workdir: str) -> tuple[list[dict], list[dict]]:
+def read_metrics(workdir) -> tuple[list[dict], list[dict]]:
     """(training records, evaluation records) from ``metrics.jsonl``, in the order written; ([], []) if absent."""
-    path = os.path.join(workdir, METRICS_FILE)
+    file = path(workdir) / METRICS_FILE
     train, evals = [], []
-    if os.path.exists(path):
-        with open(path) as f:
-            for line in f:
-                if line.strip():
-                    record = json.loads(line)
-                    (evals if record.get("eval") else train).append(record)
+    if file.exists():
+        for line in file.read_text().splitlines():
+            if line.strip():
+                record = json.loads(line)
+                (evals if record.get("eval") else train).append(record)
     return train, evals
 
 
@@ -62,51 +93,83 @@ def json_safe(value):
 
 
 class WorkdirLock:
-    """One training run per workdir: ``WORKDIR/train.lock`` holds the holder's host, pid and start time.
+    """One training run per workdir: ``WORKDIR/train.lock`` holds the holder's host, pid, start and refresh times.
 
-    Created with O_EXCL, so of two runs starting together exactly one wins. A lock left by a dead process is taken
-    over: on the same host when its pid no longer runs, on another host when it has not been refreshed
-    (:meth:`refresh`, called by the loop as it logs) for ``STALE_AFTER_S``. Taking over renames the stale file
-    first, so two runs that both find it stale cannot both win.
+    Locally the file is created with O_EXCL, so of two runs starting together exactly one wins. On an object store
+    (no exclusive create) a run writes its own token, waits, and reads it back: of runs racing, the last write wins
+    and every other run sees a foreign token and refuses. A lock left by a dead process is taken over: on the same
+    host when its pid no longer runs, otherwise when it has not been refreshed (:meth:`refresh`, called by the loop
+    as it logs) for ``STALE_AFTER_S``. Locally, taking over renames the stale file first, so two runs that both find
+    it stale cannot both win.
     """
 
-    def __init__(self, workdir: str):
-        self.path = os.path.join(workdir, LOCK_FILE)
+    SETTLE_S = 2.0  # object stores: how long a racing writer gets before the read-back
+
+    def __init__(self, workdir):
+        self.path = path(workdir) / LOCK_FILE
         self.held = False
+        self.me = {"host": socket.gethostname(), "pid": os.getpid(), "token": uuid.uuid4().hex}
+
+    def _content(self) -> str:
+        return json.dumps({**self.me, "started": self.started, "refreshed": time.time()})
 
     def acquire(self) -> None:
-        me = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+        self.started = time.strftime("%Y-%m-%d %H:%M:%S")
         for _ in range(3):
+            holder = self._holder() if self.path.exists() else None
+            if holder is not None:
+                if not self._stale(holder):
+                    self._refuse(holder)
+                if not self._remove_stale():
+                    continue
+            if self._create():
+                self.held = True
+                return
+        raise ValueError(f"could not take the lock {self.path}: other runs keep taking it")
+
+    def _refuse(self, holder: dict):
+        who = "unknown" if holder.get("pid", -1) == -1 else f"pid {holder['pid']} on {holder['host']}"
+        since = f" since {holder['started']}" if holder.get("started") else ""
+        raise ValueError(
+            f"workdir {self.path.parent} is in use by another training run ({who}{since}); "
+            f"wait for it, or delete {self.path} if that run is gone"
+        ) from None
+
+    def _create(self) -> bool:
+        if not is_remote(self.path):
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
-                holder = self._holder()
-                if holder is None or not self._stale(holder):
-                    who = "unknown" if holder is None else f"pid {holder['pid']} on {holder['host']}"
-                    since = "" if holder is None else f" since {holder.get('started', '?')}"
-                    raise ValueError(
-                        f"workdir {os.path.dirname(self.path)} is in use by another training run ({who}{since}); "
-                        f"wait for it, or delete {self.path} if that run is gone"
-                    ) from None
-                try:  # one of the runs that found it stale renames it away; the others retry and lose to it
-                    os.rename(self.path, f"{self.path}.stale.{os.getpid()}")
-                    os.remove(f"{self.path}.stale.{os.getpid()}")
-                except FileNotFoundError:
-                    pass
-                continue
+                return False
             with os.fdopen(fd, "w") as f:
-                json.dump(me, f)
-            self.held = True
-            return
-        raise ValueError(f"could not take the lock {self.path}: other runs keep taking it")
+                f.write(self._content())
+            return True
+        self.path.write_text(self._content())
+        time.sleep(self.SETTLE_S)
+        holder = self._holder()
+        if holder.get("token") != self.me["token"]:
+            self._refuse(holder)
+        return True
 
-    def _holder(self) -> dict | None:
+    def _remove_stale(self) -> bool:
+        """Removes a stale lock; False when another run got to it first (then try again)."""
+        if is_remote(self.path):
+            self.path.unlink(missing_ok=True)
+            return True
+        aside = f"{self.path}.stale.{os.getpid()}"
+        try:  # one of the runs that found it stale renames it away; the others retry and lose to it
+            os.rename(self.path, aside)
+            os.remove(aside)
+        except FileNotFoundError:
+            return False
+        return True
+
+    def _holder(self) -> dict:
         try:
-            with open(self.path) as f:
-                return json.load(f)
+            return json.loads(self.path.read_text())
         except (OSError, ValueError):  # vanished, or half-written by a holder that died at once
             try:
-                age = time.time() - os.path.getmtime(self.path)
+                age = time.time() - self.path.stat().mtime
             except OSError:
                 return {"host": "?", "pid": -1, "stale": True}
             return {"host": "?", "pid": -1, "stale": age > 5.0}
@@ -122,19 +185,19 @@ class WorkdirLock:
             except PermissionError:  # alive, another user's
                 return False
             return False
-        return time.time() - os.path.getmtime(self.path) > STALE_AFTER_S
+        refreshed = holder.get("refreshed")
+        if refreshed is None:  # written by an older version: the file's own time
+            refreshed = self.path.stat().mtime
+        return time.time() - refreshed > STALE_AFTER_S
 
     def refresh(self) -> None:
         if self.held:
-            os.utime(self.path)
+            self.path.write_text(self._content())
 
     def release(self) -> None:
         if self.held:
             self.held = False
-            try:
-                os.remove(self.path)
-            except FileNotFoundError:
-                pass
+            self.path.unlink(missing_ok=True)
 
     def __enter__(self):
         self.acquire()

@@ -2,11 +2,22 @@
 allows it: everywhere except modules that set ``STRICT_DTYPE_PROMOTION = False`` (optax's Adam bias correction
 mixes a Python float with an int32 count, which strict promotion rejects)."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 # Must be set before jax initialises its backends.
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Many tests compile the same tiny programs (in this process and in the CLI subprocesses they start): a persistent
+# compilation cache for this session, inherited by the subprocesses, compiles each once. It starts empty, so every
+# program is still compiled and checked in every session; only repeats are loaded.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="qkvjax-tests-jax-cache-")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 
 import jax  # noqa: E402
 

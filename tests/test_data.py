@@ -74,3 +74,15 @@ def test_eval_batches_predict_every_byte_once():
     assert weights.sum() == len(tokens) - 1
     np.testing.assert_array_equal(targets[weights > 0], tokens[1:])
     assert len(list(eval_batches(tokens, 9, 4, max_batches=2))) == 2
+
+
+def test_offline_preparation_fails_fast_naming_the_flag(tmp_path, monkeypatch):
+    import time
+
+    from qkvjax.data import builders
+
+    monkeypatch.setattr(builders, "TINY_SHAKESPEARE_URL", "http://127.0.0.1:9/input.txt")  # nothing listens there
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match=r"cannot reach http://127.0.0.1:9/input.txt .*--config.data.source_path="):
+        load_splits("tiny_shakespeare", None, str(tmp_path))
+    assert time.perf_counter() - start < builders.PROBE_TIMEOUT_S + 5

@@ -4,6 +4,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import numpy as np
 
@@ -42,3 +43,48 @@ def test_two_processes_match_one_process(tmp_path, small_text, data_dir):
         [r["loss"] for r in metrics(tmp_path / "two")], [r["loss"] for r in metrics(tmp_path / "one")], rtol=2e-5
     )
     assert sorted(os.listdir(tmp_path / "two" / "checkpoints")) == ["3"]
+
+
+def _process(i, port, args, timeout_s):
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    cmd = [sys.executable, "-m", "qkvjax.cli", "train", "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
+           "--process-id", str(i), "--cpu-collectives", "--distributed-timeout", str(timeout_s), *args]  # fmt: skip
+    return subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_a_killed_peer_stops_the_other_process_within_the_timeout_and_both_resume(tmp_path, small_text, data_dir):
+    timeout_s = 10
+    w = tmp_path / "run"
+    args = train_args(w, small_text, data_dir, **{"train.num_steps": 100000, "train.checkpoint_every": 4})[1:]
+    port = _free_port()
+    procs = [_process(i, port, args, timeout_s) for i in range(2)]
+    try:
+        deadline = time.time() + 180
+        while time.time() < deadline and not (
+            (w / "checkpoints" / "8").is_dir() or any(p.poll() is not None for p in procs)
+        ):
+            time.sleep(0.2)
+        assert all(p.poll() is None for p in procs), procs[0].stdout.read()[-3000:]
+        procs[1].kill()  # the peer dies mid-run
+        killed_at = time.time()
+        try:
+            out, _ = procs[0].communicate(timeout=timeout_s + 50)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"process 0 still runs {timeout_s + 50}s after its peer died") from None
+        waited = time.time() - killed_at
+        assert procs[0].returncode != 0, out[-3000:]
+        assert waited < timeout_s + 50
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    saved = max(int(p.name) for p in (w / "checkpoints").iterdir() if p.name.isdigit())
+    # Both rerun the same command (the step target changed, which resume allows) and continue from the checkpoint.
+    env = dict(os.environ, QKVJAX_PORT=str(_free_port()), PYTHON=sys.executable)
+    env.pop("XLA_FLAGS", None)
+    again = train_args(w, small_text, data_dir, **{"train.num_steps": saved + 2, "train.checkpoint_every": 4})[1:]
+    proc = subprocess.run(["bash", str(REPO / "launch" / "local.sh"), "2", "2", *again], env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert f"resumed from checkpoint step {saved}" in proc.stdout
+    assert metrics(w)[-1]["step"] == saved + 2

@@ -2,6 +2,7 @@
 
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -50,6 +51,8 @@ def test_resume_in_a_new_process_is_bitwise_exact(tmp_path, corpus, data_dir):
     proc = run_in_new_process(train_args(resumed, corpus, data_dir, **common, **{"train.num_steps": 6}))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from checkpoint step 3" in proc.stdout
+    assert "\x1b" not in proc.stdout and "\r" not in proc.stdout  # piped: plain lines, no progress bar
+    assert re.search(r"^step 6/6 loss \d\.\d{4} .* tok/s .* eta 0:00$", proc.stdout, re.M), proc.stdout
     assert "train.num_steps 3 -> 6: the warmup-cosine schedule is recomputed" in proc.stdout
     a, b = flat(exported_params(straight, 6)), flat(exported_params(resumed, 6))
     assert a.keys() == b.keys()
@@ -57,6 +60,20 @@ def test_resume_in_a_new_process_is_bitwise_exact(tmp_path, corpus, data_dir):
         np.testing.assert_array_equal(a[k], b[k], err_msg=k)
     assert [r["loss"] for r in metrics(straight)] == [r["loss"] for r in metrics(resumed)]
     assert [r["step"] for r in metrics(resumed)] == [1, 2, 3, 4, 5, 6]
+
+    # Lose the last checkpoint after steps 4-6 were logged: the rerun redoes them, and TensorBoard shows each step
+    # once (the resume's events file purges the old records after step 3), in two files named by their start.
+    shutil.rmtree(straight / "checkpoints" / "6")
+    assert run_in_process(train_args(straight, corpus, data_dir, **common, **{"train.num_steps": 6})) == 0
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = sorted(os.listdir(straight / "tensorboard"))
+    assert [e.rsplit(".", 1)[-1] for e in events] == ["from_step_0", "from_step_3"], events
+    acc = EventAccumulator(str(straight / "tensorboard"))
+    acc.Reload()
+    losses = acc.Scalars("train/loss")
+    assert [e.step for e in losses] == [1, 2, 3, 4, 5, 6]
+    np.testing.assert_allclose([e.value for e in losses], [r["loss"] for r in metrics(straight)], rtol=1e-6)
 
 
 def test_sharded_mesh_and_pmap_match_one_device(tmp_path, corpus, data_dir):

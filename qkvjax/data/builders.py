@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import urllib.request
 
 import numpy as np
 import tensorflow_datasets as tfds
@@ -18,6 +19,7 @@ import tensorflow_datasets as tfds
 TINY_SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 TINY_SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
 SPLITS = ("train", "validation", "test")
+PROBE_TIMEOUT_S = 10.0
 
 
 def split_text(text: bytes) -> dict[str, bytes]:
@@ -82,12 +84,17 @@ class TinyShakespeare(_ByteTextBuilder, skip_registration=True):
     def _source(self, dl_manager) -> bytes:
         path = self._source_path
         if not path:
+            url = TINY_SHAKESPEARE_URL
+            advice = "pass a local copy with --config.data.source_path=PATH/input.txt"
+            try:  # one quick try first: TFDS's downloader retries for minutes when there is no network
+                urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=PROBE_TIMEOUT_S).close()
+            except (OSError, ValueError) as e:  # URLError, timeouts and HTTP errors are OSErrors
+                raise ValueError(f"cannot reach {url} ({getattr(e, 'reason', e)}); {advice}") from None
             try:
-                path = dl_manager.download(TINY_SHAKESPEARE_URL)
-            except Exception as e:  # no network, proxy, HTTP error: all end the same way for the user
+                path = dl_manager.download(url)
+            except Exception as e:  # proxy, HTTP error: all end the same way for the user
                 raise ValueError(
-                    f"could not download Tiny Shakespeare from {TINY_SHAKESPEARE_URL} ({type(e).__name__}: {e}); "
-                    "pass a local copy with --config.data.source_path=PATH/input.txt"
+                    f"could not download Tiny Shakespeare from {url} ({type(e).__name__}: {e}); {advice}"
                 ) from None
         data = read_text_file(os.fspath(path))
         digest = hashlib.sha256(data).hexdigest()

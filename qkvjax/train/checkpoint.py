@@ -10,7 +10,6 @@ reshaped. Restoring onto another mesh or device count only needs the target shar
 from __future__ import annotations
 
 import errno
-import glob
 import json
 import os
 import shutil
@@ -19,6 +18,10 @@ import zlib
 
 import jax
 import orbax.checkpoint as ocp
+from etils import epath
+
+from qkvjax.workdir import is_remote, write_text
+from qkvjax.workdir import path as workdir_path
 
 ITEMS = ("state", "data", "config")
 
@@ -36,17 +39,17 @@ DAMAGED_DIR = "checkpoints_damaged"
 
 def quarantine(mngr: ocp.CheckpointManager, step: int) -> str:
     """Moves a damaged step out of the checkpoints folder (never deletes it) and returns where it went."""
-    where = os.fspath(mngr.directory)
-    target = os.path.join(os.path.dirname(where), DAMAGED_DIR, f"{step}-{time.strftime('%Y%m%d-%H%M%S')}")
+    where = epath.Path(mngr.directory)
+    target = where.parent / DAMAGED_DIR / f"{step}-{time.strftime('%Y%m%d-%H%M%S')}"
     if jax.process_index() == 0:
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        os.replace(os.path.join(where, str(step)), target)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        (where / str(step)).rename(target)  # an object store copies, then deletes
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices(f"qkvjax: quarantined {step}")
     mngr.reload()
-    return target
+    return os.fspath(target)
 
 
 def restore_config(mngr: ocp.CheckpointManager, step: int) -> dict | None:
@@ -66,31 +69,39 @@ def manager(workdir: str, max_to_keep: int = 3, read_only: bool = False) -> ocp.
         "data": ocp.JsonCheckpointHandler(),
         "config": ocp.JsonCheckpointHandler(),
     }
-    return ocp.CheckpointManager(
-        os.path.join(os.path.abspath(workdir), "checkpoints"), options=options, item_handlers=handlers
-    )
+    # orbax picks how a save becomes visible: an atomic rename of a temporary folder on local disks, a commit
+    # file written last on object stores (gs://), which have no rename.
+    return ocp.CheckpointManager(workdir_path(workdir) / "checkpoints", options=options, item_handlers=handlers)
 
 
 INVENTORY = "inventory.json"
 
 
-def _crc32(path: str) -> int:
-    crc = 0
-    with open(path, "rb") as f:
+def _crc32(path: epath.Path) -> tuple[int, int]:
+    """(size, crc32) of a file, read once."""
+    crc, size = 0, 0
+    with path.open("rb") as f:
         while chunk := f.read(1 << 20):
-            crc = zlib.crc32(chunk, crc)
-    return crc
+            crc, size = zlib.crc32(chunk, crc), size + len(chunk)
+    return size, crc
 
 
-def _inventory(step_dir: str, checksums: bool = True) -> dict[str, list[int]]:
+def files_under(folder: epath.Path, prefix: str = ""):
+    """(relative path, path) of every file below ``folder``, listing folder by folder (epath refuses recursive
+    globs on object stores, and its ``walk`` drops the URI scheme)."""
+    for child in folder.iterdir():
+        if child.is_dir():
+            yield from files_under(child, f"{prefix}{child.name}/")
+        else:
+            yield prefix + child.name, child
+
+
+def _inventory(step_dir: epath.Path) -> dict[str, list[int]]:
     """{relative path: [size, crc32]} of a step's files (crc32 catches same-size garbage)."""
     out = {}
-    for root, _, files in os.walk(step_dir):
-        for name in files:
-            path = os.path.join(root, name)
-            rel = os.path.relpath(path, step_dir)
-            if not rel.startswith(INVENTORY):
-                out[rel] = [os.path.getsize(path), _crc32(path) if checksums else None]
+    for rel, file in files_under(step_dir):
+        if not rel.startswith(INVENTORY):
+            out[rel] = list(_crc32(file))
     return out
 
 
@@ -106,13 +117,12 @@ def _disk_full(mngr: ocp.CheckpointManager, e: BaseException) -> DiskFullError |
         chain = chain.__cause__ or chain.__context__
     if "No space left on device" not in text and "errno 28" not in text:
         return None
-    where = os.fspath(mngr.directory)
-    for leftover in glob.glob(os.path.join(where, "*.orbax-checkpoint-tmp*")):  # give the space back
-        shutil.rmtree(leftover, ignore_errors=True)
-    free = shutil.disk_usage(where).free
-    good = [s for s in mngr.all_steps() if os.path.isdir(os.path.join(where, str(s)))]
+    where = epath.Path(mngr.directory)
+    _remove_leftovers(mngr)  # give the space back
+    free = "unknown" if is_remote(where) else f"{shutil.disk_usage(where).free:,}"
+    good = [s for s in mngr.all_steps() if (where / str(s)).is_dir()]
     return DiskFullError(
-        f"disk full while writing a checkpoint to {where} ({free:,} bytes free after removing the partial save); "
+        f"disk full while writing a checkpoint to {where} ({free} bytes free after removing the partial save); "
         f"the last complete checkpoint is {'step ' + str(max(good)) if good else 'none'}. Free space (or lower "
         "--config.train.max_to_keep) and rerun the same command to resume"
     )
@@ -127,26 +137,37 @@ def finish(mngr: ocp.CheckpointManager) -> None:
         raise (_disk_full(mngr, e) or e) from e
     if jax.process_index() != 0:
         return
-    # Folders of saves killed half-way; nothing else writes here (the workdir is locked) and no save is in flight.
-    for leftover in glob.glob(os.path.join(os.fspath(mngr.directory), "*.orbax-checkpoint-tmp*")):
-        shutil.rmtree(leftover, ignore_errors=True)
+    _remove_leftovers(mngr)
     for step in mngr.all_steps():
-        step_dir = os.path.join(os.fspath(mngr.directory), str(step))
-        target = os.path.join(step_dir, INVENTORY)
-        if os.path.isdir(step_dir) and not os.path.exists(target):
-            files = _inventory(step_dir)
-            with open(target + ".tmp", "w") as f:
-                json.dump(files, f)
-            os.replace(target + ".tmp", target)
+        step_dir = epath.Path(mngr.directory) / str(step)
+        target = step_dir / INVENTORY
+        if step_dir.is_dir() and not target.exists():
+            write_text(target, json.dumps(_inventory(step_dir)))
 
 
-def damaged_files(step_dir: str) -> list[str]:
+def _remove_leftovers(mngr: ocp.CheckpointManager) -> None:
+    """Removes the folders of saves killed half-way: nothing else writes here (the workdir is locked) and no save
+    is in flight. Locally they are orbax's ``*.orbax-checkpoint-tmp*`` folders; on an object store, step folders
+    without the commit file, which orbax does not list."""
+    where = epath.Path(mngr.directory)
+    if not where.exists():
+        return
+    finished = {str(s) for s in mngr.all_steps()}
+    for leftover in where.iterdir():
+        name = leftover.name
+        if ".orbax-checkpoint-tmp" in name or (is_remote(where) and name.isdigit() and name not in finished):
+            leftover.rmtree(missing_ok=True) if leftover.is_dir() else leftover.unlink(missing_ok=True)
+
+
+def damaged_files(step_dir) -> list[str]:
     """Files of a finished step that are missing, resized or rewritten since it was written (empty: none known)."""
-    path = os.path.join(step_dir, INVENTORY)
-    if not os.path.exists(path):
+    step_dir = epath.Path(step_dir)
+    if not (step_dir / INVENTORY).exists():
         return []
-    with open(path) as f:
-        expected = json.load(f)
+    try:
+        expected = json.loads((step_dir / INVENTORY).read_text())
+    except (OSError, ValueError):  # the inventory itself is damaged: nothing known; orbax's own checks remain
+        return []
     now = _inventory(step_dir)
     out = []
     for rel, want in sorted(expected.items()):
@@ -213,8 +234,8 @@ def check_structure(saved, expected, step: int, where: str) -> None:
 def restore(mngr: ocp.CheckpointManager, step: int, target_state):
     """(state, data_state, config_dict) of ``step``, the state laid out as ``target_state`` (abstract arrays with
     shardings) says. Unreadable or mismatching checkpoints raise CheckpointError naming the step and the file."""
-    where = os.fspath(mngr.directory)
-    step_dir = os.path.join(where, str(step))
+    where = epath.Path(mngr.directory)
+    step_dir = where / str(step)
     damaged = damaged_files(step_dir)
     if damaged:
         raise CorruptCheckpointError(
@@ -228,7 +249,7 @@ def restore(mngr: ocp.CheckpointManager, step: int, target_state):
         raise CorruptCheckpointError(
             f"checkpoint step {step} in {where}: cannot read its metadata ({_short(e)})"
         ) from e
-    if metadata is None or not os.path.exists(os.path.join(step_dir, "state", "_METADATA")):
+    if metadata is None or not (step_dir / "state" / "_METADATA").exists():
         raise CorruptCheckpointError(
             f"checkpoint step {step} in {where} is corrupted: the state's metadata file state/_METADATA is missing"
         )

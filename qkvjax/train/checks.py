@@ -4,15 +4,13 @@ config, and the data suits the model. Each raises a ValueError that names the fi
 from __future__ import annotations
 
 import json
-import os
-import shutil
 
 import jax
 
 from qkvjax.data.pipeline import check_corpus
 from qkvjax.train.config import Config, TrainConfig, from_dict, to_dict
 from qkvjax.train.state import learning_rate_schedule
-from qkvjax.workdir import CONFIG_FILE, METRICS_FILE
+from qkvjax.workdir import CONFIG_FILE, METRICS_FILE, path
 
 # What may change between runs on one workdir: cadence, length and layout, not the experiment itself.
 RESUMABLE_CHANGES = {
@@ -43,13 +41,12 @@ def _flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
-def check_workdir(workdir: str, config: Config, overwrite: bool) -> None:
+def check_workdir(workdir, config: Config, overwrite: bool) -> None:
     """Refuses a workdir that holds a run of another experiment, unless ``overwrite`` (which clears it)."""
-    path = os.path.join(workdir, CONFIG_FILE)
-    if not os.path.exists(path):
+    workdir = path(workdir)
+    if not (workdir / CONFIG_FILE).exists():
         return
-    with open(path) as f:
-        old = _flatten(json.load(f))
+    old = _flatten(json.loads((workdir / CONFIG_FILE).read_text()))
     new = _flatten(to_dict(config))
     diff = sorted(k for k in set(old) | set(new) if k not in RESUMABLE_CHANGES and old.get(k) != new.get(k))
     if diff and not overwrite:
@@ -60,11 +57,11 @@ def check_workdir(workdir: str, config: Config, overwrite: bool) -> None:
         )
     if overwrite and jax.process_index() == 0:
         for name in ("checkpoints", "params", "tensorboard", METRICS_FILE, CONFIG_FILE):
-            target = os.path.join(workdir, name)
-            if os.path.isdir(target):
-                shutil.rmtree(target)
-            elif os.path.exists(target):
-                os.remove(target)
+            target = workdir / name
+            if target.is_dir():
+                target.rmtree()
+            elif target.exists():
+                target.unlink()
 
 
 def check_splits(splits: dict, config: Config) -> None:

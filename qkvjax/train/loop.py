@@ -12,13 +12,15 @@ import math
 import os
 import shutil
 import signal
-import sys
+import tempfile
 import time
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from etils import epath
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
 from qkvjax.analyze import weight_stats
@@ -30,44 +32,81 @@ from qkvjax.train import checkpoint
 from qkvjax.train.checks import check_resume, check_splits, check_workdir
 from qkvjax.train.config import Config, to_dict, to_json
 from qkvjax.train.mesh import batch_sharding, data_parallel_size, make_mesh, shardings_for
+from qkvjax.train.progress import TrainProgress
 from qkvjax.train.state import abstract_state, create_state, learning_rate_schedule, make_optimizer
 from qkvjax.train.step import make_eval_step, make_train_step, mean_loss
-from qkvjax.workdir import CONFIG_FILE, METRICS_FILE, WorkdirLock, json_safe, load_config  # noqa: F401
+from qkvjax.workdir import CONFIG_FILE, METRICS_FILE, WorkdirLock, is_remote, json_safe, load_config, write_text  # noqa: F401
+from qkvjax.workdir import path as workdir_path
 
 
 class MetricsWriter:
-    """metrics.jsonl (every record, full precision) and TensorBoard, on process 0 only."""
+    """metrics.jsonl (every record, full precision) and TensorBoard, on process 0 only.
 
-    def __init__(self, workdir: str, resume_step: int | None):
+    Locally each record is appended as it comes. On an object store (no append) the records are kept and the file
+    is rewritten whole at each :meth:`flush` (the loop flushes at evaluations, checkpoints and the end), and the
+    TensorBoard events are written to a local folder and uploaded at the same moments.
+    """
+
+    def __init__(self, workdir, resume_step: int | None):
         self.enabled = jax.process_index() == 0
-        self.path = os.path.join(workdir, METRICS_FILE)
+        self.workdir = workdir_path(workdir)
+        self.path = self.workdir / METRICS_FILE
+        self.remote = is_remote(self.workdir)
         if not self.enabled:
             return
-        if resume_step is not None and os.path.exists(self.path):
+        self.lines = []
+        if self.path.exists():
             # Records written after the checkpoint we resume from are about to be recomputed: drop them so the
-            # curve continues without duplicates.
-            with open(self.path) as f:
-                kept = [line for line in f if line.strip() and json.loads(line)["step"] <= resume_step]
-            with open(self.path + ".tmp", "w") as f:
-                f.writelines(kept)
-            os.replace(self.path + ".tmp", self.path)
+            # curve continues without duplicates (and a fresh start drops a failed earlier attempt's records).
+            self.lines = [
+                line + "\n"
+                for line in self.path.read_text().splitlines()
+                if line.strip() and resume_step is not None and json.loads(line)["step"] <= resume_step
+            ]
+            write_text(self.path, "".join(self.lines))
         from tensorboardX import SummaryWriter
 
-        self.tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+        # One TensorBoard run per workdir: each (re)start writes its own events file, named by the step it starts
+        # from, and a resume marks the steps after its checkpoint as purged (TensorBoard's SessionLog.START), so
+        # the curves continue without the records that are about to be recomputed.
+        start = 0 if resume_step is None else resume_step
+        self.tb_dir = self.workdir / "tensorboard"
+        self.tb_local = tempfile.mkdtemp(prefix="qkvjax-tensorboard-") if self.remote else os.fspath(self.tb_dir)
+        self.tb = SummaryWriter(
+            self.tb_local,
+            purge_step=None if resume_step is None else resume_step + 1,
+            filename_suffix=f".from_step_{start}",
+        )
 
     def write(self, record: dict) -> None:
         if not self.enabled:
             return
-        with open(self.path, "a") as f:
-            f.write(json.dumps(json_safe(record), allow_nan=False) + "\n")
+        line = json.dumps(json_safe(record), allow_nan=False) + "\n"
+        if self.remote:
+            self.lines.append(line)
+        else:
+            with open(self.path, "a") as f:
+                f.write(line)
         prefix = "eval/" if record.get("eval") else "train/"
         for k, v in record.items():
             if isinstance(v, int | float) and not isinstance(v, bool) and k != "step":
                 self.tb.add_scalar(prefix + k, v, record["step"])
 
+    def flush(self) -> None:
+        if not (self.enabled and self.remote):
+            return
+        write_text(self.path, "".join(self.lines))
+        self.tb.flush()
+        self.tb_dir.mkdir(parents=True, exist_ok=True)
+        for name in os.listdir(self.tb_local):
+            epath.Path(self.tb_local, name).copy(self.tb_dir / name, overwrite=True)
+
     def close(self) -> None:
         if self.enabled:
             self.tb.close()
+            self.flush()
+            if self.remote:
+                shutil.rmtree(self.tb_local, ignore_errors=True)
 
 
 class _Preemption:
@@ -98,14 +137,10 @@ class _Preemption:
             signal.signal(sig, previous)
 
 
-def _progress(line: str, final: bool = False) -> None:
-    if jax.process_index() != 0:
-        return
-    if sys.stdout.isatty():
-        sys.stdout.write("\r\033[K" + line + ("\n" if final else ""))
-    else:
-        sys.stdout.write(line + "\n")
-    sys.stdout.flush()
+def _say(line: str) -> None:
+    """A message before the progress display starts (process 0 only)."""
+    if jax.process_index() == 0:
+        print(line, flush=True)
 
 
 @dataclasses.dataclass
@@ -167,12 +202,12 @@ def train(config: Config, workdir: str, *, overwrite: bool = False) -> dict:
     Process 0 holds the workdir's lock (:class:`qkvjax.workdir.WorkdirLock`) for the whole run, so a second run on
     the same workdir refuses to start and names the holder.
     """
-    workdir = os.path.abspath(workdir)
-    if os.path.exists(workdir) and not os.path.isdir(workdir):
+    workdir = workdir_path(workdir)
+    if workdir.exists() and not workdir.is_dir():
         raise ValueError(f"--workdir={workdir} is a file; pass a folder (it is created if missing)")
     lock = WorkdirLock(workdir)
     if jax.process_index() == 0:
-        os.makedirs(workdir, exist_ok=True)
+        workdir.mkdir(parents=True, exist_ok=True)
         lock.acquire()
     try:
         return _train(config, workdir, overwrite, lock)
@@ -184,7 +219,7 @@ class NonFiniteError(ValueError):
     """The loss or gradient norm stopped being finite; nothing non-finite was saved."""
 
 
-def _train(config: Config, workdir: str, overwrite: bool, lock: WorkdirLock) -> dict:
+def _train(config: Config, workdir: epath.Path, overwrite: bool, lock: WorkdirLock) -> dict:
     tc = config.train
     # Everything that can be checked is checked before anything compiles.
     model = DecoderLM(config.model)
@@ -193,10 +228,13 @@ def _train(config: Config, workdir: str, overwrite: bool, lock: WorkdirLock) -> 
     par = _Parallel(config, abstract)
     check_workdir(workdir, config, overwrite)
     if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
         multihost_utils.sync_global_devices("qkvjax: workdir checked")
-    splits = load_splits(config.data.dataset, config.data.source_path, os.path.expanduser(config.data.data_dir))
+    data_dir = os.path.expanduser(config.data.data_dir)
+    if jax.process_count() > 1:  # process 0 prepares the dataset first: processes sharing a data_dir would race
+        if jax.process_index() == 0:
+            load_splits(config.data.dataset, config.data.source_path, data_dir)
+        multihost_utils.sync_global_devices("qkvjax: dataset prepared")
+    splits = load_splits(config.data.dataset, config.data.source_path, data_dir)
     check_splits(splits, config)
 
     mngr = checkpoint.manager(workdir, tc.max_to_keep)
@@ -210,17 +248,16 @@ def _train(config: Config, workdir: str, overwrite: bool, lock: WorkdirLock) -> 
             state, data_state, _ = checkpoint.restore(mngr, latest, par.target())
         except checkpoint.CorruptCheckpointError as e:
             moved = checkpoint.quarantine(mngr, latest)
-            _progress(f"warning: {e}; moved it to {moved} and falling back to the previous checkpoint", final=True)
+            _say(f"warning: {e}; moved it to {moved} and falling back to the previous checkpoint")
             latest = mngr.latest_step()
             continue
         batches.set_state(data_state)
-        _progress(f"resumed from checkpoint step {latest} in {mngr.directory}", final=True)
+        _say(f"resumed from checkpoint step {latest} in {mngr.directory}")
         break
     if latest is None:
         state = create_state(model, config, tx, par.state_shardings)
     if jax.process_index() == 0:
-        with open(os.path.join(workdir, CONFIG_FILE), "w") as f:
-            f.write(to_json(config))
+        write_text(workdir / CONFIG_FILE, to_json(config))
 
     step_fn = make_train_step(model, tx, tc.grad_accum_steps, axis_name="data" if par.mesh is None else None)
     eval_fn = make_eval_step(model)
@@ -244,12 +281,12 @@ def _train(config: Config, workdir: str, overwrite: bool, lock: WorkdirLock) -> 
     schedule = learning_rate_schedule(tc)
     writer = MetricsWriter(workdir, latest)
     step = int(par.unreplicate(state).step) if latest is not None else 0
-    _progress(
+    _say(
         f"qkvjax train: scheme={config.model.attention.scheme} params={param_count(config.model):,} "
         f"devices={jax.device_count()} {('mesh ' + str(dict(par.mesh.shape))) if par.mesh else 'pmap'} "
-        f"step {step}/{tc.num_steps} workdir={workdir}",
-        final=True,
+        f"step {step}/{tc.num_steps} workdir={workdir}"
     )
+    progress = TrainProgress(step, tc.num_steps, enabled=jax.process_index() == 0)
 
     if tc.log_weight_similarity:
         scheme = config.model.attention.tying
@@ -284,7 +321,7 @@ def _train(config: Config, workdir: str, overwrite: bool, lock: WorkdirLock) -> 
         if tc.skip_nonfinite:
             skipped += 1
             nonfinite = jnp.zeros(2, jnp.int32)
-            _progress(f"step {bad_step}: the {what} is not finite; the batch was skipped ({skipped} so far)", True)
+            progress.message(f"step {bad_step}: the {what} is not finite; the batch was skipped ({skipped} so far)")
             return
         good = mngr.latest_step()
         raise NonFiniteError(
@@ -302,11 +339,12 @@ def _train(config: Config, workdir: str, overwrite: bool, lock: WorkdirLock) -> 
                 state, metrics = train_step(state, par.put_batch(next(batches)))
                 step += 1
                 nonfinite = track(nonfinite, jnp.max(metrics["nonfinite"]), jnp.int32(step))
+                progress.step(step)
                 if step == first_step + 1:  # the first call compiles: keep it out of the throughput
                     jax.block_until_ready(metrics)
                     compile_s = time.perf_counter() - start_time
                     last_time, last_step = time.perf_counter(), step
-                    _progress(f"compiled and ran the first step in {compile_s:.1f}s", final=True)
+                    progress.message(f"compiled and ran the first step in {compile_s:.1f}s")
                 if step % tc.log_every == 0 or step == tc.num_steps:
                     check_finite()
                     lock.refresh()
@@ -328,29 +366,24 @@ def _train(config: Config, workdir: str, overwrite: bool, lock: WorkdirLock) -> 
                     else:
                         record["compile_s"] = compile_s
                     writer.write(record)
-                    speed = (
-                        f" {record['tokens_per_s']:,.0f} tok/s mfu {100 * record['mfu']:.1f}%" if steps_timed else ""
-                    )
-                    _progress(
-                        f"step {step}/{tc.num_steps} loss {record['loss']:.4f} bpb {record['bits_per_byte']:.3f} "
-                        f"lr {record['learning_rate']:.2e}{speed}"
-                    )
+                    progress.log(record)
                     last_time, last_step = time.perf_counter(), step
                 if step % tc.eval_every == 0 or step == tc.num_steps:
                     check_finite()
                     ev = evaluate(state.params)
                     writer.write({"step": step, "eval": True, **ev})
-                    _progress(
-                        f"step {step} eval {ev['split']} loss {ev['loss']:.4f} bpb {ev['bits_per_byte']:.3f}", True
-                    )
+                    progress.evaluated(step, ev)
+                    writer.flush()
                     last_time = time.perf_counter()  # evaluation time is not training throughput
                 if step % tc.checkpoint_every == 0 or step == tc.num_steps or preemption.requested:
                     check_finite()
                     save(state, step)
+                    writer.flush()
                 if preemption.requested:
-                    _progress(f"{preemption.requested}: saved checkpoint step {step}; exiting", final=True)
+                    progress.message(f"{preemption.requested}: saved checkpoint step {step}; exiting")
                     break
     finally:  # also on an error: the checkpoint in flight completes, metrics are flushed
+        progress.close()
         try:
             checkpoint.finish(mngr)
         finally:
@@ -358,20 +391,20 @@ def _train(config: Config, workdir: str, overwrite: bool, lock: WorkdirLock) -> 
             writer.close()
     if step >= tc.num_steps:
         export_params(workdir, step, par.unreplicate(state).params)
-    _progress(f"done at step {step}; checkpoints in {os.path.join(workdir, 'checkpoints')}", final=True)
+    _say(f"done at step {step}; checkpoints in {workdir / 'checkpoints'}")
     return record
 
 
-def export_params(workdir: str, step: int, params) -> str:
+def export_params(workdir, step: int, params) -> str:
     """A params-only copy for evaluation: ``WORKDIR/params/<step>``."""
     import orbax.checkpoint as ocp
 
-    path = os.path.join(workdir, "params", str(step))
-    if os.path.exists(path):
-        shutil.rmtree(path)
+    path = workdir_path(workdir) / "params" / str(step)
+    if path.exists():
+        path.rmtree()
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(path, params)
-    return path
+    return os.fspath(path)
 
 
 def _local_rows(batch: dict) -> dict:

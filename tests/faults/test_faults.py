@@ -1,6 +1,8 @@
 """Faults injected by hand: a second run on a workdir, non-finite training, bad data, a deleted config.json,
 damaged checkpoints, leftovers of killed saves, and inputs that used to end in raw tracebacks."""
 
+import contextlib
+import io
 import json
 import os
 import re
@@ -199,3 +201,48 @@ def test_a_relative_source_path_is_stored_absolute(tmp_path, small_text, data_di
     w = tmp_path / "w"
     assert run_in_process(train_args(w, os.path.basename(small_text), data_dir, **{"train.num_steps": 1})) == 0
     assert json.loads((w / "config.json").read_text())["data"]["source_path"] == small_text
+
+
+def test_every_file_of_the_newest_checkpoint_damaged_falls_back_naming_it(tmp_path, small_text, data_dir):
+    """Each kind of file of the newest step in turn deleted, truncated to half, and overwritten with same-size
+    garbage: the restore refuses it naming the file (so training and evaluation fall back; the fallback itself is
+    the test above), and the repaired step restores again."""
+    from qkvjax.evaluate import restore_params
+    from qkvjax.train import checkpoint
+
+    w = tmp_path / "w"
+    settings = {"train.num_steps": 4, "train.checkpoint_every": 2, "train.eval_every": 100}
+    assert run_in_process(train_args(w, small_text, data_dir, **settings)) == 0
+    step_dir = w / "checkpoints" / "4"
+    # Every kind of file: each named file, and one of the content-addressed data chunks in each `d/` folder.
+    kinds = {}
+    for p in sorted(step_dir.rglob("*")):
+        if p.is_file() and p.name != "inventory.json":
+            kinds.setdefault(p.parent if p.parent.name == "d" else p, p)
+    files = list(kinds.values())
+    assert len(files) >= 8 and {p.relative_to(step_dir).parts[0] for p in files} >= {"state", "data", "config"}
+    damages = {
+        "deleted": lambda f, data: f.unlink(),
+        "truncated": lambda f, data: f.write_bytes(data[: len(data) // 2]),
+        "garbage": lambda f, data: f.write_bytes(bytes(255 - b for b in data)),
+    }
+    mngr = checkpoint.manager(str(w), read_only=True)
+    checked = 0
+    for file in files:
+        original = file.read_bytes()
+        for damage, apply in damages.items():
+            if damage != "deleted" and not original:
+                continue  # an empty file cannot be cut or garbled
+            apply(file, original)
+            rel = str(file.relative_to(step_dir))
+            with pytest.raises(checkpoint.CorruptCheckpointError, match=r"checkpoint step 4 .*corrupted") as e:
+                checkpoint.restore(mngr, 4, None)  # the damage is found before the state is read
+            assert rel in str(e.value), (damage, rel, str(e.value))
+            file.write_bytes(original)
+            checked += 1
+    mngr.close()
+    assert checked >= 2 * len(files)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert restore_params(str(w))[3] == 4  # repaired: the newest restores again, with no warning
+    assert "warning" not in err.getvalue()

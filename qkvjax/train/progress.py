@@ -1,0 +1,101 @@
+"""What the training loop shows while it runs: a live status line on a terminal, plain log lines otherwise.
+
+On a terminal (stdout is a TTY) a ``rich`` progress bar is redrawn in place: step / total, a bar, the last logged
+loss, tokens/s, the last evaluation and the estimated time left. Messages (resumed, compiled, evaluations) are
+printed above it. When stdout is a file or a pipe (CI, ``nohup``, ``| tee``), every update is one plain line with
+no escape codes, so logs read and grep well. Only process 0 prints.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    h, rest = divmod(seconds, 3600)
+    m, s = divmod(rest, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
+class TrainProgress:
+    """Progress of one run from step ``start`` to ``total``.
+
+    ``live`` (default: stdout is a terminal and this is process 0) picks the redrawn bar; ``enabled=False`` prints
+    nothing (processes other than 0). ``console`` is for tests. The plain lines carry the same figures, with the
+    time left estimated from the steps timed since the last message.
+    """
+
+    def __init__(self, start: int, total: int, *, enabled: bool = True, live: bool | None = None, console=None):
+        self.start, self.total, self.enabled = start, total, enabled
+        self.live = enabled and (sys.stdout.isatty() if live is None else live)
+        self.last_eval = ""
+        self._clock: tuple[float, int] | None = None  # (time, step) at which the speed estimate starts
+        self._bar = None
+        if self.live:
+            self.console = console or Console()
+            self._bar = Progress(
+                TextColumn("step"),
+                MofNCompleteColumn(),
+                BarColumn(bar_width=24),
+                TextColumn("{task.fields[status]}"),
+                TextColumn("eta"),
+                TimeRemainingColumn(),
+                console=self.console,
+                transient=False,
+            )
+            self._task = self._bar.add_task("train", total=total, completed=start, status="compiling")
+            self._bar.start()
+        elif enabled:
+            self.console = console
+
+    def message(self, line: str) -> None:
+        """A line that stays (above the bar on a terminal)."""
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.console.print(line, markup=False, highlight=False)
+        else:
+            print(line, file=self.console.file if self.console else sys.stdout, flush=True)
+
+    def step(self, step: int) -> None:
+        """Called after every step (cheap: no device sync)."""
+        if self._clock is None:  # the first step compiled; the speed estimate starts after it
+            self._clock = (time.perf_counter(), step)
+        if self._bar is not None:
+            self._bar.update(self._task, completed=step)
+
+    def eta_s(self, step: int) -> float | None:
+        """Seconds left at the rate measured since the first step (None before two steps)."""
+        if self._clock is None or step <= self._clock[1]:
+            return None
+        t0, s0 = self._clock
+        return (time.perf_counter() - t0) / (step - s0) * (self.total - step)
+
+    def log(self, record: dict) -> None:
+        """A training record from the loop (step, loss, bits_per_byte, learning_rate, tokens_per_s, mfu)."""
+        speed = (
+            f" {record['tokens_per_s']:,.0f} tok/s mfu {100 * record['mfu']:.1f}%" if "tokens_per_s" in record else ""
+        )
+        status = f"loss {record['loss']:.4f}{speed}{self.last_eval}"
+        if self._bar is not None:
+            self._bar.update(self._task, completed=record["step"], status=status)
+            return
+        eta = self.eta_s(record["step"])
+        self.message(
+            f"step {record['step']}/{self.total} loss {record['loss']:.4f} bpb {record['bits_per_byte']:.3f} "
+            f"lr {record['learning_rate']:.2e}{speed}" + (f" eta {_duration(eta)}" if eta is not None else "")
+        )
+
+    def evaluated(self, step: int, ev: dict) -> None:
+        self.last_eval = f" | eval {ev['loss']:.4f} @ {step}"
+        self.message(f"step {step} eval {ev['split']} loss {ev['loss']:.4f} bpb {ev['bits_per_byte']:.3f}")
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
