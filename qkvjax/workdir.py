@@ -77,6 +77,18 @@ def read_metrics(workdir) -> tuple[list[dict], list[dict]]:
     return train, evals
 
 
+def export_params(workdir, step: int, params) -> str:
+    """A params-only orbax copy for evaluation and other code: ``WORKDIR/params/<step>``; returns its path."""
+    import orbax.checkpoint as ocp
+
+    target = path(workdir) / "params" / str(step)
+    if target.exists():
+        target.rmtree()
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(target, params)
+    return os.fspath(target)
+
+
 LOCK_FILE = "train.lock"
 STALE_AFTER_S = 600.0  # a holder on another host that has not refreshed its lock for this long is presumed dead
 

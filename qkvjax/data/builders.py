@@ -64,6 +64,13 @@ class _ByteTextBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
     def _source(self, dl_manager) -> bytes:
         raise NotImplementedError
 
+    # TFDS prints two bold lines (sizes "Unknown") around the preparation; one plain line says what matters.
+    def _log_download_bytes(self) -> None:
+        print(f"preparing the dataset {self.name} in {self.data_dir} (once; later runs reuse it)", flush=True)
+
+    def _log_download_done(self) -> None:
+        pass
+
     def _split_generators(self, dl_manager):
         parts = split_text(self._source(dl_manager))
         return {name: self._generate_examples(name, text) for name, text in parts.items()}

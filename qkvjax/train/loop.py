@@ -35,7 +35,16 @@ from qkvjax.train.mesh import batch_sharding, data_parallel_size, make_mesh, sha
 from qkvjax.train.progress import TrainProgress
 from qkvjax.train.state import abstract_state, create_state, learning_rate_schedule, make_optimizer
 from qkvjax.train.step import make_eval_step, make_train_step, mean_loss
-from qkvjax.workdir import CONFIG_FILE, METRICS_FILE, WorkdirLock, is_remote, json_safe, load_config, write_text  # noqa: F401
+from qkvjax.workdir import (  # noqa: F401
+    CONFIG_FILE,
+    METRICS_FILE,
+    WorkdirLock,
+    export_params,
+    is_remote,
+    json_safe,
+    load_config,
+    write_text,
+)
 from qkvjax.workdir import path as workdir_path
 
 
@@ -393,18 +402,6 @@ def _train(config: Config, workdir: epath.Path, overwrite: bool, lock: WorkdirLo
         export_params(workdir, step, par.unreplicate(state).params)
     _say(f"done at step {step}; checkpoints in {workdir / 'checkpoints'}")
     return record
-
-
-def export_params(workdir, step: int, params) -> str:
-    """A params-only copy for evaluation: ``WORKDIR/params/<step>``."""
-    import orbax.checkpoint as ocp
-
-    path = workdir_path(workdir) / "params" / str(step)
-    if path.exists():
-        path.rmtree()
-    with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(path, params)
-    return os.fspath(path)
 
 
 def _local_rows(batch: dict) -> dict:
