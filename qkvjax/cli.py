@@ -53,6 +53,17 @@ def _train(args: argparse.Namespace, overrides: dict[str, str]) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace, overrides: dict[str, str]) -> int:
+    from qkvjax.plan import format_plan, plan
+    from qkvjax.train.config import apply_overrides, load_config_file
+
+    if args.per_device_memory is not None and not args.per_device_memory > 0:
+        raise ValueError(f"--per-device-memory={args.per_device_memory}; allowed: GiB > 0")
+    config = apply_overrides(load_config_file(args.config), overrides)
+    print(format_plan(config, plan(config, args.devices), args.per_device_memory))
+    return 0
+
+
 def _eval(args: argparse.Namespace) -> int:
     import json
 
@@ -249,6 +260,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds to wait for the coordinator at start-up, and for a silent peer during the run (default 300)",
     )
     p.set_defaults(func=_train, takes_overrides=True)
+
+    p = sub.add_parser(
+        "plan",
+        help="memory per device of a config on N devices (parameters, optimizer, gradients, activations)",
+        description="Per-device memory of training a config on a mesh of --devices devices (the config's mesh, "
+        "e.g. --config.mesh.fsdp=8; -1 fills the rest). Takes --config.a.b=value overrides like train.",
+    )
+    p.add_argument("--config", required=True, help="a Python file with get_config()")
+    p.add_argument("--devices", type=int, required=True, help="devices in the job (chips on TPU, GPUs)")
+    p.add_argument("--per-device-memory", type=float, default=None, help="GiB per device; warns when it will not fit")
+    p.set_defaults(func=_plan, takes_overrides=True)
 
     p = sub.add_parser("eval", help="evaluate a checkpoint on a whole split; prints one JSON object")
     p.add_argument("--workdir", required=True, help="a training run's folder")

