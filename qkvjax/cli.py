@@ -179,14 +179,16 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _quiet_dependencies() -> None:
-    """Warnings that do not concern the user (orbax's read-only manager, TFDS's builder notes) and TFDS's
-    progress bars are off unless --verbose."""
+    """Warnings and errors logged by dependencies that do not concern the user (orbax's read-only manager and
+    its background threads, TFDS's builder notes) and TFDS's progress bars are off unless --verbose."""
     import logging
 
     from absl import logging as absl_logging
 
-    absl_logging.set_verbosity(absl_logging.ERROR)
-    logging.getLogger("absl").setLevel(logging.ERROR)
+    # orbax logs each failure of its background save threads (with a traceback) through absl before the error
+    # reaches the training loop, which reports it in one line: those logs are only shown with --verbose.
+    absl_logging.set_verbosity(absl_logging.FATAL)
+    logging.getLogger("absl").setLevel(logging.CRITICAL)
     import tensorflow_datasets as tfds
 
     tfds.disable_progress_bar()

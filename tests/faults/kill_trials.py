@@ -56,7 +56,7 @@ def _kill_at(args: list[str], workdir: Path, moment: str, rng: random.Random) ->
     proc = subprocess.Popen(
         _cli(args), env=_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
-    target = rng.randrange(2, SETTINGS["train.num_steps"] - 2)
+    target = rng.randrange(2, SETTINGS["train.num_steps"] - 2)  # the kill comes at or after this step
     last = "started"
     try:
         for line in proc.stdout:
@@ -67,7 +67,7 @@ def _kill_at(args: list[str], workdir: Path, moment: str, rng: random.Random) ->
             if moment == "step" and step >= target:
                 time.sleep(rng.uniform(0.0, 0.05))
                 break
-            if moment == "evaluation" and "/" in line.split()[1] and step % SETTINGS["train.eval_every"] == 0:
+            if moment == "evaluation" and step >= target and step % SETTINGS["train.eval_every"] == 0:
                 time.sleep(rng.uniform(0.0, 0.02))
                 break
             if moment == "checkpoint" and step >= target and step % SETTINGS["train.checkpoint_every"] == 0:
