@@ -142,6 +142,32 @@ def with_scheme(config: Config, scheme: str) -> Config | None:
         return None  # e.g. bilinear with rotary: not a valid model, said in the table
 
 
+def torch_comparison(cfg: Config, qkvjax_step, steps: int) -> dict:
+    """The same model's train step in PyTorch eager (benchmarks/torch_reference.py), timed alternately with
+    qkvjax's; {} when torch is not installed or the config is outside what the reference covers."""
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None or cfg.model.attention.dtype != "float32":
+        return {}
+    import torch_reference  # beside this script
+
+    try:
+        torch_step = torch_reference.runner(cfg, cfg.train.batch_size)
+    except ValueError as e:
+        print(f"PyTorch reference skipped: {e}", flush=True)
+        return {}
+    torch_s, ours_s = interleaved(torch_step, qkvjax_step, steps)
+    tokens = cfg.train.batch_size * cfg.seq_len
+    out = {
+        "torch_tokens_per_s": tokens / torch_s,
+        "x_torch": torch_s / ours_s,
+        "torch": torch_reference.torch.__version__,
+    }
+    print(f"separate vs PyTorch {out['torch']} eager: {tokens / ours_s:,.0f} against {out['torch_tokens_per_s']:,.0f} "
+          f"tok/s, x{out['x_torch']:.2f}", flush=True)  # fmt: skip
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="experiments/configs/shakespeare_char.py")
@@ -155,6 +181,7 @@ def main(argv=None) -> int:
     p.add_argument("--implementation", default=None, help="jax.nn.dot_product_attention implementation (cudnn)")
     p.add_argument("--remat", default=None, choices=["none", "full", "dots"])
     p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--no-torch", action="store_true", help="skip the PyTorch reference even where torch is installed")
     args = p.parse_args(argv)
 
     overrides = {"model.dropout_rate": "0.0", "train.grad_accum_steps": "1"}
@@ -232,6 +259,8 @@ def main(argv=None) -> int:
             "baseline_decode_batch_tokens_per_s": baseline["decode_b"],
             "kv_cache_bytes_per_token": att.kv_cache_bytes_per_token * cfg.model.num_layers,
         }
+        if scheme == "separate" and not args.no_torch:
+            row.update(torch_comparison(cfg, runner["step"], steps))
         results.append(row)
         print(
             f"{scheme}: {row['tokens_per_s']:,.0f} tok/s, x{row['ratio']:.2f} flax, mfu {100 * row['mfu']:.1f}%",
@@ -261,6 +290,9 @@ def main(argv=None) -> int:
             f"{r['baseline_decode_tokens_per_s']:>8,.0f} {r['decode_batch_tokens_per_s']:>9,.0f} "
             f"{r['baseline_decode_batch_tokens_per_s']:>9,.0f} {r['kv_cache_bytes_per_token']:>9,}"
         )
+    if "x_torch" in sep_row:
+        print(f"PyTorch {sep_row['torch']} eager, same model: {sep_row['torch_tokens_per_s']:,.0f} tok/s; separate is "
+              f"x{sep_row['x_torch']:.2f} its speed (timed alternately)")  # fmt: skip
     print(
         f"flax baseline: {baseline['tokens_per_s']:,.0f} tok/s, compile {baseline['compile_s']:.1f}s; "
         f"{mem_key} {mem_value / 2**20:,.0f} MB"

@@ -79,8 +79,12 @@ def _kill_at(args: list[str], workdir: Path, moment: str, rng: random.Random) ->
                     time.sleep(0.001)
                 break
     finally:
+        exited = proc.poll()  # None: still running, so the kill below lands mid-run
         proc.kill()
+        tail = proc.stdout.read()[-300:]
         proc.wait()
+    if exited is not None:  # ended by itself before the moment came: say so (the trial then tests nothing)
+        return f"{moment}: NOT KILLED, exited rc={exited} after '{last}': {tail!r}"
     return f"{moment}: killed after '{last}'"
 
 

@@ -1,0 +1,172 @@
+"""The qkvjax decoder LM (``separate`` scheme, GQA allowed) written in PyTorch, for speed comparisons only.
+
+    pip install torch==2.13.0        # optional; a CPU build on this kind of machine
+    python benchmarks/torch_reference.py --config experiments/configs/shakespeare_char.py --batch-size 8 --steps 10
+
+Same shapes and maths as ``qkvjax.models.lm.DecoderLM``: token embedding (V, D) tied with the output, learned
+positions, pre-norm blocks (LayerNorm without bias, eps 1e-6), bias-free Q/K/V/O projections with
+``scaled_dot_product_attention`` (causal, GQA through ``enable_gqa``), a tanh-GELU MLP, a final LayerNorm; the same
+initial scales (normal 0.02 embeddings, normal 0.01 positions, truncated-normal fan-in kernels); AdamW with the
+config's betas, weight decay on matrices only, global-norm clipping. :func:`load_flax_params` copies a qkvjax
+parameter tree in, so the logits can be compared (``tests/test_torch_reference.py``). Written for this project.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from qkvjax.models.lm import ModelConfig  # noqa: E402
+from qkvjax.train.config import Config, TrainConfig, load_config_file  # noqa: E402
+
+
+def _trunc_fan_in(shape: tuple[int, ...], fan_in: int) -> torch.Tensor:
+    # flax's variance_scaling(1, "fan_in", "truncated_normal"): std 1/sqrt(fan_in), cut at 2 std, rescaled
+    std = math.sqrt(1.0 / fan_in) / 0.87962566103423978
+    return nn.init.trunc_normal_(torch.empty(shape), std=std, a=-2 * std, b=2 * std)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        att = cfg.attention
+        d, n, k, h, f = cfg.d_model, att.num_heads, att.kv_heads, att.head_dim, cfg.mlp_width
+        self.n, self.k, self.h = n, k, h
+        self.ln_attention = nn.LayerNorm(d, eps=1e-6, bias=False)
+        self.w_q = nn.Parameter(_trunc_fan_in((d, n * h), d))  # (D, N*H)
+        self.w_k = nn.Parameter(_trunc_fan_in((d, k * h), d))  # (D, K*H)
+        self.w_v = nn.Parameter(_trunc_fan_in((d, k * h), d))
+        self.w_o = nn.Parameter(_trunc_fan_in((n * h, d), n * h))  # (N*H, D)
+        self.ln_mlp = nn.LayerNorm(d, eps=1e-6, bias=False)
+        self.w_in = nn.Parameter(_trunc_fan_in((d, f), d))
+        self.w_out = nn.Parameter(_trunc_fan_in((f, d), f))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        y = self.ln_attention(x)
+        q = (y @ self.w_q).view(b, t, self.n, self.h).transpose(1, 2)  # BTNH -> BNTH
+        k = (y @ self.w_k).view(b, t, self.k, self.h).transpose(1, 2)
+        v = (y @ self.w_v).view(b, t, self.k, self.h).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.k != self.n)
+        x = x + o.transpose(1, 2).reshape(b, t, self.n * self.h) @ self.w_o
+        return x + F.gelu(self.ln_mlp(x) @ self.w_in, approximate="tanh") @ self.w_out
+
+
+class TorchLM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        att = cfg.attention
+        if att.scheme != "separate" or att.use_bias or att.rope or not cfg.tie_embeddings or cfg.dropout_rate:
+            raise ValueError("the PyTorch reference covers the separate scheme without biases, rotary or dropout, tied")
+        self.embed = nn.Parameter(torch.randn(cfg.vocab_size, cfg.d_model) * 0.02)
+        self.pos_embed = nn.Parameter(torch.randn(cfg.max_len, cfg.d_model) * 0.01)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.ln_final = nn.LayerNorm(cfg.d_model, eps=1e-6, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed[tokens] + self.pos_embed[: tokens.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        return self.ln_final(x) @ self.embed.T  # BTD,VD->BTV
+
+
+def load_flax_params(model: TorchLM, params) -> None:
+    """Copies a qkvjax ``separate`` parameter tree (plain arrays) into ``model``."""
+
+    def t(x, shape=None):
+        a = torch.from_numpy(np.asarray(x, dtype=np.float32).copy())
+        return a.reshape(shape) if shape is not None else a
+
+    with torch.no_grad():
+        model.embed.copy_(t(params["embed"]))
+        model.pos_embed.copy_(t(params["pos_embed"]))
+        model.ln_final.weight.copy_(t(params["ln_final"]["scale"]))
+        for i, block in enumerate(model.blocks):
+            p = params[f"block_{i}"]
+            att = p["attention"]
+            block.ln_attention.weight.copy_(t(p["ln_attention"]["scale"]))
+            block.ln_mlp.weight.copy_(t(p["ln_mlp"]["scale"]))
+            for name in ("w_q", "w_k", "w_v"):
+                w = np.asarray(att[name])  # (D, N, H) -> (D, N*H)
+                getattr(block, name).copy_(t(w, (w.shape[0], -1)))
+            w_o = np.asarray(att["w_o"])  # (N, H, D) -> (N*H, D)
+            block.w_o.copy_(t(w_o, (-1, w_o.shape[-1])))
+            block.w_in.copy_(t(p["mlp"]["w_in"]))
+            block.w_out.copy_(t(p["mlp"]["w_out"]))
+
+
+def make_optimizer(model: TorchLM, tc: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW at the peak learning rate (the benchmark times steps, not the schedule); decay on matrices only."""
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    rest = [p for p in model.parameters() if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": tc.weight_decay}, {"params": rest, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=tc.learning_rate, betas=(tc.b1, tc.b2), eps=1e-8)
+
+
+def train_step_fn(model: TorchLM, opt: torch.optim.Optimizer, tc: TrainConfig):
+    def step(inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        logits = model(inputs)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
+        opt.step()
+        return loss.item()  # a host sync, as qkvjax's loop does when it logs
+
+    return step
+
+
+def runner(config: Config, batch_size: int, seed: int = 0):
+    """A zero-argument function that runs one timed train step on random bytes and returns its seconds (after
+    two warm-up steps), for ``benchmarks/bench.py`` to interleave with the qkvjax step."""
+    torch.manual_seed(seed)
+    model = TorchLM(config.model)
+    step = train_step_fn(model, make_optimizer(model, config.train), config.train)
+    rng = np.random.default_rng(seed)
+    tokens = torch.from_numpy(rng.integers(0, config.model.vocab_size, (batch_size, config.seq_len + 1)))
+    inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    for _ in range(2):
+        step(inputs, targets)
+
+    def one_step() -> float:
+        start = time.perf_counter()
+        step(inputs, targets)
+        return time.perf_counter() - start
+
+    return one_step
+
+
+def time_train_steps(config: Config, batch_size: int, steps: int, seed: int = 0) -> list[float]:
+    """Seconds per step of ``steps`` steps after two warm-up steps, on random bytes."""
+    one_step = runner(config, batch_size, seed)
+    return [one_step() for _ in range(steps)]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default=str(REPO / "experiments/configs/shakespeare_char.py"))
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--steps", type=int, default=10)
+    args = p.parse_args(argv)
+    config = load_config_file(args.config)
+    times = time_train_steps(config, args.batch_size, args.steps)
+    median = statistics.median(times)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads: {median * 1e3:.1f} ms/step, "
+          f"{args.batch_size * config.seq_len / median:,.0f} tokens/s (median of {args.steps})")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,40 @@
+"""The PyTorch reference (benchmarks/torch_reference.py) is the same model: same parameter count, and with the
+qkvjax weights copied in, the same logits. torch is an optional benchmark extra: without it these tests skip."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from qkvjax.models.lm import DecoderLM, param_count
+from qkvjax.train.config import apply_overrides, load_config_file
+from tests.helpers import TINY
+
+torch = pytest.importorskip("torch", reason="torch is an optional benchmark extra (pip install torch==2.13.0)")
+from benchmarks import torch_reference  # noqa: E402
+
+
+@pytest.mark.parametrize("kv_heads", [None, 2])
+def test_same_parameters_and_logits_as_qkvjax(kv_heads):
+    overrides = {"model.d_model": "24", "model.attention.head_dim": "5", "model.max_len": "11"}
+    if kv_heads:
+        overrides["model.attention.num_kv_heads"] = str(kv_heads)
+    config = apply_overrides(load_config_file(TINY), overrides)
+    model = DecoderLM(config.model)
+    tokens = np.random.default_rng(0).integers(0, 256, (3, 11)).astype(np.int32)
+    params = jax.tree.map(np.asarray, jax.device_get(model.init(jax.random.key(1), jnp.asarray(tokens))["params"]))
+    params = nn.meta.unbox(params)
+    ref = torch_reference.TorchLM(config.model)
+    assert sum(p.numel() for p in ref.parameters()) == param_count(config.model)
+    torch_reference.load_flax_params(ref, params)
+    want = np.asarray(model.apply({"params": params}, jnp.asarray(tokens)))
+    with torch.no_grad():
+        got = ref(torch.from_numpy(tokens).long()).numpy()
+    np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4)
+
+
+def test_train_steps_are_timed():
+    config = apply_overrides(load_config_file(TINY), {"model.max_len": "16"})
+    times = torch_reference.time_train_steps(config, batch_size=4, steps=3)
+    assert len(times) == 3 and all(t > 0 for t in times)
