@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import random
 import subprocess
 import sys
@@ -136,7 +137,10 @@ def main(argv: list[str] | None = None) -> int:
     exact = sum(r["bit_exact"] for r in rows)
     print(f"{exact}/{len(rows)} trials resumed bit-exactly")
     if args.out:
-        Path(args.out).write_text(json.dumps({"trials": rows, "bit_exact": exact}, indent=2) + "\n")
+        meta = {"command": " ".join(["python", "tests/faults/kill_trials.py", *(argv or sys.argv[1:])]),
+                "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
+                "date": time.strftime("%Y-%m-%dT%H:%M")}  # fmt: skip
+        Path(args.out).write_text(json.dumps({**meta, "trials": rows, "bit_exact": exact}, indent=2) + "\n")
     return 0 if exact == len(rows) else 1
 
 

@@ -22,5 +22,6 @@ def test_a_20_minute_soak_keeps_memory_disk_and_speed_flat():
     t0, t1 = result["tokens_per_s_first_last_quarter"]
     assert result["exit_code"] == 0 and len(result["checkpoints_kept"]) == 3
     assert r1 <= 1.2 * r0, result["rss_mib"]
+    assert result["rss_slope_mib_per_min_second_half"] * 20 <= 0.2 * r0, result["rss_slope_mib_per_min_second_half"]
     assert d1 <= 1.5 * d0, result["checkpoints_mib"]
     assert t1 >= 0.75 * t0, result["tokens_per_s_first_last_quarter"]
