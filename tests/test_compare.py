@@ -76,6 +76,7 @@ def test_sweep_end_to_end_and_rerun_skips_finished_runs(tmp_path, small_text, da
     assert _rows(out / "runs.csv") == rows
 
 
+@pytest.mark.slow  # 20-35 s: kills a real sweep and reruns it (out of CI for time: pytest -m slow)
 def test_a_killed_sweep_resumes_without_redoing_finished_runs(tmp_path, small_text, data_dir):
     out = tmp_path / "killed"
     args = _args(out, small_text, data_dir, "--schemes", "separate,shared_qkv", "--seeds", "0", "--matchings", "width")

@@ -129,6 +129,7 @@ def test_plan_and_cli_errors(tmp_path, capsys):
     assert not (tmp_path / "x").exists()
 
 
+@pytest.mark.slow  # 20-35 s: kills a real sweep and reruns it (out of CI for time: pytest -m slow)
 def test_a_killed_sweep_resumes(tmp_path):
     out = tmp_path / "probes"
     args = ["--out", str(out), "--grids", "main", "--tasks", "copy", "--schemes", "separate,shared_qk,shared_kv",
