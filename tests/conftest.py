@@ -25,7 +25,7 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 
 import pytest  # noqa: E402
 
-from tests.helpers import SHARED_CORPUS  # noqa: E402
+from tests.helpers import SHARED_CORPUS, write_varied_text  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -47,12 +47,7 @@ def data_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def small_text(tmp_path_factory) -> str:
     """A few KB of varied text made here, for tests that need no real corpus."""
-    rng = __import__("numpy").random.default_rng(0)
-    words = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "to", "be", "or", "not", "é", "ß"]
-    lines = [" ".join(rng.choice(words, size=9)) for _ in range(300)]
-    path = tmp_path_factory.mktemp("text") / "small.txt"
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return str(path)
+    return write_varied_text(tmp_path_factory.mktemp("text") / "small.txt")
 
 
 @pytest.fixture(autouse=True)

@@ -15,6 +15,15 @@ TINY = str(REPO / "experiments" / "configs" / "tiny.py")
 SHARED_CORPUS = REPO.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
 
 
+def write_varied_text(path, lines: int = 300) -> str:
+    """``lines`` lines of nine words drawn (seed 0) from a small vocabulary with two multi-byte characters:
+    text for runs that need no real corpus. Returns the path."""
+    rng = np.random.default_rng(0)
+    words = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "to", "be", "or", "not", "é", "ß"]
+    Path(path).write_text("\n".join(" ".join(rng.choice(words, size=9)) for _ in range(lines)) + "\n", encoding="utf-8")
+    return str(path)
+
+
 def train_args(workdir, source_path, data_dir, **overrides) -> list[str]:
     base = {
         "data.source_path": source_path,

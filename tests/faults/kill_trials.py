@@ -32,7 +32,7 @@ sys.path.insert(0, str(REPO))
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from tests.helpers import exported_params, flat, train_args  # noqa: E402
+from tests.helpers import exported_params, flat, train_args, write_varied_text  # noqa: E402
 
 MOMENTS = ("step", "checkpoint", "evaluation")
 SETTINGS = {
@@ -93,10 +93,7 @@ def run_trials(trials: int, seed: int, log=print) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory(prefix="qkvjax-kill-") as tmp:
         tmp = Path(tmp)
-        source = tmp / "text.txt"
-        words = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "é", "ß"]
-        wrng = np.random.default_rng(0)
-        source.write_text("\n".join(" ".join(wrng.choice(words, size=9)) for _ in range(300)) + "\n")
+        source = write_varied_text(tmp / "text.txt")
         data_dir = tmp / "tfds"
         reference = tmp / "reference"
         ref = subprocess.run(_cli(train_args(reference, source, data_dir, **SETTINGS)), env=_env(), cwd=REPO,

@@ -30,7 +30,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from tests.helpers import metrics, train_args  # noqa: E402
+from tests.helpers import metrics, train_args, write_varied_text  # noqa: E402
 
 
 def rss_bytes(pid: int) -> int:
@@ -63,10 +63,7 @@ def rss_slope(samples: list[dict]) -> float:
 def soak(minutes: float, every: float, log=print) -> dict:
     with tempfile.TemporaryDirectory(prefix="qkvjax-soak-") as tmp:
         tmp = Path(tmp)
-        source = tmp / "text.txt"
-        words = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "é", "ß"]
-        rng = np.random.default_rng(0)
-        source.write_text("\n".join(" ".join(rng.choice(words, size=9)) for _ in range(3000)) + "\n")
+        source = write_varied_text(tmp / "text.txt", lines=3000)
         workdir = tmp / "run"
         settings = {"train.num_steps": 10**9, "train.checkpoint_every": 10, "train.max_to_keep": 3,
                     "train.log_every": 10, "train.eval_every": 500, "train.eval_batches": 4}  # fmt: skip
