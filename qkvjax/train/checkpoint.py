@@ -172,7 +172,10 @@ def _remove_leftovers(mngr: ocp.CheckpointManager) -> None:
     for leftover in where.iterdir():
         name = leftover.name
         if ".orbax-checkpoint-tmp" in name or (is_remote(where) and name.isdigit() and name not in finished):
-            leftover.rmtree(missing_ok=True) if leftover.is_dir() else leftover.unlink(missing_ok=True)
+            try:  # best effort, as before epath: a save orbax is still abandoning may be writing into it
+                leftover.rmtree(missing_ok=True) if leftover.is_dir() else leftover.unlink(missing_ok=True)
+            except OSError:
+                pass
 
 
 def damaged_files(step_dir) -> list[str]:
