@@ -26,9 +26,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from qkvjax import SCHEMES, attention_cost
-from qkvjax.attention import AttentionConfig
-from qkvjax.models.lm import DecoderLM, param_count, train_flops_per_token
+from qkvjax import SCHEMES, stack_cost
+from qkvjax.attention import Attention, AttentionConfig
+from qkvjax.attention.layers import example_layouts
+from qkvjax.models.lm import DecodeCache, DecoderLM, kv_cache_bytes_per_token, param_count, train_flops_per_token
 from qkvjax.perf import measure_peak_flops
 from qkvjax.train.config import Config, apply_overrides, load_config_file
 from qkvjax.train.state import create_state, make_optimizer
@@ -100,17 +101,25 @@ def interleaved(a, b, steps: int) -> tuple[float, float]:
 
 
 def bench_decode(model, params, config: Config, batch: int, new_tokens: int) -> float:
-    """Tokens/s of greedy cached generation: one jitted step per token, dispatched back to back."""
-    max_len = config.model.max_len
-    n = min(new_tokens, max_len)
+    """Tokens/s of greedy cached generation, one jitted step per token dispatched back to back: qkvjax's
+    functional cache (:class:`DecodeCache`), or flax's ``decode=True`` cache for the flax baseline."""
+    n = min(new_tokens, config.model.max_len)
+    functional = model.attention_cls is Attention
 
     @functools.partial(jax.jit, donate_argnums=0)
     def step(cache, tok):
-        logits, mutated = model.apply({"params": params, "cache": cache}, tok, decode=True, mutable=["cache"])
-        return mutated["cache"], jnp.argmax(logits[:, -1:], axis=-1).astype(jnp.int32)
+        if functional:
+            logits, cache = model.apply({"params": params}, tok, cache=cache)
+        else:
+            logits, mutated = model.apply({"params": params, "cache": cache}, tok, decode=True, mutable=["cache"])
+            cache = mutated["cache"]
+        return cache, jnp.argmax(logits[:, -1:], axis=-1).astype(jnp.int32)
 
     def fresh_cache():
-        return model.init(jax.random.PRNGKey(0), jnp.zeros((batch, max_len), jnp.int32), decode=True)["cache"]
+        if functional:
+            return DecodeCache.empty(config.model, batch)
+        zeros = jnp.zeros((batch, config.model.max_len), jnp.int32)
+        return model.init(jax.random.PRNGKey(0), zeros, decode=True)["cache"]
 
     cache, tok = step(fresh_cache(), jnp.zeros((batch, 1), jnp.int32))  # compile
     jax.block_until_ready(tok)
@@ -182,6 +191,14 @@ def main(argv=None) -> int:
     p.add_argument("--remat", default=None, choices=["none", "full", "dots"])
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--no-torch", action="store_true", help="skip the PyTorch reference even where torch is installed")
+    p.add_argument(
+        "--layout",
+        action="append",
+        default=None,
+        metavar="NAME=PATTERN",
+        help="a whole-stack layer pattern to time too (repeatable; default: the cross-layer K/V layouts of "
+        "`qkvjax schemes --num-layers L` that fit the preset; 'none' for none)",
+    )
     args = p.parse_args(argv)
 
     overrides = {"model.dropout_rate": "0.0", "train.grad_accum_steps": "1"}
@@ -227,9 +244,16 @@ def main(argv=None) -> int:
     baseline["decode_b"] = bench_decode(flax_model, flax_params, flax_cfg, args.decode_batch, decode_tokens)
     print(f"flax baseline: {baseline['tokens_per_s']:,.0f} tok/s (compile {baseline['compile_s']:.1f}s)", flush=True)
 
+    if args.layout is None:
+        examples = example_layouts(base.model.num_layers, base.model.attention.num_heads)
+        layouts = {k: v for k, v in examples.items() if "kv_from" in v}
+    else:
+        layouts = dict(item.partition("=")[::2] for item in args.layout if item != "none")
+    rows = [(scheme, with_scheme(base, scheme)) for scheme in args.schemes.split(",")]
+    rows += [(name, apply_overrides(base, {"model.layers": pattern})) for name, pattern in layouts.items()]
+
     results = []
-    for scheme in args.schemes.split(","):
-        cfg = with_scheme(base, scheme)
+    for scheme, cfg in rows:
         if cfg is None:
             print(f"{scheme}: skipped (not valid with this preset's attention config)", flush=True)
             continue
@@ -240,8 +264,11 @@ def main(argv=None) -> int:
         r["xla_memory_bytes"] = runner["xla_memory_bytes"]
         flops = train_flops_per_token(cfg.model, cfg.seq_len)
         params = create_state(model, cfg, make_optimizer(cfg.train), None).params
-        att = attention_cost(cfg.model.attention, cfg.model.d_model, cfg.seq_len)
-        sep = attention_cost(dataclasses.replace(cfg.model.attention, scheme="separate"), cfg.model.d_model, 1)
+        att = sum(c.projection_flops for c in stack_cost(cfg.model.layer_attention, cfg.model.d_model, cfg.seq_len))
+        sep_model = dataclasses.replace(
+            cfg.model, attention=dataclasses.replace(cfg.model.attention, scheme="separate"), layers=""
+        )
+        sep = sum(c.projection_flops for c in stack_cost(sep_model.layer_attention, cfg.model.d_model, cfg.seq_len))
         row = {
             "scheme": scheme,
             "params": param_count(cfg.model),
@@ -250,14 +277,14 @@ def main(argv=None) -> int:
             "ratio": base_s / step_s,
             "mfu": r["tokens_per_s"] * flops / peak,
             "train_flops_per_token": flops,
-            "projection_flop_ratio": att.projection_flops / sep.projection_flops,
+            "projection_flop_ratio": att / sep,
             "compile_s": r["compile_s"],
             "xla_memory_bytes": r["xla_memory_bytes"],
             "decode_tokens_per_s": bench_decode(model, params, cfg, 1, decode_tokens),
             "decode_batch_tokens_per_s": bench_decode(model, params, cfg, args.decode_batch, decode_tokens),
             "baseline_decode_tokens_per_s": baseline["decode_1"],
             "baseline_decode_batch_tokens_per_s": baseline["decode_b"],
-            "kv_cache_bytes_per_token": att.kv_cache_bytes_per_token * cfg.model.num_layers,
+            "kv_cache_bytes_per_token": kv_cache_bytes_per_token(cfg.model),
         }
         if scheme == "separate" and not args.no_torch:
             row.update(torch_comparison(cfg, runner["step"], steps))
@@ -273,7 +300,7 @@ def main(argv=None) -> int:
     mem_key, mem_value = peak_memory()
     sep_row = next((r for r in results if r["scheme"] == "separate"), results[0])
     header = (
-        f"{'scheme':<12} {'params':>11} {'tok/s':>9} {'x flax':>7} {'x sep':>6} {'FLOP speedup':>12} "
+        f"{'scheme':<16} {'params':>11} {'tok/s':>9} {'x flax':>7} {'x sep':>6} {'FLOP speedup':>12} "
         f"{'proj FLOP x sep':>15} {'MFU':>6} "
         f"{'compile s':>9} {'XLA mem MB':>10} {'dec tok/s b1':>12} {'flax b1':>8} "
         f"{f'dec b{args.decode_batch}':>9} {f'flax b{args.decode_batch}':>9} {'KV B/tok':>9}"
@@ -282,7 +309,7 @@ def main(argv=None) -> int:
     for r in results:
         mem = f"{r['xla_memory_bytes'] / 2**20:,.1f}" if r["xla_memory_bytes"] is not None else "n/a"
         print(
-            f"{r['scheme']:<12} {r['params']:>11,} {r['tokens_per_s']:>9,.0f} {r['ratio']:>7.2f} "
+            f"{r['scheme']:<16} {r['params']:>11,} {r['tokens_per_s']:>9,.0f} {r['ratio']:>7.2f} "
             f"{r['ratio'] / sep_row['ratio']:>6.2f} "
             f"{sep_row['train_flops_per_token'] / r['train_flops_per_token']:>12.2f} "
             f"{r['projection_flop_ratio']:>15.2f} "

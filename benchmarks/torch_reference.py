@@ -68,8 +68,12 @@ class TorchLM(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         att = cfg.attention
-        if att.scheme != "separate" or att.use_bias or att.rope or not cfg.tie_embeddings or cfg.dropout_rate:
-            raise ValueError("the PyTorch reference covers the separate scheme without biases, rotary or dropout, tied")
+        plain = not (att.use_bias or att.rope or att.qk_norm or att.v_norm or att.relative_bias or cfg.layers)
+        if att.scheme != "separate" or not plain or not cfg.tie_embeddings or cfg.dropout_rate:
+            raise ValueError(
+                "the PyTorch reference covers the separate scheme in every layer without biases, rotary, norms or "
+                "dropout, tied"
+            )
         self.embed = nn.Parameter(torch.randn(cfg.vocab_size, cfg.d_model) * 0.02)
         self.pos_embed = nn.Parameter(torch.randn(cfg.max_len, cfg.d_model) * 0.01)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))

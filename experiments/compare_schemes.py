@@ -39,7 +39,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 from experiments import report
 from qkvjax.attention import SCHEMES, attention_cost
-from qkvjax.models.lm import param_count
+from qkvjax.models.lm import kv_cache_bytes_per_token, param_count
 from qkvjax.train.config import Config, from_dict, load_config_file, to_dict
 from qkvjax.workdir import training_clock
 
@@ -73,8 +73,7 @@ PROTOCOL_FILE = "protocol.json"
 
 def kv_cache_bytes(config: Config) -> int:
     """KV-cache bytes per token of the whole model (every layer)."""
-    m = config.model
-    return m.num_layers * attention_cost(m.attention, m.d_model, config.seq_len).kv_cache_bytes_per_token
+    return kv_cache_bytes_per_token(config.model)
 
 
 def _with_attention(config: Config, **changes) -> Config:

@@ -224,16 +224,26 @@ def plot_report(report: dict, path: str) -> None:
     plt.close(fig)
 
 
-def weight_stats(params: dict, scheme) -> dict:
-    """Head-averaged ``symmetry`` and ``qk_cos`` of every block of a qkvjax LM (jit-able; for training logs)."""
+def weight_stats(params: dict, layers) -> dict:
+    """Head-averaged ``symmetry`` and ``qk_cos`` of every block of a qkvjax LM (jit-able; for training logs).
+    ``layers``: the model's ``layer_attention`` (a layer reading another's K/V is measured with its donor's)."""
     out = {}
-    for name in sorted((k for k in params if k.startswith("block_")), key=lambda k: int(k.split("_")[1])):
-        layer = layer_from_params(params[name]["attention"], scheme)
+    for i, layer in enumerate(layers):
+        layer = layer_from_params(block_attention(params, layers, i), layer.config.tying)
         m = head_measures(layer)
-        out[f"symmetry/layer_{name.split('_')[1]}"] = m["symmetry"].mean()
+        out[f"symmetry/layer_{i}"] = m["symmetry"].mean()
         if layer.q is not None:
-            out[f"qk_cos/layer_{name.split('_')[1]}"] = m["qk_cos"].mean()
+            out[f"qk_cos/layer_{i}"] = m["qk_cos"].mean()
     return out
+
+
+def block_attention(params: dict, layers, i: int) -> dict:
+    """Block i's attention params; for a layer reading another layer's K/V, with its donor's K/V kernels."""
+    own = dict(params[f"block_{i}"]["attention"])
+    if layers[i].kv_from is not None:
+        donor = params[f"block_{layers[i].kv_from}"]["attention"]
+        own |= {k: v for k, v in donor.items() if k.startswith(("w_", "b_")) and k not in own}
+    return own
 
 
 def layer_from_params(attention: dict, scheme) -> LayerWeights:

@@ -9,9 +9,22 @@ import sys
 
 
 def _schemes(args: argparse.Namespace) -> int:
-    from qkvjax.attention.schemes import cost_table
+    from qkvjax.attention.costs import cost_table, layout_table
+    from qkvjax.attention.layers import example_layouts
 
     print(cost_table(args.d_model, args.num_heads, args.seq_len, args.num_kv_heads, args.head_dim, args.dtype))
+    if args.num_layers is None and not args.layers:
+        return 0
+    if args.num_layers is None or args.num_layers < 1:
+        raise ValueError(f"--num-layers={args.num_layers}; allowed: an integer >= 1 (needed by --layers)")
+    layouts = example_layouts(args.num_layers, args.num_heads)
+    for item in args.layers:
+        name, sep, pattern = item.partition("=")
+        if not sep or not name:
+            raise ValueError(f"--layers {item!r}; allowed: NAME=PATTERN, e.g. 'cla2=(separate, [kv_from=-1])*6'")
+        layouts[name] = pattern
+    print()
+    print(layout_table(layouts, args.d_model, args.num_heads, args.num_layers, args.seq_len, args.head_dim, args.dtype))
     return 0
 
 
@@ -83,23 +96,33 @@ def _eval(args: argparse.Namespace) -> int:
 
 def _sample(args: argparse.Namespace) -> int:
     from qkvjax.evaluate import restore_params
-    from qkvjax.sample import byte_streamer, encode, generate
+    from qkvjax.sample import byte_streamer, encode, generate_batch
 
-    prompt = encode(args.prompt)  # refuse an empty prompt before restoring anything
+    prompts = [encode(p) for p in args.prompt]  # refuse an empty prompt before restoring anything
     model, params, config, step = restore_params(args.workdir, args.step)
-    sys.stdout.write(args.prompt)
-    _, stats = generate(
+    stream = len(prompts) == 1
+    streamer = byte_streamer(lambda s: (sys.stdout.write(s), sys.stdout.flush()))
+    if stream:
+        sys.stdout.write(args.prompt[0])
+    tokens, stats = generate_batch(
         model,
         params,
-        prompt,
+        prompts,
         args.num_tokens,
         temperature=args.temperature,
         top_k=None if args.top_k == 0 else args.top_k,
         seed=args.seed,
-        on_token=byte_streamer(lambda s: (sys.stdout.write(s), sys.stdout.flush())),
+        on_token=streamer if stream else None,
     )
+    if stream:
+        streamer.flush()
+    else:
+        for i, (prompt, row) in enumerate(zip(args.prompt, tokens, strict=True)):
+            text = bytes(row.tolist()).decode("utf-8", "replace")
+            print(f"{'' if i == 0 else chr(10)}=== prompt {i} ===\n{prompt}{text}")
+    layout = config.model.attention.scheme + (f", layers {config.model.layers!r}" if config.model.layers else "")
     print(
-        f"\n--- step {step}, scheme {config.model.attention.scheme}: {stats['new_tokens']} tokens at "
+        f"\n--- step {step}, scheme {layout}: {len(prompts)} x {stats['new_tokens']} tokens at "
         f"{stats['tokens_per_s']:,.1f} tokens/s (after {stats['prefill_and_compile_s']:.2f}s prefill + compile); "
         f"KV cache {stats['cache_bytes']:,} bytes",
         file=sys.stderr,
@@ -232,6 +255,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--head-dim", type=int, default=None, help="H (default: d_model // num_heads)")
     p.add_argument("--seq-len", type=int, default=1024, help="keys each query attends to, for the FLOPs column")
     p.add_argument("--dtype", default="bfloat16", help="cache dtype for the bytes column")
+    p.add_argument(
+        "--num-layers", type=int, default=None, help="L: also compare whole stacks (K = V, GQA, cross-layer K/V...)"
+    )
+    p.add_argument(
+        "--layers",
+        action="append",
+        default=[],
+        metavar="NAME=PATTERN",
+        help="a layer pattern to add to the stack table (repeatable; see qkvjax.attention.layers)",
+    )
     p.set_defaults(func=_schemes)
 
     p = sub.add_parser(
@@ -285,7 +318,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("sample", help="generate text from a checkpoint with the KV cache")
     p.add_argument("--workdir", required=True, help="a training run's folder")
-    p.add_argument("--prompt", required=True, help="text to continue (bytes; prompt + new tokens <= max_len)")
+    p.add_argument(
+        "--prompt",
+        required=True,
+        action="append",
+        help="text to continue (bytes; prompt + new tokens <= max_len); repeat it to decode several prompts of any "
+        "lengths in one batch (one prompt is streamed as it is made)",
+    )
     p.add_argument("--num-tokens", type=int, default=200, help="bytes to generate")
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=40, help="0 = no top-k cut")

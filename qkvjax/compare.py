@@ -9,8 +9,7 @@ from __future__ import annotations
 import os
 import statistics
 
-from qkvjax.attention import attention_cost
-from qkvjax.models.lm import param_count
+from qkvjax.models.lm import kv_cache_bytes_per_token, param_count
 from qkvjax.workdir import load_config, path, read_metrics, training_clock
 
 COLUMNS = (
@@ -43,11 +42,10 @@ def summarize(workdir: str) -> dict:
     return {
         "run": path(workdir).name,
         "workdir": os.fspath(path(workdir)),
-        "scheme": m.attention.scheme,
+        "scheme": m.attention.scheme + (f" [{m.layers}]" if m.layers else ""),
         "kv_heads": m.attention.kv_heads,
         "params": param_count(m),
-        "kv_cache_bytes_per_token": m.num_layers
-        * attention_cost(m.attention, m.d_model, config.seq_len).kv_cache_bytes_per_token,
+        "kv_cache_bytes_per_token": kv_cache_bytes_per_token(m),
         "steps": steps,
         "tokens": steps * tokens_per_step,
         "last_train_loss": train[-1]["loss"] if train else None,

@@ -67,6 +67,11 @@ def grouped_attention_params(att: dict, cfg: AttentionConfig, num_kv_heads: int)
 def convert(model: ModelConfig, params, to: str | None = None, num_kv_heads: int | None = None):
     """(new ModelConfig, new params) with the scheme ``to`` and/or ``num_kv_heads`` changed."""
     att_cfg = model.attention
+    if model.layers:
+        raise ValueError(
+            f"convert works on runs with one attention config for every layer; this run has the layer pattern "
+            f"{model.layers!r} (convert its layers by hand, or train the pattern you want)"
+        )
     params = nn.meta.unbox(params)
     new = {k: v for k, v in params.items()}
     if num_kv_heads is not None and num_kv_heads != att_cfg.kv_heads:
@@ -120,7 +125,6 @@ def convert_workdir(workdir: str, out: str, to: str | None, num_kv_heads: int | 
     path(out).mkdir(parents=True, exist_ok=True)
     mngr = checkpoint.manager(out)
     checkpoint.save(mngr, step, state, data_state, to_dict(config))
-    checkpoint.finish(mngr)
-    mngr.close()
+    checkpoint.close(mngr)
     write_text(path(out) / CONFIG_FILE, to_json(config))
     return out

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 from etils import epath
 
+from qkvjax.attention import stack_cost
 from qkvjax.evaluate import resolve_step
 from qkvjax.models.lm import DecoderLM, param_count
 from qkvjax.train import checkpoint
@@ -53,9 +54,20 @@ def describe(workdir: str) -> dict:
     train_records, eval_records = read_metrics(workdir)
     last_train = train_records[-1] if train_records else None
     last_eval = eval_records[-1] if eval_records else None
+    m = config.model
+    layers = [
+        {"layer": i, "scheme": spec.config.scheme, "kv_heads": spec.config.kv_heads, "kv_from": spec.kv_from,
+         "attention_params": c.params, "attention_flops_per_token": c.flops_per_token,
+         "kv_cache_bytes_per_token": c.kv_cache_bytes_per_token}
+        for i, (spec, c) in enumerate(zip(m.layer_attention, stack_cost(m.layer_attention, m.d_model, config.seq_len),
+                                          strict=True))
+    ]  # fmt: skip
     return {
         "workdir": os.fspath(path(workdir)),
-        "scheme": config.model.attention.scheme,
+        "scheme": m.attention.scheme,
+        "layers": m.layers,
+        "attention_by_layer": layers,
+        "kv_cache_bytes_per_token": sum(x["kv_cache_bytes_per_token"] for x in layers),
         "checkpoints": checkpoints,
         "parameters": {"total": param_count(config.model), "by_component": breakdown},
         "last_train_metrics": last_train,
@@ -68,6 +80,16 @@ def format_description(info: dict) -> str:
     lines = [f"workdir {info['workdir']}  scheme {info['scheme']}", "checkpoints:"]
     for c in info["checkpoints"]:
         lines.append(f"  step {c['step']:>8}  {c['time']}  {c['bytes'] / 2**20:10.2f} MiB")
+    pattern = f"  layers {info['layers']!r}" if info["layers"] else ""
+    lines[0] += pattern
+    lines.append(f"attention per layer (FLOPs forward per token at seq_len; KV bytes per token), "
+                 f"KV cache {info['kv_cache_bytes_per_token']:,} bytes per token in all:")  # fmt: skip
+    for x in info["attention_by_layer"]:
+        reads = f"  K/V of layer {x['kv_from']}" if x["kv_from"] is not None else ""
+        lines.append(
+            f"  {x['layer']:>3} {x['scheme']:<12} K={x['kv_heads']:<3} params {x['attention_params']:>11,} "
+            f"FLOPs {x['attention_flops_per_token']:>13,} KV B/tok {x['kv_cache_bytes_per_token']:>7,}{reads}"
+        )
     lines.append(f"parameters: {info['parameters']['total']:,}")
     for name, n in info["parameters"]["by_component"].items():
         lines.append(f"  {name:<32} {n:>12,}")

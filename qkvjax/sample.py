@@ -1,4 +1,5 @@
-"""Generation with the decode cache: one prefill call for the prompt, then one jitted call per new token."""
+"""Generation with the functional decode cache: one prefill call for the prompts (of any lengths), then the new
+tokens, on the device in one call or one call per token when streaming."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qkvjax.models.lm import DecoderLM
+from qkvjax.models.lm import DecodeCache, DecoderLM
 
 
 def encode(text: str) -> np.ndarray:
@@ -20,19 +21,6 @@ def encode(text: str) -> np.ndarray:
     if tokens.size == 0:
         raise ValueError("the prompt has no tokens; pass a non-empty --prompt")
     return tokens
-
-
-def empty_cache(model: DecoderLM, batch: int) -> dict:
-    """A zero cache of the model's full context, built from shapes alone (no forward pass)."""
-    shapes = jax.eval_shape(
-        lambda: model.init(jax.random.PRNGKey(0), jnp.zeros((batch, model.config.max_len), jnp.int32), decode=True)
-    )["cache"]
-    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-
-
-def cache_bytes(cache) -> int:
-    """Bytes of the cached keys/values (the index counters excluded)."""
-    return sum(x.nbytes for x in jax.tree.leaves(cache) if x.ndim > 0)
 
 
 def pick(logits: jax.Array, key: jax.Array, temperature: float, top_k: int | None) -> jax.Array:
@@ -46,10 +34,34 @@ def pick(logits: jax.Array, key: jax.Array, temperature: float, top_k: int | Non
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
-def generate(
+def _check(model: DecoderLM, prompts: list[np.ndarray], num_tokens: int, temperature: float, top_k) -> None:
+    max_len = model.config.max_len
+    if not prompts:
+        raise ValueError("no prompts; pass at least one")
+    if num_tokens < 1:
+        raise ValueError(f"num_tokens={num_tokens}; allowed: >= 1")
+    if not 0 <= temperature < float("inf"):
+        raise ValueError(f"temperature={temperature}; allowed: a finite number >= 0 (0 is greedy)")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k={top_k}; allowed: None or >= 1")
+    for i, prompt in enumerate(prompts):
+        which = "the prompt" if len(prompts) == 1 else f"prompt {i}"
+        if len(prompt) >= max_len:
+            raise ValueError(
+                f"{which} has {len(prompt)} tokens, but the model's context is max_len={max_len} tokens in all: "
+                f"shorten it to at most {max_len - 1} tokens"
+            )
+        if len(prompt) + num_tokens > max_len:
+            raise ValueError(
+                f"{which} ({len(prompt)} tokens) + num_tokens ({num_tokens}) = {len(prompt) + num_tokens} exceeds "
+                f"the model's context length max_len={max_len}; ask for at most {max_len - len(prompt)} tokens"
+            )
+
+
+def generate_batch(
     model: DecoderLM,
     params,
-    prompt: np.ndarray,
+    prompts: list[np.ndarray],
     num_tokens: int,
     *,
     temperature: float = 0.8,
@@ -57,64 +69,96 @@ def generate(
     seed: int = 0,
     on_token: Callable[[int], None] | None = None,
 ) -> tuple[np.ndarray, dict]:
-    """Continues ``prompt`` (1-D int tokens) by ``num_tokens``; returns the new tokens and timing statistics."""
-    max_len = model.config.max_len
-    if num_tokens < 1:
-        raise ValueError(f"num_tokens={num_tokens}; allowed: >= 1")
-    if not 0 <= temperature < float("inf"):
-        raise ValueError(f"temperature={temperature}; allowed: a finite number >= 0 (0 is greedy)")
-    if len(prompt) >= max_len:
-        raise ValueError(
-            f"the prompt has {len(prompt)} tokens, but the model's context is max_len={max_len} tokens in all: "
-            f"shorten the prompt to at most {max_len - 1} tokens"
-        )
-    if top_k is not None and top_k < 1:
-        raise ValueError(f"top_k={top_k}; allowed: None or >= 1")
-    if len(prompt) + num_tokens > max_len:
-        raise ValueError(
-            f"prompt ({len(prompt)} tokens) + num_tokens ({num_tokens}) = {len(prompt) + num_tokens} exceeds the "
-            f"model's context length max_len={max_len}; ask for at most {max_len - len(prompt)} tokens"
-        )
+    """Continues each prompt (1-D int tokens, lengths may differ) by ``num_tokens``, all rows in one batch.
 
-    def apply(params, cache, tokens):
-        logits, mutated = model.apply({"params": params, "cache": cache}, tokens, decode=True, mutable=["cache"])
-        return logits[:, -1], mutated["cache"]
+    The prompts are right-padded into one prefill call; each row's cache then holds exactly its own prompt
+    (:class:`~qkvjax.models.lm.DecodeCache` keeps a length per row), so a row decodes as it would alone. With
+    ``on_token`` (one prompt only) every token is streamed as it is made, one jitted call per token; otherwise
+    all tokens are made on the device in one call (``lax.scan``), with no host round trip per token.
+    Returns the new tokens (B, num_tokens) and timing statistics.
+    """
+    prompts = [np.asarray(p, np.int32) for p in prompts]
+    _check(model, prompts, num_tokens, temperature, top_k)
+    if on_token is not None and len(prompts) > 1:
+        raise ValueError("on_token streams one prompt; pass one prompt, or no on_token for several")
+    b = len(prompts)
+    lengths = np.array([len(p) for p in prompts], np.int32)
+    padded = np.zeros((b, int(lengths.max())), np.int32)
+    for i, p in enumerate(prompts):
+        padded[i, : len(p)] = p
 
     @functools.partial(jax.jit, donate_argnums=1)  # the cache is updated in place
-    def prefill(params, cache, tokens, key):
-        logits, cache = apply(params, cache, tokens)
-        return pick(logits, key, temperature, top_k), cache
+    def prefill(params, cache, tokens, lengths, key):
+        logits, cache = model.apply({"params": params}, tokens, cache=cache, num_valid=lengths)
+        last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # each row's last prompt token
+        return pick(last, key, temperature, top_k), cache
+
+    def one(params, cache, token, key):
+        logits, cache = model.apply({"params": params}, token[:, None], cache=cache)
+        return pick(logits[:, -1], key, temperature, top_k), cache
+
+    step = jax.jit(one, donate_argnums=1)
 
     @functools.partial(jax.jit, donate_argnums=1)
-    def step(params, cache, token, key):
-        logits, cache = apply(params, cache, token[:, None])
-        return pick(logits, key, temperature, top_k), cache
+    def decode_all(params, cache, token, keys):
+        def body(carry, key):
+            token, cache = carry
+            token, cache = one(params, cache, token, key)
+            return (token, cache), token
+
+        (_, cache), tokens = jax.lax.scan(body, (token, cache), keys)
+        return tokens.T, cache  # (num_tokens - 1, B) -> (B, num_tokens - 1)
 
     base = jax.random.PRNGKey(seed)
+    keys = jnp.stack([jax.random.fold_in(base, i) for i in range(1, num_tokens)]) if num_tokens > 1 else None
     start = time.perf_counter()
-    token, cache = prefill(params, empty_cache(model, 1), jnp.asarray(prompt)[None], jax.random.fold_in(base, 0))
-    out = [int(token[0])]
-    step = step.lower(params, cache, token, base).compile()  # compile before the clock starts
+    cache = DecodeCache.empty(model.config, b)
+    token, cache = prefill(params, cache, jnp.asarray(padded), jnp.asarray(lengths), jax.random.fold_in(base, 0))
+    out = [np.asarray(token)]
+    if num_tokens > 1:  # compile before the clock starts
+        compiled = (step if on_token else decode_all).lower(params, cache, token, keys[0] if on_token else keys)
+        run = compiled.compile()
     first = time.perf_counter()
     if on_token:
-        on_token(out[-1])
-    for i in range(1, num_tokens):
-        token, cache = step(params, cache, token, jax.random.fold_in(base, i))
-        out.append(int(token[0]))  # the host needs each token to stream it
-        if on_token:
-            on_token(out[-1])
+        on_token(int(out[-1][0]))
+        for i in range(1, num_tokens):
+            token, cache = run(params, cache, token, keys[i - 1])
+            out.append(np.asarray(token))  # the host needs each token to stream it
+            on_token(int(out[-1][0]))
+        tokens = np.stack(out, axis=1)
+    elif num_tokens > 1:
+        rest, cache = run(params, cache, token, keys)
+        tokens = np.concatenate([out[0][:, None], np.asarray(rest)], axis=1)
+    else:
+        tokens = out[0][:, None]
     end = time.perf_counter()
     stats = {
-        "prompt_tokens": int(len(prompt)),
+        "prompt_tokens": [int(n) for n in lengths],
         "new_tokens": num_tokens,
-        "prefill_and_compile_s": first - start,  # the prompt's forward pass and both compiles
-        "tokens_per_s": (num_tokens - 1) / (end - first) if num_tokens > 1 else float("nan"),
-        "cache_bytes": cache_bytes(cache),
+        "prefill_and_compile_s": first - start,  # the prompts' forward pass and both compiles
+        "tokens_per_s": b * (num_tokens - 1) / (end - first) if num_tokens > 1 else float("nan"),
+        "cache_bytes": cache.nbytes,
     }
-    return np.asarray(out, np.int32), stats
+    return tokens.astype(np.int32), stats
 
 
-def byte_streamer(write: Callable[[str], None]) -> Callable[[int], None]:
-    """Writes bytes as text as soon as they form complete UTF-8 characters."""
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    return lambda token: write(decoder.decode(bytes([token])))
+def generate(model: DecoderLM, params, prompt: np.ndarray, num_tokens: int, **kw) -> tuple[np.ndarray, dict]:
+    """One prompt: :func:`generate_batch` with a batch of one; returns the new tokens (num_tokens,)."""
+    tokens, stats = generate_batch(model, params, [prompt], num_tokens, **kw)
+    stats["prompt_tokens"] = stats["prompt_tokens"][0]
+    return tokens[0], stats
+
+
+class byte_streamer:  # noqa: N801 (used like a function)
+    """Writes bytes as text as soon as they form complete UTF-8 characters; ``flush()`` at the end writes what an
+    unfinished character left (as U+FFFD, like ``bytes.decode(errors="replace")``)."""
+
+    def __init__(self, write: Callable[[str], None]):
+        self.write = write
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def __call__(self, token: int) -> None:
+        self.write(self.decoder.decode(bytes([token])))
+
+    def flush(self) -> None:
+        self.write(self.decoder.decode(b"", final=True))

@@ -20,7 +20,7 @@ import re
 
 import numpy as np
 
-from qkvjax.analyze import LayerWeights, layer_from_params
+from qkvjax.analyze import LayerWeights, block_attention, layer_from_params
 
 FORMATS = {
     "bert": r"^(?:bert\.)?encoder\.layer\.(\d+)\.attention\.self\.(query|key|value)\.weight$",
@@ -118,8 +118,9 @@ def load_workdir(workdir: str, step: int | None = None):
     from qkvjax.evaluate import restore_params
 
     _, params, config, step = restore_params(workdir, step)
-    scheme = config.model.attention.tying
-    params = {k: {kk: np.asarray(vv, np.float64) for kk, vv in v["attention"].items()}
+    spec = config.model.layer_attention
+    params = {k: {"attention": {kk: np.asarray(vv, np.float64) for kk, vv in v["attention"].items()}}
               for k, v in params.items() if k.startswith("block_")}  # fmt: skip
-    layers = [layer_from_params(params[f"block_{i}"], scheme) for i in range(len(params))]
-    return layers, f"{os.path.basename(os.path.abspath(workdir))} step {step} ({scheme.name})"
+    layers = [layer_from_params(block_attention(params, spec, i), spec[i].config.tying) for i in range(len(spec))]
+    label = config.model.attention.scheme + (f", layers {config.model.layers!r}" if config.model.layers else "")
+    return layers, f"{os.path.basename(os.path.abspath(workdir))} step {step} ({label})"

@@ -42,10 +42,16 @@ def run_in_process(args: list[str]) -> int:
     return main(args)
 
 
+def xla_flags(devices: int) -> str:
+    """XLA_FLAGS for a test process: ``devices`` CPU devices, compiled at backend optimisation level 0 (the suite
+    is compile-bound; see tests/conftest.py)."""
+    return f"--xla_force_host_platform_device_count={devices} --xla_backend_optimization_level=0"
+
+
 def run_in_new_process(args: list[str], devices: int = 8, timeout: float = 240, **popen):
     """The CLI in a fresh interpreter with ``devices`` CPU devices; returns the CompletedProcess."""
     env = dict(os.environ)
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["XLA_FLAGS"] = xla_flags(devices)
     env["JAX_PLATFORMS"] = "cpu"
     return subprocess.run(
         [sys.executable, "-m", "qkvjax.cli", *args],

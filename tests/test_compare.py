@@ -14,7 +14,7 @@ from experiments.compare_schemes import MATCHINGS, kv_cache_bytes, matched_confi
 from qkvjax import SCHEMES
 from qkvjax.models.lm import param_count
 from qkvjax.train.config import load_config_file
-from tests.helpers import REPO, TINY
+from tests.helpers import REPO, TINY, xla_flags
 
 STRICT_DTYPE_PROMOTION = False  # optax
 
@@ -81,7 +81,7 @@ def test_a_killed_sweep_resumes_without_redoing_finished_runs(tmp_path, small_te
     out = tmp_path / "killed"
     args = _args(out, small_text, data_dir, "--schemes", "separate,shared_qkv", "--seeds", "0", "--matchings", "width")
     args += ["--steps", "300"]
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "XLA_FLAGS": xla_flags(1), "JAX_PLATFORMS": "cpu"}
     cmd = [sys.executable, str(REPO / "experiments" / "compare_schemes.py"), *args]
     proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     second = out / "runs" / "width-shared_qkv-seed0" / "checkpoints"

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from qkvjax import SCHEMES, AttentionConfig
-from qkvjax.models.lm import DecoderLM, ModelConfig, param_count
+from qkvjax.models.lm import DecodeCache, DecoderLM, ModelConfig, param_count
 from qkvjax.train.config import MeshConfig
 from qkvjax.train.mesh import make_mesh, shardings_for
 
@@ -37,15 +37,13 @@ def test_cached_decoding_matches_the_full_forward(scheme, kv, rope):
     tokens = jax.random.randint(jax.random.key(1), (B, T), 0, V)
     params = model.init(jax.random.key(0), tokens)["params"]
     full = model.apply({"params": params}, tokens)
-    cache = model.init(jax.random.key(0), tokens, decode=True)["cache"]
+    cache = DecodeCache.empty(cfg, B)
     outs = []
     for i in range(T):
-        logits, mutated = model.apply(
-            {"params": params, "cache": cache}, tokens[:, i : i + 1], decode=True, mutable=["cache"]
-        )
-        cache = mutated["cache"]
+        logits, cache = model.apply({"params": params}, tokens[:, i : i + 1], cache=cache)
         outs.append(logits)
     np.testing.assert_allclose(jnp.concatenate(outs, 1), full, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(cache.lengths, [T] * B)
 
 
 def test_causal_lm_ignores_future_tokens():

@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 
 from benchmarks.first_hour import apply, fresh_clone, readme_blocks, run_commands
-from tests.helpers import REPO
+from tests.helpers import REPO, xla_flags
+
+pytestmark = pytest.mark.xdist_group("readme")  # one worker builds the module's fixture once
 
 README = (REPO / "README.md").read_text()
 TINY = [("experiments/configs/shakespeare_char.py", "experiments/configs/tiny.py --config.model.max_len=128")]
@@ -27,7 +29,7 @@ def clone(tmp_path_factory, corpus):
     assert "shakespeare_char.py" in blocks["run"][0] and len(blocks["first_hour"]) >= 8
     commands = [apply(c, TINY) for c in blocks["run"] + blocks["first_hour"]]
     # One CPU device, as on a user's machine (the other tests simulate 8).
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    env = {**os.environ, "XLA_FLAGS": xla_flags(1)}
     rows = run_commands(commands, clone, env=env)
     failed = [r for r in rows if r["returncode"]]
     assert not failed, f"{failed[0]['command']}\n{failed[0]['stdout'][-2000:]}\n{failed[0]['stderr'][-2000:]}"

@@ -18,6 +18,8 @@ from qkvjax.models.lm import param_count
 from qkvjax.sample import generate
 from tests.helpers import REPO, metrics, run_in_new_process, run_in_process, train_args
 
+pytestmark = pytest.mark.xdist_group("restore")  # one worker builds the module's fixture once
+
 STRICT_DTYPE_PROMOTION = False  # optax inside the training runs
 
 

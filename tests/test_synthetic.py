@@ -17,7 +17,7 @@ from experiments import synthetic
 from qkvjax import SCHEMES, AttentionConfig
 from qkvjax.data.synthetic import TaskData, check_task, targets
 from qkvjax.models.encoder import Encoder, EncoderConfig, encoder_param_count
-from tests.helpers import REPO
+from tests.helpers import REPO, xla_flags
 
 STRICT_DTYPE_PROMOTION = False  # optax in the training test
 
@@ -134,7 +134,7 @@ def test_a_killed_sweep_resumes(tmp_path):
     out = tmp_path / "probes"
     args = ["--out", str(out), "--grids", "main", "--tasks", "copy", "--schemes", "separate,shared_qk,shared_kv",
             "--seeds", "0", "--steps", "150", "--length", "8"]  # fmt: skip
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "XLA_FLAGS": xla_flags(1), "JAX_PLATFORMS": "cpu"}
     cmd = [sys.executable, str(REPO / "experiments" / "synthetic.py"), *args]
     proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 240

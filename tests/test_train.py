@@ -24,6 +24,7 @@ from tests.helpers import (
     run_in_new_process,
     run_in_process,
     train_args,
+    xla_flags,
 )
 
 STRICT_DTYPE_PROMOTION = False  # optax
@@ -147,7 +148,7 @@ def test_half_written_checkpoint_is_skipped(tmp_path, small_text, data_dir):
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_sigterm_and_sigint_save_and_exit_cleanly(tmp_path, small_text, data_dir, sig):
     args = train_args(tmp_path, small_text, data_dir, **{"train.num_steps": 100000, "train.checkpoint_every": 100000})
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", PYTHONUNBUFFERED="1")
+    env = dict(os.environ, XLA_FLAGS=xla_flags(2), PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(
         [sys.executable, "-m", "qkvjax.cli", *args],
         cwd=REPO,

@@ -41,6 +41,10 @@ class AttentionConfig:
       relative_bias: R > 0 adds a learned bias per head and relative offset, b_n(clip(s - t, -R, R)), to every
         score (a T5-style term without buckets, Raffel et al. 2020). b(d) and b(-d) are separate, so it breaks the
         symmetry s(t, s) = s(s, t) of shared-QK scores; 0 (default) is off.
+      qk_norm: RMS-normalise queries and keys over the head dim, each with a learned (H,) scale, before rotary
+        (Dehghani et al. 2023, arXiv:2302.05442; Gemma 3 and 4).
+      v_norm: RMS-normalise values over the head dim without a scale (Gemma 4, whose global layers tie K = V
+        and normalise the one tensor as keys and as values separately).
       implementation: how plain q.k attention is computed: 'einsum' (this package's grouped einsums, the path
         every scheme can take), or 'xla' / 'cudnn' (``jax.nn.dot_product_attention``; 'cudnn' is cuDNN flash
         attention on NVIDIA GPUs). None picks per backend: 'einsum' on CPU, 'xla' elsewhere. Schemes with
@@ -59,6 +63,8 @@ class AttentionConfig:
     param_dtype: str = "float32"
     implementation: str | None = None
     relative_bias: int = 0
+    qk_norm: bool = False
+    v_norm: bool = False
 
     def __post_init__(self):
         for name in ("num_heads", "head_dim"):
@@ -90,6 +96,13 @@ class AttentionConfig:
                 f"scheme {self.scheme!r} merges W^Q (W^K)^T into one (D, D) form per head, so there are no "
                 "separate queries and keys to rotate; rope=True is not allowed with it"
             )
+        if scheme.bilinear and self.qk_norm:
+            raise ValueError(
+                f"scheme {self.scheme!r} has no separate queries and keys to normalise; qk_norm=True is not allowed"
+            )
+        for name in ("qk_norm", "v_norm", "rope", "use_bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"AttentionConfig.{name}={getattr(self, name)!r}; allowed: True or False")
         if self.rope and self.head_dim % 2:
             raise ValueError(f"rope=True needs an even head_dim; got head_dim={self.head_dim}")
         if self.rope and not 0 < self.rope_base < float("inf"):

@@ -51,6 +51,15 @@ def unit_length(x: Array, eps: float = 1e-6) -> Array:
     return (x32 * jax.lax.rsqrt(jnp.sum(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
 
 
+def rms_norm(x: Array, scale: Array | None = None, eps: float = 1e-6) -> Array:
+    """x / rms(x) over the head dim (times ``scale`` (H,) if given), computed in float32."""
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    if scale is not None:
+        y = y * scale.astype(jnp.float32).reshape((1,) * (x.ndim - 1) + (-1,))
+    return y.astype(x.dtype)
+
+
 def combine_masks(*masks: Array | None) -> Array | None:
     """Logical AND of boolean masks of equal rank (None entries are skipped)."""
     present = [m for m in masks if m is not None]
@@ -62,9 +71,9 @@ def combine_masks(*masks: Array | None) -> Array | None:
     return out
 
 
-def causal_mask(q_index: Array, k_index: Array) -> Array:
-    """(1, 1, T, S): True where the key's index <= the query's. q_index (T,), k_index (S,)."""
-    return (k_index[None, :] <= q_index[:, None])[None, None]
+def causal_mask(q_pos: Array, k_pos: Array) -> Array:
+    """(B|1, 1, T, S): True where the key's position <= the query's. q_pos (B|1, T), k_pos (B|1, S)."""
+    return (k_pos[:, None, None, :] <= q_pos[:, None, :, None]).astype(jnp.bool_)
 
 
 # Grouped-query layout. The G query heads that share a kv head are folded into the query axis, Q = T * G
@@ -109,15 +118,27 @@ def bilinear_logits(x_q: Array, w_qk: Array, x_kv: Array, num_kv_heads: int, hea
     return jnp.einsum("BKQE,BSE->BKQS", fold_queries(qx, num_kv_heads), x_kv)
 
 
-def relative_bias(table: Array, q_index: Array, k_index: Array, num_kv_heads: int) -> Array:
-    """A learned score bias per head and relative offset, b_n(clip(s - t, -R, R)): table (N, 2R + 1), indices
-    (T,), (S,) -> (1, K, T * G, S), folded like the logits. b(d) and b(-d) are separate parameters, so the term
-    is asymmetric in (t, s)."""
+def relative_bias(table: Array, q_pos: Array, k_pos: Array, num_kv_heads: int) -> Array:
+    """A learned score bias per head and relative offset, b_n(clip(s - t, -R, R)): table (N, 2R + 1), positions
+    (B|1, T), (B|1, S) -> (B|1, K, T * G, S), folded like the logits. b(d) and b(-d) are separate parameters, so
+    the term is asymmetric in (t, s)."""
     n, width = table.shape
     r = (width - 1) // 2
-    offsets = jnp.clip(k_index[None, :] - q_index[:, None], -r, r) + r  # (T, S) in [0, 2R]
-    bias = jnp.take(table, offsets, axis=1)[None]  # (1, N, T, S)
+    offsets = jnp.clip(k_pos[:, None, :] - q_pos[:, :, None], -r, r) + r  # (B, T, S) in [0, 2R]
+    bias = jnp.take(table, offsets, axis=1).transpose(1, 0, 2, 3)  # NBTS -> BNTS
     return grouped(bias, num_kv_heads, n // num_kv_heads)
+
+
+def write_rows(cache: Array, new: Array, start: Array) -> Array:
+    """Writes ``new`` into ``cache`` at a position per row: cache (B, K, S, H) with new (B, T, K, H), or cache
+    (B, S, D) with new (B, T, D); start (B,) int. Row b's positions start_b .. start_b + T - 1 are replaced."""
+    if new.ndim == 4:
+        new = new.transpose(0, 2, 1, 3)  # BTKH -> BKTH
+
+    def one(c, n, i):
+        return jax.lax.dynamic_update_slice(c, n.astype(c.dtype), (0,) * (c.ndim - 2) + (i, 0))
+
+    return jax.vmap(one)(cache, new, start)
 
 
 def softmax_weights(

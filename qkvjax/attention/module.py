@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -18,19 +19,42 @@ def _kernel_init(in_axis, out_axis, scale: float = 1.0, batch_axis=()):
     )
 
 
+@flax.struct.dataclass
+class KV:
+    """The keys and values a layer attends over, as its scheme's K/V groups produced them (before norms and rotary):
+    ``tensors`` maps each group (``"k"``, ``"v"``, ``"kv"``; ``"x"`` (B, S, D) for a bilinear key side) to an array.
+
+    ``start`` None: fresh from this forward pass, (B, S, K, H), at the query positions. ``start`` (B,) int: a
+    decode cache, (B, K, S, H) over S slots, where row b's current queries sit at positions start_b + t and every
+    slot before them is filled; slot s is visible to a query at position p when s <= p (so prompts of different
+    lengths decode together, each row at its own position).
+    """
+
+    tensors: dict[str, Array]
+    start: Array | None = None
+
+
 class Attention(nn.Module):
     """Multi-head attention whose Q/K/V projections are tied as ``config.scheme`` says.
 
     ``out_t = sum_n softmax_s(score_n(t, s)) v_{s,n} W^O_n`` with ``score_n(t, s) = q_{t,n} . k_{s,kv(n)} / sqrt(H)``
     (or ``x_t^T W_QK[n] x_s / sqrt(H)`` for a bilinear scheme), where each distinct projection is one kernel
     ``w_<roles>`` of shape (D, N, H) if it makes queries, else (D, K, H); ``w_o`` is (N, H, D). See
-    :mod:`qkvjax.attention.schemes` for the schemes and their papers.
+    :mod:`qkvjax.attention.schemes` for the schemes and their papers. With ``qk_norm``, q and k are RMS-normalised
+    (learned scales ``q_norm_scale``, ``k_norm_scale``: (H,)) and with ``v_norm`` v is (no scale), before rotary.
 
-    Decoding follows ``flax.linen.MultiHeadDotProductAttention``: initialise with ``decode=True`` on an input of
-    the maximum length to create the ``cache`` collection, then call with ``decode=True, mutable=["cache"]`` on
-    one or more new positions at a time (attention over the cache is causal). The cache holds one (B, K, S, H)
-    tensor per group that produces keys or values, before rotary embedding (``cached_kv`` for ``shared_kv``), and
-    the input itself (``cached_x``, (B, S, D)) when the key side of a bilinear form needs it.
+    Keys and values can come from elsewhere, and the layer can hand its own on (both as :class:`KV`):
+
+    * ``kv=``: attend over another layer's keys and values (Cross-Layer Attention, Brandon et al. 2024); the
+      layer then has no K/V kernels. ``return_kv=True`` returns ``(y, kv)`` with the K/V this layer used.
+    * ``cache=``: a functional decode cache: the new positions' K/V are written into it at each row's ``start``,
+      attention reads the whole cache, and the call returns ``(y, updated cache)``.
+    * ``decode=True``: flax's convention (``flax.linen.MultiHeadDotProductAttention``), kept for code written
+      against it: initialise with ``decode=True`` on an input of the maximum length to create the ``cache``
+      collection, then call with ``decode=True, mutable=["cache"]``; one position counter for the whole batch.
+
+    Caches hold each K/V group once, before norms and rotary (one tensor for ``shared_kv``), plus the input ``x``
+    when the key side of a bilinear form needs it.
     """
 
     config: AttentionConfig
@@ -49,21 +73,25 @@ class Attention(nn.Module):
         positions: Array | None = None,
         decode: bool = False,
         deterministic: bool = True,
-    ) -> Array:
+        kv: KV | None = None,
+        cache: KV | None = None,
+        return_kv: bool = False,
+    ):
         """inputs_q (B, T, D), inputs_kv (B, S, D) or None for self-attention, mask boolean and broadcastable
-        to (B, N, T, S) with True = may attend, positions (B, T) for rotary embedding. Returns (B, T, D)."""
+        to (B, N, T, S) with True = may attend, positions (B, T) for rotary embedding. Returns (B, T, D), or
+        ``(y, KV)`` when ``cache`` is given or ``return_kv``."""
         cfg, scheme = self.config, self.config.tying
-        n, kv, h = cfg.num_heads, cfg.kv_heads, cfg.head_dim
+        n, kv_heads, h = cfg.num_heads, cfg.kv_heads, cfg.head_dim
         self_attention = inputs_kv is None
         x_kv_in = inputs_q if self_attention else inputs_kv
-        _check_inputs(cfg, inputs_q, x_kv_in, mask, positions, decode, self_attention)
+        _check_inputs(cfg, inputs_q, x_kv_in, mask, positions, decode, self_attention, kv, cache)
         b, t, d = inputs_q.shape
-        s = x_kv_in.shape[1]
         dtype = jnp.dtype(cfg.dtype)
 
+        own_groups = scheme.query_groups if kv is not None else scheme.groups
         kernels, biases = {}, {}
-        for group in scheme.groups:
-            heads = scheme.heads(group, n, kv)
+        for group in own_groups:
+            heads = scheme.heads(group, n, kv_heads)
             head_axis = axes.HEADS if "q" in group else axes.KV_HEADS
             kernels[group] = self._param(
                 f"w_{group}", (d, heads, h), (axes.EMBED, head_axis, axes.HEAD_DIM), _kernel_init(0, (1, 2))
@@ -79,67 +107,88 @@ class Attention(nn.Module):
             ).astype(dtype)
         w_o = self._param("w_o", (n, h, d), (axes.HEADS, axes.HEAD_DIM, axes.EMBED), _kernel_init((0, 1), 2))
         w_o = w_o.astype(dtype)
+        norm_scale = {
+            role: self._param(f"{role}_norm_scale", (h,), (axes.HEAD_DIM,), nn.initializers.ones)
+            for role in (("q", "k") if cfg.qk_norm else ())
+        }
 
         def run(x, groups):
             bs = [biases[g] for g in groups] if cfg.use_bias else None
             return dict(zip(groups, core.project(x, [kernels[g] for g in groups], bs), strict=True))
 
         x_q, x_kv = inputs_q.astype(dtype), x_kv_in.astype(dtype)
-        if self_attention:
-            proj_q = proj_kv = run(x_q, scheme.groups)
+        if kv is not None:
+            proj_q, fresh = run(x_q, scheme.query_groups), kv
+        elif self_attention:
+            proj_q = run(x_q, scheme.groups)
+            fresh = KV({g: proj_q[g] for g in scheme.kv_groups} | ({"x": x_kv} if scheme.bilinear else {}))
         else:
             proj_q = run(x_q, scheme.query_groups) if scheme.query_groups else {}
-            proj_kv = run(x_kv, scheme.kv_groups)
-        kv_side = {g: proj_kv[g] for g in scheme.kv_groups}
-        if scheme.bilinear:
-            kv_side["x"] = x_kv
+            fresh = KV(run(x_kv, scheme.kv_groups) | ({"x": x_kv} if scheme.bilinear else {}))
+        hand_back = return_kv or cache is not None
+        if decode:  # flax's convention: the same functional cache, kept in linen variables
+            slots, index = self._linen_cache(fresh.tensors)
+            if index is not None:
+                cache = KV({k: slot.value for k, slot in slots.items()}, jnp.broadcast_to(index.value, (b,)))
+        if cache is not None:
+            fresh = KV(_write(cache, fresh.tensors, t), cache.start)
+            if decode:
+                for name, slot in slots.items():
+                    slot.value = fresh.tensors[name]
+                index.value = index.value + t
+        kv_side = fresh.tensors
 
-        q_index, k_index = jnp.arange(t), jnp.arange(s)
-        cached = self._update_cache(kv_side, t) if decode else None
-        kv_layout = "BSKH"
-        if cached is not None:
-            # The cache keeps keys and values as (B, K, S, H): what the score and mixing matmuls read without
-            # transposing the whole cache at every step.
-            kv_side, q_index, k_index = cached
-            causal, kv_layout = True, "BKSH"
-        q_pos = jnp.broadcast_to(q_index[None], (b, t)) if positions is None else positions
-        k_pos = q_pos if self_attention and not decode else jnp.broadcast_to(k_index[None], (b, k_index.shape[0]))
+        if fresh.start is None:  # fresh keys at the query positions (or 0..S-1 for cross-attention)
+            kv_layout = "BSKH"
+            q_pos = jnp.arange(t)[None] if positions is None else positions
+            k_pos = q_pos if self_attention else jnp.arange(x_kv.shape[1])[None]
+            index_q, index_k = jnp.arange(t)[None], jnp.arange(x_kv.shape[1])[None]
+        else:  # a cache (B, K, S, H): row b's queries at start_b + t; what they see is causal by position
+            kv_layout, causal = "BKSH", True
+            q_pos = index_q = fresh.start[:, None] + jnp.arange(t)[None]
+            k_pos = index_k = jnp.arange(next(iter(kv_side.values())).shape[-2])[None]
+        rotary_q = jnp.broadcast_to(q_pos, (b, t))
 
         v = kv_side[scheme.group_of("v")]
+        if cfg.v_norm:
+            v = core.rms_norm(v)
         if not scheme.bilinear:
             q, k = proj_q[scheme.group_of("q")], kv_side[scheme.group_of("k")]
+            if cfg.qk_norm:
+                q, k = core.rms_norm(q, norm_scale["q"]), core.rms_norm(k, norm_scale["k"])
             if scheme.normalize_keys:
                 k = core.unit_length(k)
             if cfg.rope:
-                q = core.rotary(q, q_pos, cfg.rope_base)
-                k = core.rotary(k, k_pos, cfg.rope_base, seq_axis=kv_layout.index("S"))
+                q = core.rotary(q, rotary_q, cfg.rope_base)
+                k_rot = jnp.broadcast_to(k_pos, (b, k.shape[kv_layout.index("S")]))
+                k = core.rotary(k, k_rot, cfg.rope_base, seq_axis=kv_layout.index("S"))
 
-        # A causal mask is by index (as flax's make_causal_mask), not by rotary position.
+        # Fresh keys are masked causally by index (as flax's make_causal_mask), not by rotary position.
         full_mask = core.combine_masks(
             None if mask is None else mask.astype(jnp.bool_),
-            core.causal_mask(q_index, k_index) if causal else None,
+            core.causal_mask(index_q, index_k) if causal else None,
         )
         self_mask = None
         if scheme.mask_self and self_attention:
-            self_mask = core.grouped((k_index[None, :] == q_index[:, None])[None, None], kv, cfg.group_size)
+            self_mask = core.grouped((index_k[:, None, None, :] == index_q[:, None, :, None]), kv_heads, cfg.group_size)
         dropout = cfg.dropout_rate > 0.0 and not deterministic
 
         implementation = cfg.implementation or ("einsum" if jax.default_backend() == "cpu" else "xla")
         custom = scheme.bilinear or self_mask is not None or dropout or cfg.relative_bias > 0
-        if custom or implementation == "einsum" or cached is not None:
+        if custom or implementation == "einsum" or kv_layout == "BKSH":
             if scheme.bilinear:
-                logits = core.bilinear_logits(x_q, w_qk, kv_side["x"], kv, h)
+                logits = core.bilinear_logits(x_q, w_qk, kv_side["x"], kv_heads, h)
             else:
                 logits = core.qk_logits(q, k, kv_layout)
             if cfg.relative_bias:
                 table = self._param(
                     "rel_bias", (n, 2 * cfg.relative_bias + 1), (axes.HEADS, None), nn.initializers.zeros
                 )
-                logits = logits + core.relative_bias(table.astype(logits.dtype), q_index, k_index, kv)
+                logits = logits + core.relative_bias(table.astype(logits.dtype), index_q, index_k, kv_heads)
             self.sow("intermediates", "attention_logits", logits)  # (B, K, T * G, S), before masking
             weights = core.softmax_weights(
                 logits,
-                None if full_mask is None else core.grouped(full_mask, kv, cfg.group_size),
+                None if full_mask is None else core.grouped(full_mask, kv_heads, cfg.group_size),
                 self_mask,
                 dropout_rate=cfg.dropout_rate if dropout else 0.0,
                 dropout_rng=self.make_rng("dropout") if dropout else None,
@@ -160,35 +209,45 @@ class Attention(nn.Module):
         y = jnp.einsum("BTNH,NHD->BTD", out, w_o)
         if cfg.use_bias:
             y = y + self._param("b_o", (d,), (axes.EMBED,), nn.initializers.zeros).astype(dtype)[None, None]
-        return y
+        return (y, fresh) if hand_back else y
 
-    def _update_cache(self, kv_side: dict[str, Array], t: int):
-        """Writes the new positions into the cache; None on the initialising call (which only creates it)."""
+    def _linen_cache(self, new: dict[str, Array]):
+        """flax's ``decode=True`` cache variables, shaped after ``new`` (BSKH -> BKSH), and the position counter
+        (None on the initialising call, which only creates them)."""
         initialized = self.has_variable("cache", "cache_index")
-        new = {k: v if v.ndim == 3 else v.transpose(0, 2, 1, 3) for k, v in kv_side.items()}  # BSKH -> BKSH
+        shapes = {k: v.transpose(0, 2, 1, 3).shape if v.ndim == 4 else v.shape for k, v in new.items()}
         slots = {
-            name: self.variable("cache", f"cached_{name}", jnp.zeros, value.shape, value.dtype)
-            for name, value in new.items()
+            name: self.variable("cache", f"cached_{name}", jnp.zeros, shape, new[name].dtype)
+            for name, shape in shapes.items()
         }
         index = self.variable("cache", "cache_index", lambda: jnp.array(0, dtype=jnp.int32))
-        if not initialized:
-            return None
-        cur = index.value
-        max_len = next(iter(slots.values())).value.shape[-2]
-        if not isinstance(cur, jax.core.Tracer) and int(cur) + t > max_len:  # under jit the caller must check
-            raise ValueError(
-                f"decoding {t} more position(s) at cache index {int(cur)} overflows the cache of {max_len} positions "
-                "(its length is the input length of the init call with decode=True)"
-            )
-        for name, slot in slots.items():  # every slot has its positions on axis -2: (B, K, S, H) or (B, S, D)
-            start = (0,) * (slot.value.ndim - 2) + (cur, 0)
-            slot.value = jax.lax.dynamic_update_slice(slot.value, new[name].astype(slot.value.dtype), start)
-        index.value = cur + t
-        return {name: slot.value for name, slot in slots.items()}, cur + jnp.arange(t), jnp.arange(max_len)
+        return slots, index if initialized else None
 
 
-def _check_inputs(cfg, x_q, x_kv, mask, positions, decode, self_attention) -> None:
+def _write(cache: KV, new: dict[str, Array], t: int) -> dict[str, Array]:
+    """The cache's tensors with ``new`` (fresh, (B, T, K, H) or (B, T, D)) written at each row's start."""
+    if set(new) != set(cache.tensors):
+        raise ValueError(f"the cache holds {sorted(cache.tensors)} but this layer makes {sorted(new)}")
+    length = next(iter(cache.tensors.values())).shape[-2]
+    start = cache.start
+    if not isinstance(start, jax.core.Tracer) and int(jnp.max(start)) + t > length:  # under jit the caller checks
+        raise ValueError(
+            f"decoding {t} more position(s) at cache index {int(jnp.max(start))} overflows the cache of {length} "
+            "positions (its length is the input length of the init call with decode=True, or the cache's S)"
+        )
+    return {name: core.write_rows(cache.tensors[name], new[name], start) for name in cache.tensors}
+
+
+def _check_inputs(cfg, x_q, x_kv, mask, positions, decode, self_attention, kv, cache) -> None:
     """Shape errors at trace time, before XLA compiles anything."""
+    if sum(x is not None and x is not False for x in (kv, cache, decode)) > 1:
+        raise ValueError("pass at most one of kv= (another layer's K/V), cache= and decode=True")
+    if kv is not None and (cfg.tying.ties_query_to_kv or cfg.tying.bilinear):
+        raise ValueError(f"scheme {cfg.scheme!r} makes keys or values from the query projection; kv= is not allowed")
+    if (kv is not None and kv.start is not None or cache is not None) and positions is not None:
+        raise ValueError("a cache gives each row's positions (its start); pass positions=None")
+    if cache is not None and not self_attention:
+        raise ValueError("cache= caches self-attention only; pass inputs_kv=None")
     if x_q.ndim != 3 or x_kv.ndim != 3:
         raise ValueError(
             f"Attention inputs must be (B, T, D) and (B, S, D); got inputs_q {x_q.shape}, inputs_kv {x_kv.shape}"

@@ -16,17 +16,12 @@ or values. Two variations ride on top of a partition:
   role keeps a projection. The key side of the cache is then the input ``x`` itself.
 
 Adding a scheme is one :func:`register_scheme` call; nothing else in the package branches on a scheme's name.
+What a scheme costs is read off this data by :mod:`qkvjax.attention.costs`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
-
-import jax.numpy as jnp
-
-if TYPE_CHECKING:
-    from qkvjax.attention.config import AttentionConfig
 
 ROLES = ("q", "k", "v")
 
@@ -130,101 +125,3 @@ register_scheme(
         bilinear=True,
     )
 )
-
-
-@dataclasses.dataclass(frozen=True)
-class AttentionCost:
-    """What one attention layer costs.
-
-    ``flops_per_token`` counts a forward pass (a multiply-add is 2 FLOPs) for one token that is projected in
-    every role it plays and, as a query, attends to ``seq_len`` keys (no causal discount): projections +
-    scores (q.k and the weighted sum of values) + output projection.
-    """
-
-    scheme: str
-    params: int
-    projection_flops: int
-    score_flops: int
-    output_flops: int
-    kv_cache_bytes_per_token: int
-
-    @property
-    def flops_per_token(self) -> int:
-        return self.projection_flops + self.score_flops + self.output_flops
-
-
-def attention_cost(config: AttentionConfig, d_model: int, seq_len: int) -> AttentionCost:
-    """Parameters, forward FLOPs per token and KV-cache bytes per token of one layer, read off the scheme."""
-    scheme = get_scheme(config.scheme)
-    n, k, h, d = config.num_heads, config.kv_heads, config.head_dim, d_model
-    bias = 1 if config.use_bias else 0
-    params = n * h * d + bias * d  # w_o, b_o
-    proj_flops = 0
-    cache_elems = 0
-    for group in scheme.groups:
-        heads = scheme.heads(group, n, k)
-        params += d * heads * h + bias * heads * h
-        proj_flops += 2 * d * heads * h
-        if group in scheme.kv_groups:
-            cache_elems += heads * h
-    if scheme.bilinear:
-        params += n * d * d
-        proj_flops += 2 * n * d * d  # x_t^T W_QK[n], once per query token
-        score_flops = 2 * n * d * seq_len + 2 * n * h * seq_len
-        cache_elems += d  # the key side is x itself
-    else:
-        score_flops = 2 * 2 * n * h * seq_len
-    if config.relative_bias:
-        params += n * (2 * config.relative_bias + 1)
-        score_flops += n * seq_len  # one addition per score
-    itemsize = jnp.dtype(config.dtype).itemsize
-    return AttentionCost(
-        scheme=scheme.name,
-        params=params,
-        projection_flops=proj_flops,
-        score_flops=score_flops,
-        output_flops=2 * n * h * d,
-        kv_cache_bytes_per_token=cache_elems * itemsize,
-    )
-
-
-def cost_table(
-    d_model: int,
-    num_heads: int,
-    seq_len: int,
-    num_kv_heads: int | None = None,
-    head_dim: int | None = None,
-    dtype: str = "bfloat16",
-) -> str:
-    """A text table of :func:`attention_cost` for every registered scheme, with ratios to ``separate``."""
-    from qkvjax.attention.config import AttentionConfig
-
-    for name, value in (("d_model", d_model), ("num_heads", num_heads), ("seq_len", seq_len)):
-        if value < 1:
-            raise ValueError(f"{name}={value}; allowed: an integer >= 1")
-    if head_dim is None:
-        if d_model % num_heads:
-            raise ValueError(f"d_model={d_model} is not divisible by num_heads={num_heads}; pass head_dim")
-        head_dim = d_model // num_heads
-    base = attention_cost(AttentionConfig(num_heads, head_dim, num_kv_heads, "separate", dtype=dtype), d_model, seq_len)
-    k = num_heads if num_kv_heads is None else num_kv_heads
-    lines = [
-        f"one attention layer: d_model={d_model}, N={num_heads}, K={k}, H={head_dim}, seq_len={seq_len}, "
-        f"cache dtype={dtype}; FLOPs are forward, per token attending to seq_len keys",
-        f"{'scheme':<12} {'groups':<10} {'params':>11} {'x sep':>6} {'proj FLOPs':>11} {'FLOPs/token':>12} "
-        f"{'x sep':>6} {'KV bytes/tok':>12} {'x sep':>6}",
-    ]
-    for name, scheme in SCHEMES.items():
-        groups = "{" + "}{".join(scheme.groups) + "}" + ("+W_QK" if scheme.bilinear else "")
-        try:
-            cfg = AttentionConfig(num_heads, head_dim, num_kv_heads, name, dtype=dtype)
-        except ValueError as e:
-            lines.append(f"{name:<12} {groups:<10} n/a: {str(e).split(';')[0]}")
-            continue
-        c = attention_cost(cfg, d_model, seq_len)
-        lines.append(
-            f"{name:<12} {groups:<10} {c.params:>11,} {c.params / base.params:>6.2f} {c.projection_flops:>11,} "
-            f"{c.flops_per_token:>12,} {c.flops_per_token / base.flops_per_token:>6.2f} "
-            f"{c.kv_cache_bytes_per_token:>12,} {c.kv_cache_bytes_per_token / base.kv_cache_bytes_per_token:>6.2f}"
-        )
-    return "\n".join(lines)

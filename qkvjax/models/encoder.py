@@ -66,7 +66,7 @@ class Encoder(nn.Module):
         if mask is not None:  # padding: (B, S) keys -> (B, 1, 1, S)
             mask = mask.astype(jnp.bool_)[:, None, None, :]
         for i in range(cfg.num_layers):
-            x = Block(cfg, causal=False, name=f"block_{i}")(x, None, False, deterministic, mask)
+            x, _ = Block(cfg, causal=False, name=f"block_{i}")(x, None, deterministic, mask=mask)
         x = _layer_norm(cfg, "ln_final")(x)
         w_cls = self.param(
             "w_cls",

@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import dataclasses
 
+import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax import Array
 
 from qkvjax import axes
-from qkvjax.attention import Attention, AttentionConfig, attention_cost
+from qkvjax.attention import KV, Attention, AttentionConfig, LayerAttention, stack_cost
+from qkvjax.attention.layers import expand, producers
 
 REMAT_POLICIES = ("none", "full", "dots")
 
@@ -54,7 +56,10 @@ class ModelConfig(BlockShape):
     """A decoder-only LM.
 
     Attributes:
-      attention: the attention layer (its ``dtype``/``param_dtype`` are the model's).
+      attention: the attention layer (its ``dtype``/``param_dtype`` are the model's), or the base that
+        ``layers`` varies per layer.
+      layers: a layer pattern (:mod:`qkvjax.attention.layers`): a scheme and options per layer, cross-layer K/V
+        sharing; empty means ``attention`` in every layer. Expanded in ``layer_attention``.
       vocab_size: V; 256 for byte-level text.
       d_model: D.
       num_layers: blocks.
@@ -77,11 +82,20 @@ class ModelConfig(BlockShape):
     tie_embeddings: bool = True
     dropout_rate: float = 0.0
     remat: str = "none"
+    layers: str = ""
 
     def __post_init__(self):
         self._check_shape(("vocab_size", "d_model", "num_layers", "max_len"))
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"ModelConfig.remat={self.remat!r}; allowed: {list(REMAT_POLICIES)}")
+        if not isinstance(self.layers, str):
+            raise ValueError(f"ModelConfig.layers={self.layers!r}; allowed: a layer pattern string ('' = all alike)")
+        object.__setattr__(self, "_layer_attention", expand(self.layers, self.attention, self.num_layers))
+
+    @property
+    def layer_attention(self) -> tuple[LayerAttention, ...]:
+        """Each layer's attention config and K/V donor, from ``attention`` and ``layers``."""
+        return self._layer_attention
 
 
 def _dense_init(in_axis, out_axis):
@@ -132,57 +146,130 @@ def position_table(module: nn.Module, cfg, stddev: float) -> Array:
 class Block(nn.Module):
     """Pre-norm transformer block: causal self-attention, then the MLP, each on a residual.
 
-    ``attention_cls`` is any linen module built as ``attention_cls(config.attention)`` and called like
-    ``Attention`` (the benchmark swaps in flax's own attention this way). ``causal=False`` makes it an encoder
-    block. ``config`` is a ModelConfig or anything with the same ``attention``, ``mlp_width``, ``dtype``,
-    ``param_dtype`` and ``dropout_rate`` (the encoder's config).
+    ``attention_cls`` is any linen module built as ``attention_cls(attention)`` and called like ``Attention`` (the
+    benchmark swaps in flax's own attention this way); ``attention`` defaults to ``config.attention``.
+    ``causal=False`` makes it an encoder block. ``config`` is a ModelConfig or anything with the same
+    ``attention``, ``mlp_width``, ``dtype``, ``param_dtype`` and ``dropout_rate`` (the encoder's config). Returns
+    ``(x, KV)`` with the K/V its attention used (another layer may read them), or ``(x, None)`` for an
+    ``attention_cls`` that does not hand them back.
     """
 
     config: ModelConfig
     attention_cls: type = Attention
     causal: bool = True
+    attention: AttentionConfig | None = None
 
     @nn.compact
     def __call__(
-        self, x: Array, positions: Array | None, decode: bool, deterministic: bool, mask: Array | None = None
-    ) -> Array:
+        self,
+        x: Array,
+        positions: Array | None,
+        deterministic: bool,
+        kv: KV | None = None,
+        cache: KV | None = None,
+        mask: Array | None = None,
+        decode: bool = False,
+    ):
         cfg = self.config
         drop = nn.Dropout(cfg.dropout_rate)
-        extra = {} if mask is None else {"mask": mask}  # attention_cls need not take a mask unless given one
-        h = self.attention_cls(cfg.attention, name="attention")(
+        extra = {} if mask is None else {"mask": mask}  # attention_cls need not take these unless given them
+        if decode:
+            extra["decode"] = True
+        if self.attention_cls is Attention:
+            extra |= {"kv": kv, "cache": cache, "return_kv": True}
+        out = self.attention_cls(self.attention or cfg.attention, name="attention")(
             _layer_norm(cfg, "ln_attention")(x),
             **extra,
             causal=self.causal,
             positions=positions,
-            decode=decode,
             deterministic=deterministic,
         )
+        h, used = out if isinstance(out, tuple) else (out, None)
         x = x + drop(h, deterministic=deterministic)
         h = Mlp(cfg, name="mlp")(_layer_norm(cfg, "ln_mlp")(x))
-        return x + drop(h, deterministic=deterministic)
+        return x + drop(h, deterministic=deterministic), used
+
+
+@flax.struct.dataclass
+class DecodeCache:
+    """The decode state of a :class:`DecoderLM`, passed in and returned (a pytree; jit it, donate it).
+
+    ``kv``: one dict per layer that produces keys and values (layers reading another layer's K/V have none),
+    each group's (B, K, S, H) tensor (``"x"``: (B, S, D) for a bilinear key side), before norms and rotary.
+    ``lengths`` (B,) int32: the tokens each row holds; row b's next token goes to position ``lengths[b]``, so rows
+    with prompts of different lengths decode together.
+    """
+
+    kv: tuple[dict[str, Array], ...]
+    lengths: Array
+
+    @classmethod
+    def empty(cls, config: ModelConfig, batch: int, max_len: int | None = None) -> DecodeCache:
+        """Zeros for ``batch`` rows of ``max_len`` (default the model's) positions, from the config alone."""
+        s = config.max_len if max_len is None else max_len
+        entries = []
+        for i in producers(config.layer_attention):
+            att = config.layer_attention[i].config
+            dtype = jnp.dtype(att.dtype)
+            entry = {}
+            for group in att.tying.kv_groups:
+                heads = att.tying.heads(group, att.num_heads, att.kv_heads)
+                entry[group] = jnp.zeros((batch, heads, s, att.head_dim), dtype)
+            if att.tying.bilinear:
+                entry["x"] = jnp.zeros((batch, s, config.d_model), dtype)
+            entries.append(entry)
+        return cls(tuple(entries), jnp.zeros((batch,), jnp.int32))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the cached keys and values (the lengths excluded)."""
+        return sum(x.nbytes for x in jax.tree.leaves(self.kv))
 
 
 class DecoderLM(nn.Module):
-    """tokens (B, T) int -> logits (B, T, V) in float32."""
+    """tokens (B, T) int -> logits (B, T, V) in float32.
+
+    With ``cache`` (a :class:`DecodeCache`), row b's tokens are written at positions ``lengths[b]`` onward and
+    attend to everything the row holds; returns ``(logits, cache)`` with ``lengths`` advanced by ``num_valid``
+    (B,) (the rest of each row is right padding, overwritten by the next call) or by T.
+
+    ``decode=True`` is flax's convention instead (a ``cache`` collection made by ``init(..., decode=True)``,
+    applied with ``mutable=["cache"]``, one position for the whole batch): kept for attention modules written
+    against it (the benchmark's flax baseline) and for code that used it before the functional cache.
+    """
 
     config: ModelConfig
     attention_cls: type = Attention
 
     @nn.compact
     def __call__(
-        self, tokens: Array, *, positions: Array | None = None, decode: bool = False, deterministic: bool = True
-    ) -> Array:
+        self,
+        tokens: Array,
+        *,
+        positions: Array | None = None,
+        cache: DecodeCache | None = None,
+        num_valid: Array | None = None,
+        decode: bool = False,
+        deterministic: bool = True,
+    ):
         cfg = self.config
         if tokens.ndim != 2:
             raise ValueError(f"DecoderLM takes tokens of shape (B, T); got {tokens.shape}")
         if tokens.shape[1] > cfg.max_len:
             raise ValueError(f"sequence length {tokens.shape[1]} exceeds the model's max_len={cfg.max_len}")
+        if cache is not None and (positions is not None or len(cache.kv) != len(producers(cfg.layer_attention))):
+            raise ValueError(
+                f"cache= needs positions=None and one entry per K/V-producing layer "
+                f"({len(producers(cfg.layer_attention))}); got {len(cache.kv)} (build it with DecodeCache.empty)"
+            )
         embed = token_table(self, cfg)
         x = jnp.take(embed, tokens, axis=0).astype(cfg.dtype)
         if cfg.learned_positions:
             pos_table = position_table(self, cfg, stddev=0.01)
             if decode:
                 pos = self._decode_positions(tokens.shape)
+            elif cache is not None:
+                pos = jnp.minimum(cache.lengths[:, None] + jnp.arange(tokens.shape[1])[None], cfg.max_len - 1)
             elif positions is None:
                 pos = jnp.broadcast_to(jnp.arange(tokens.shape[1])[None], tokens.shape)
             else:
@@ -193,22 +280,43 @@ class DecoderLM(nn.Module):
         block = Block
         if cfg.remat != "none":
             policy = None if cfg.remat == "full" else jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims
-            block = nn.remat(Block, policy=policy, static_argnums=(3, 4))  # (self, x, positions, decode, deterministic)
-        for i in range(cfg.num_layers):
-            x = block(cfg, self.attention_cls, name=f"block_{i}")(x, positions, decode, deterministic)
+            block = nn.remat(Block, policy=policy, static_argnums=(3, 7))  # (self, x, positions, deterministic, ...)
+        made: dict[int, KV] = {}
+        entries = iter(cache.kv) if cache is not None else None
+        new_entries = []
+        for i, layer in enumerate(cfg.layer_attention):
+            own = None if cache is None or not layer.produces_kv else KV(next(entries), cache.lengths)
+            x, used = block(cfg, self.attention_cls, attention=layer.config, name=f"block_{i}")(
+                x,
+                positions,
+                deterministic,
+                None if layer.produces_kv else made[layer.kv_from],
+                own,
+                None,
+                decode and layer.produces_kv,  # a layer reading another's K/V reads them as the donor wrote them
+            )
+            if layer.produces_kv:
+                made[i] = used
+                if cache is not None:
+                    new_entries.append(used.tensors)
         x = _layer_norm(cfg, "ln_final")(x)
         if cfg.tie_embeddings:
-            return jnp.einsum("BTD,VD->BTV", x, embed.astype(cfg.dtype)).astype(jnp.float32)
-        w_unembed = self.param(
-            "w_unembed",
-            nn.with_logical_partitioning(_dense_init(0, 1), (axes.EMBED, axes.VOCAB)),
-            (cfg.d_model, cfg.vocab_size),
-            cfg.param_dtype,
-        )
-        return jnp.einsum("BTD,DV->BTV", x, w_unembed.astype(cfg.dtype)).astype(jnp.float32)
+            logits = jnp.einsum("BTD,VD->BTV", x, embed.astype(cfg.dtype)).astype(jnp.float32)
+        else:
+            w_unembed = self.param(
+                "w_unembed",
+                nn.with_logical_partitioning(_dense_init(0, 1), (axes.EMBED, axes.VOCAB)),
+                (cfg.d_model, cfg.vocab_size),
+                cfg.param_dtype,
+            )
+            logits = jnp.einsum("BTD,DV->BTV", x, w_unembed.astype(cfg.dtype)).astype(jnp.float32)
+        if cache is None:
+            return logits
+        advance = tokens.shape[1] if num_valid is None else num_valid
+        return logits, DecodeCache(tuple(new_entries), cache.lengths + advance)
 
     def _decode_positions(self, shape) -> Array:
-        """Absolute positions of the new tokens, counted in the model's own cache (the attention caches agree)."""
+        """Absolute positions of the new tokens under ``decode=True``, counted in the model's own ``cache``."""
         initialized = self.has_variable("cache", "position")
         index = self.variable("cache", "position", lambda: jnp.array(0, jnp.int32))
         start = index.value if initialized else jnp.array(0, jnp.int32)
@@ -220,11 +328,16 @@ class DecoderLM(nn.Module):
 def param_count(config: ModelConfig) -> int:
     """Parameters of the whole model, from the configuration alone."""
     d, v = config.d_model, config.vocab_size
-    per_layer = attention_cost(config.attention, d, config.max_len).params + 2 * d * config.mlp_width + 2 * d
-    total = config.num_layers * per_layer + v * d + d  # + final norm
+    attention = sum(c.params for c in stack_cost(config.layer_attention, d, config.max_len))
+    total = attention + config.num_layers * (2 * d * config.mlp_width + 2 * d) + v * d + d  # + final norm
     total += config.max_len * d if config.learned_positions else 0
     total += 0 if config.tie_embeddings else d * v
     return total
+
+
+def kv_cache_bytes_per_token(config: ModelConfig) -> int:
+    """Bytes the decode cache holds per token (per row), over all layers."""
+    return sum(c.kv_cache_bytes_per_token for c in stack_cost(config.layer_attention, config.d_model, 1))
 
 
 def train_flops_per_token(config: ModelConfig, seq_len: int | None = None) -> float:
@@ -235,7 +348,8 @@ def train_flops_per_token(config: ModelConfig, seq_len: int | None = None) -> fl
     """
     t = config.max_len if seq_len is None else seq_len
     d = config.d_model
-    att = attention_cost(config.attention, d, t)
-    causal_scores = att.score_flops * (t + 1) / (2 * t)
-    per_layer = att.projection_flops + causal_scores + att.output_flops + 2 * 2 * d * config.mlp_width
-    return 3.0 * (config.num_layers * per_layer + 2 * d * config.vocab_size)
+    total = 2 * d * config.vocab_size
+    for att in stack_cost(config.layer_attention, d, t):
+        causal_scores = att.score_flops * (t + 1) / (2 * t)
+        total += att.projection_flops + causal_scores + att.output_flops + 2 * 2 * d * config.mlp_width
+    return 3.0 * total

@@ -134,7 +134,7 @@ def _disk_full(mngr: ocp.CheckpointManager, e: BaseException) -> DiskFullError |
     if "No space left on device" not in text and "errno 28" not in text:
         return None
     where = epath.Path(mngr.directory)
-    _remove_leftovers(mngr)  # give the space back
+    _remove_leftovers(mngr, patience_s=10.0)  # give the space back, once orbax's writer threads have stopped
     free = "unknown" if is_remote(where) else f"{shutil.disk_usage(where).free:,}"
     good = [s for s in mngr.all_steps() if (where / str(s)).is_dir()]
     return DiskFullError(
@@ -161,7 +161,18 @@ def finish(mngr: ocp.CheckpointManager) -> None:
             write_text(target, json.dumps(_inventory(step_dir)))
 
 
-def _remove_leftovers(mngr: ocp.CheckpointManager) -> None:
+def close(mngr: ocp.CheckpointManager) -> None:
+    """``finish`` then closes the manager; after a failed save, once orbax's threads are joined, removes what they
+    were still writing (a partial save can reappear after the first removal)."""
+    try:
+        finish(mngr)
+    finally:
+        mngr.close()
+        if jax.process_index() == 0:
+            _remove_leftovers(mngr, patience_s=10.0)
+
+
+def _remove_leftovers(mngr: ocp.CheckpointManager, patience_s: float = 0.0) -> None:
     """Removes the folders of saves killed half-way: nothing else writes here (the workdir is locked) and no save
     is in flight. Locally they are orbax's ``*.orbax-checkpoint-tmp*`` folders; on an object store, step folders
     without the commit file, which orbax does not list."""
@@ -172,10 +183,26 @@ def _remove_leftovers(mngr: ocp.CheckpointManager) -> None:
     for leftover in where.iterdir():
         name = leftover.name
         if ".orbax-checkpoint-tmp" in name or (is_remote(where) and name.isdigit() and name not in finished):
-            try:  # best effort, as before epath: a save orbax is still abandoning may be writing into it
-                leftover.rmtree(missing_ok=True) if leftover.is_dir() else leftover.unlink(missing_ok=True)
-            except OSError:
-                pass
+            _remove(leftover, patience_s)
+
+
+def _remove(path: epath.Path, patience_s: float) -> None:
+    """Removes ``path``; with ``patience_s``, until it stays gone for half a second (at most that long). After a
+    failed save TensorStore's writer threads can still be finishing files inside it: rmtree then fails with
+    ENOTEMPTY, or a late write recreates the folder. Best effort after that; the next run removes what is left."""
+    deadline = time.monotonic() + patience_s
+    while True:
+        try:
+            path.rmtree(missing_ok=True) if path.is_dir() else path.unlink(missing_ok=True)
+        except OSError:
+            pass
+        if time.monotonic() >= deadline:
+            return
+        if not path.exists():
+            time.sleep(0.5)
+            if not path.exists():
+                return
+        time.sleep(0.1)
 
 
 def damaged_files(step_dir) -> list[str]:

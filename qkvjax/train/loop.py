@@ -298,8 +298,7 @@ def _train(config: Config, workdir: epath.Path, overwrite: bool, lock: WorkdirLo
     progress = TrainProgress(step, tc.num_steps, enabled=jax.process_index() == 0)
 
     if tc.log_weight_similarity:
-        scheme = config.model.attention.tying
-        similarity = jax.jit(lambda params: weight_stats(params, scheme))
+        similarity = jax.jit(lambda params: weight_stats(params, config.model.layer_attention))
 
     def evaluate(params) -> dict:
         put = lambda b: par.put_batch(_local_rows(b))  # noqa: E731
@@ -394,9 +393,8 @@ def _train(config: Config, workdir: epath.Path, overwrite: bool, lock: WorkdirLo
     finally:  # also on an error: the checkpoint in flight completes, metrics are flushed
         progress.close()
         try:
-            checkpoint.finish(mngr)
+            checkpoint.close(mngr)
         finally:
-            mngr.close()
             writer.close()
     if step >= tc.num_steps:
         export_params(workdir, step, par.unreplicate(state).params)

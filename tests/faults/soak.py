@@ -1,5 +1,5 @@
-"""A soak run: the tiny model trains for a fixed time with a checkpoint every 10 steps and ``max_to_keep=3``;
-memory (RSS), the workdir's size and the step time must stay flat.
+"""A soak run: the tiny model trains for a fixed time with a checkpoint every 10 steps (``--checkpoint-every``)
+and ``max_to_keep=3``; memory (RSS), the workdir's size and the step time must stay flat.
 
     python tests/faults/soak.py --minutes 20 [--out soak.json]
 
@@ -60,14 +60,14 @@ def rss_slope(samples: list[dict]) -> float:
     return float(np.polyfit(t, r, 1)[0]) if len(half) >= 3 else 0.0
 
 
-def soak(minutes: float, every: float, log=print) -> dict:
+def soak(minutes: float, every: float, log=print, checkpoint_every: int = 10, env: dict | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="qkvjax-soak-") as tmp:
         tmp = Path(tmp)
         source = write_varied_text(tmp / "text.txt", lines=3000)
         workdir = tmp / "run"
-        settings = {"train.num_steps": 10**9, "train.checkpoint_every": 10, "train.max_to_keep": 3,
+        settings = {"train.num_steps": 10**9, "train.checkpoint_every": checkpoint_every, "train.max_to_keep": 3,
                     "train.log_every": 10, "train.eval_every": 500, "train.eval_batches": 4}  # fmt: skip
-        env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
+        env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu", **(env or {}))
         proc = subprocess.Popen(
             [sys.executable, "-m", "qkvjax.cli", *train_args(workdir, source, tmp / "tfds", **settings)],
             env=env,
@@ -128,8 +128,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--every", type=float, default=30.0, help="seconds between samples")
     parser.add_argument("--max-rss-growth", type=float, default=0.2, help="allowed relative RSS growth")
     parser.add_argument("--out", default=None, help="write the figures as JSON here")
+    parser.add_argument("--checkpoint-every", type=int, default=10, help="steps between checkpoints")
+    parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="for the trainer, e.g. "
+                        "MALLOC_ARENA_MAX=2 (repeatable)")  # fmt: skip
     args = parser.parse_args(argv)
-    result = soak(args.minutes, args.every)
+    env = dict(item.split("=", 1) for item in args.env)
+    result = soak(args.minutes, args.every, checkpoint_every=args.checkpoint_every, env=env)
     (r0, r1), (d0, d1), (t0, t1) = (
         result["rss_mib"],
         result["checkpoints_mib"],

@@ -10,6 +10,8 @@ import pytest
 
 from tests.helpers import run_in_new_process, train_args
 
+pytestmark = pytest.mark.xdist_group("object_store")  # one worker builds the module's fixture once
+
 try:  # both come with the dev extra; outside CI a plain install may lack them, under CI that is a failure
     import gcsfs  # noqa: F401
     from gcp_storage_emulator import server as emulator

@@ -1,0 +1,162 @@
+"""What attention costs, read off the config and the scheme data: parameters, forward FLOPs, KV-cache bytes.
+
+Per layer (:func:`attention_cost`) and per stack of layers (:func:`stack_cost`, which knows that a layer reading
+another layer's K/V has no K/V kernels and caches nothing). Exact: the tests compare these numbers with the
+parameters the modules create and the bytes of the caches they fill.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax.numpy as jnp
+
+from qkvjax.attention.config import AttentionConfig
+from qkvjax.attention.layers import LayerAttention, expand
+from qkvjax.attention.schemes import SCHEMES
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionCost:
+    """What one attention layer costs.
+
+    ``flops_per_token`` counts a forward pass (a multiply-add is 2 FLOPs) for one token that is projected in
+    every role it plays and, as a query, attends to ``seq_len`` keys (no causal discount): projections +
+    scores (q.k and the weighted sum of values) + output projection. Norms are not counted.
+    """
+
+    scheme: str
+    params: int
+    projection_flops: int
+    score_flops: int
+    output_flops: int
+    kv_cache_bytes_per_token: int
+
+    @property
+    def flops_per_token(self) -> int:
+        return self.projection_flops + self.score_flops + self.output_flops
+
+
+def attention_cost(config: AttentionConfig, d_model: int, seq_len: int, kv_shared: bool = False) -> AttentionCost:
+    """One layer; ``kv_shared``: the layer reads another layer's keys and values (no K/V kernels, no cache)."""
+    scheme = config.tying
+    n, k, h, d = config.num_heads, config.kv_heads, config.head_dim, d_model
+    bias = 1 if config.use_bias else 0
+    params = n * h * d + bias * d  # w_o, b_o
+    proj_flops = 0
+    cache_elems = 0
+    for group in scheme.groups:
+        if kv_shared and group in scheme.kv_groups:
+            continue
+        heads = scheme.heads(group, n, k)
+        params += d * heads * h + bias * heads * h
+        proj_flops += 2 * d * heads * h
+        if group in scheme.kv_groups:
+            cache_elems += heads * h
+    if scheme.bilinear:
+        params += n * d * d
+        proj_flops += 2 * n * d * d  # x_t^T W_QK[n], once per query token
+        score_flops = 2 * n * d * seq_len + 2 * n * h * seq_len
+        cache_elems += d  # the key side is x itself
+    else:
+        score_flops = 2 * 2 * n * h * seq_len
+    if config.relative_bias:
+        params += n * (2 * config.relative_bias + 1)
+        score_flops += n * seq_len  # one addition per score
+    if config.qk_norm:
+        params += 2 * h  # q_norm_scale, k_norm_scale
+    return AttentionCost(
+        scheme=scheme.name,
+        params=params,
+        projection_flops=proj_flops,
+        score_flops=score_flops,
+        output_flops=2 * n * h * d,
+        kv_cache_bytes_per_token=cache_elems * jnp.dtype(config.dtype).itemsize,
+    )
+
+
+def stack_cost(layers: Sequence[LayerAttention], d_model: int, seq_len: int) -> list[AttentionCost]:
+    """One :class:`AttentionCost` per layer of a stack."""
+    return [attention_cost(layer.config, d_model, seq_len, kv_shared=not layer.produces_kv) for layer in layers]
+
+
+def _head_dim(d_model: int, num_heads: int, head_dim: int | None) -> int:
+    for name, value in (("d_model", d_model), ("num_heads", num_heads)):
+        if value < 1:
+            raise ValueError(f"{name}={value}; allowed: an integer >= 1")
+    if head_dim is None:
+        if d_model % num_heads:
+            raise ValueError(f"d_model={d_model} is not divisible by num_heads={num_heads}; pass head_dim")
+        head_dim = d_model // num_heads
+    return head_dim
+
+
+def cost_table(
+    d_model: int,
+    num_heads: int,
+    seq_len: int,
+    num_kv_heads: int | None = None,
+    head_dim: int | None = None,
+    dtype: str = "bfloat16",
+) -> str:
+    """A text table of :func:`attention_cost` for every registered scheme, with ratios to ``separate``."""
+    head_dim = _head_dim(d_model, num_heads, head_dim)
+    if seq_len < 1:
+        raise ValueError(f"seq_len={seq_len}; allowed: an integer >= 1")
+    base = attention_cost(AttentionConfig(num_heads, head_dim, num_kv_heads, "separate", dtype=dtype), d_model, seq_len)
+    k = num_heads if num_kv_heads is None else num_kv_heads
+    lines = [
+        f"one attention layer: d_model={d_model}, N={num_heads}, K={k}, H={head_dim}, seq_len={seq_len}, "
+        f"cache dtype={dtype}; FLOPs are forward, per token attending to seq_len keys",
+        f"{'scheme':<12} {'groups':<10} {'params':>11} {'x sep':>6} {'proj FLOPs':>11} {'FLOPs/token':>12} "
+        f"{'x sep':>6} {'KV bytes/tok':>12} {'x sep':>6}",
+    ]
+    for name, scheme in SCHEMES.items():
+        groups = "{" + "}{".join(scheme.groups) + "}" + ("+W_QK" if scheme.bilinear else "")
+        try:
+            cfg = AttentionConfig(num_heads, head_dim, num_kv_heads, name, dtype=dtype)
+        except ValueError as e:
+            lines.append(f"{name:<12} {groups:<10} n/a: {str(e).split(';')[0]}")
+            continue
+        c = attention_cost(cfg, d_model, seq_len)
+        lines.append(
+            f"{name:<12} {groups:<10} {c.params:>11,} {c.params / base.params:>6.2f} {c.projection_flops:>11,} "
+            f"{c.flops_per_token:>12,} {c.flops_per_token / base.flops_per_token:>6.2f} "
+            f"{c.kv_cache_bytes_per_token:>12,} {c.kv_cache_bytes_per_token / base.kv_cache_bytes_per_token:>6.2f}"
+        )
+    return "\n".join(lines)
+
+
+def layout_table(
+    layouts: dict[str, str],
+    d_model: int,
+    num_heads: int,
+    num_layers: int,
+    seq_len: int,
+    head_dim: int | None = None,
+    dtype: str = "bfloat16",
+) -> str:
+    """Whole attention stacks, one row per ``{name: layer pattern}`` (see :mod:`qkvjax.attention.layers`):
+    attention parameters, KV-cache bytes per token over all layers, and the layers that cache K/V."""
+    head_dim = _head_dim(d_model, num_heads, head_dim)
+    base = AttentionConfig(num_heads, head_dim, dtype=dtype)
+    rows = []
+    for name, pattern in layouts.items():
+        costs = stack_cost(expand(pattern, base, num_layers), d_model, seq_len)
+        rows.append((name, pattern, sum(c.params for c in costs), sum(c.kv_cache_bytes_per_token for c in costs),
+                     sum(c.kv_cache_bytes_per_token > 0 for c in costs)))  # fmt: skip
+    ref_params, ref_cache = rows[0][2], rows[0][3]
+    width = max(len(r[0]) for r in rows)
+    lines = [
+        f"attention stacks: d_model={d_model}, N={num_heads}, H={head_dim}, L={num_layers}, seq_len={seq_len}, "
+        f"cache dtype={dtype}; ratios to {rows[0][0]!r}",
+        f"{'layout':<{width}} {'attn params':>12} {'x':>5} {'KV bytes/tok':>12} {'x':>5} {'KV MiB @ctx':>11} "
+        f"{'caching':>7}  pattern",
+    ]
+    for name, pattern, params, cache, caching in rows:
+        lines.append(
+            f"{name:<{width}} {params:>12,} {params / ref_params:>5.2f} {cache:>12,} {cache / ref_cache:>5.2f} "
+            f"{cache * seq_len / 2**20:>11.1f} {caching:>4}/{num_layers:<2}  {pattern or '(base everywhere)'}"
+        )
+    return "\n".join(lines)

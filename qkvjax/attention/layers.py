@@ -1,0 +1,238 @@
+"""Attention per layer: a pattern of configs over a stack, and cross-layer K/V sharing.
+
+A model may give every layer the same :class:`AttentionConfig` or a *layer pattern*, a short text a person can
+type on the command line (``--config.model.layers=...``) that expands to one :class:`LayerAttention` per layer::
+
+    pattern := item ("," item)*           item  := atom ["*" COUNT]
+    atom    := entry | "(" pattern ")"    entry := [SCHEME] ["[" option ("," option)* "]"]
+    option  := FIELD ["=" VALUE]          (FIELD alone means FIELD=true)
+
+An entry starts from the model's base attention config; ``SCHEME`` replaces its scheme and each option one of its
+fields (``kv`` is short for ``num_kv_heads``). The option ``kv_from=J`` makes the layer read the keys and values
+of layer J (J < 0 counts back from this layer) instead of projecting its own: Cross-Layer Attention (Brandon et
+al. 2024, arXiv:2405.12981), and the K/V sharing of Gemma 3n/4's last layers. Such a layer has no K/V kernels
+and no cache of its own, and takes its donor's scheme, ``num_kv_heads``, ``head_dim`` and ``dtype`` unless the
+entry sets them; chains resolve to the layer that produces the K/V. Examples, 12 layers::
+
+    separate*4, shared_kv*8         layers 0-3 separate, 4-11 K = V
+    (separate, [kv_from=-1])*6      CLA2: K/V shared by pairs of adjacent layers
+    [qk_norm,v_norm]*5, shared_kv[kv=1,qk_norm,v_norm], [qk_norm,v_norm]*2,
+        [qk_norm,v_norm,kv_from=7]*3, [qk_norm,v_norm,kv_from=5]
+                                    Gemma-4-like: local layers and a K = V global layer with QK-norm, the last
+                                    four reading the K/V of the last earlier layer of their kind
+
+A pattern that expands to one entry applies to every layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import typing
+
+from qkvjax.attention.config import AttentionConfig
+from qkvjax.attention.schemes import SCHEMES
+
+ALIASES = {"kv": "num_kv_heads"}
+INHERITED = ("scheme", "num_kv_heads", "head_dim", "dtype")  # what a K/V reader takes from its donor by default
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerAttention:
+    """One layer's attention: its config, and the earlier layer whose keys and values it reads (None: its own).
+
+    ``kv_from`` is always the layer that *produces* the K/V (never another sharer).
+    """
+
+    config: AttentionConfig
+    kv_from: int | None = None
+
+    @property
+    def produces_kv(self) -> bool:
+        return self.kv_from is None
+
+
+def expand(pattern: str, base: AttentionConfig, num_layers: int) -> tuple[LayerAttention, ...]:
+    """The layers a pattern describes (empty pattern: ``base`` everywhere), validated; errors name the layer."""
+    if not pattern.strip():
+        return tuple(LayerAttention(base) for _ in range(num_layers))
+    tokens = re.findall(r"\[[^\]]*\]|[(),*]|[^\s(),*\[\]]+|\S", pattern)
+    entries, pos = _items(tokens, 0, pattern)
+    if pos != len(tokens):
+        raise ValueError(f"layer pattern {pattern!r}: unexpected {tokens[pos]!r}")
+    if len(entries) == 1:
+        entries = entries * num_layers
+    if len(entries) != num_layers:
+        raise ValueError(
+            f"layer pattern {pattern!r} describes {len(entries)} layers but the model has num_layers={num_layers}; "
+            "give one entry per layer (use '*N' to repeat) or a single entry for all"
+        )
+    layers: list[LayerAttention] = []
+    for i, (scheme, options) in enumerate(entries):
+        fields = dict(options)
+        kv_from = fields.pop("kv_from", None)
+        j = None if kv_from is None else _donor_index(i, kv_from, layers, pattern)
+        # A reader takes its K/V layout (scheme, K, H, dtype) from its donor unless the entry says otherwise.
+        inherited = {} if j is None else {f: getattr(layers[j].config, f) for f in INHERITED}
+        try:
+            typed = _typed(fields) | ({"scheme": scheme} if scheme else {})
+            config = dataclasses.replace(base, **(inherited | typed))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"layer {i} of pattern {pattern!r}: {e}") from None
+        if j is not None:
+            _check_reader(f"layer {i} of pattern {pattern!r}: kv_from={kv_from}", config, j, layers[j].config)
+        layers.append(LayerAttention(config, j))
+    return tuple(layers)
+
+
+def _items(tokens: list[str], pos: int, pattern: str) -> tuple[list, int]:
+    out = []
+    while pos < len(tokens) and tokens[pos] != ")":
+        if tokens[pos] == ",":
+            pos += 1
+            continue
+        if tokens[pos] == "(":
+            atom, pos = _items(tokens, pos + 1, pattern)
+            if pos >= len(tokens):
+                raise ValueError(f"layer pattern {pattern!r}: '(' is never closed")
+            pos += 1
+        else:
+            scheme = None
+            if not tokens[pos].startswith("["):
+                scheme = tokens[pos]
+                if scheme not in SCHEMES:
+                    raise ValueError(
+                        f"layer pattern {pattern!r}: unknown scheme {scheme!r}; allowed: {sorted(SCHEMES)}"
+                    )
+                pos += 1
+            options = ()
+            if pos < len(tokens) and tokens[pos].startswith("["):
+                options = _options(tokens[pos], pattern)
+                pos += 1
+            atom = [(scheme, options)]
+        if pos < len(tokens) and tokens[pos] == "*":
+            count = tokens[pos + 1] if pos + 1 < len(tokens) else ""
+            if not count.isdigit() or int(count) < 1:
+                raise ValueError(f"layer pattern {pattern!r}: '*' needs a count >= 1, got {count!r}")
+            atom, pos = atom * int(count), pos + 2
+        out.extend(atom)
+        if pos < len(tokens) and tokens[pos] not in (",", ")"):
+            raise ValueError(f"layer pattern {pattern!r}: expected ',' between entries, got {tokens[pos]!r}")
+    return out, pos
+
+
+def _options(text: str, pattern: str) -> tuple[tuple[str, str], ...]:
+    if not text.endswith("]"):
+        raise ValueError(f"layer pattern {pattern!r}: '[' is never closed")
+    names = {f.name for f in dataclasses.fields(AttentionConfig)} - {"scheme"}
+    out = []
+    for part in filter(None, (p.strip() for p in text[1:-1].split(","))):
+        key, _, value = part.partition("=")
+        key = ALIASES.get(key.strip(), key.strip())
+        if key not in names and key != "kv_from":
+            raise ValueError(
+                f"layer pattern {pattern!r}: unknown option {key!r}; allowed: kv_from, kv, {', '.join(sorted(names))}"
+            )
+        out.append((key, value.strip() if value else "true"))
+    return tuple(out)
+
+
+def _typed(fields: dict[str, str]) -> dict:
+    """Option texts as the types AttentionConfig declares."""
+    hints = typing.get_type_hints(AttentionConfig)
+    out = {}
+    for key, raw in fields.items():
+        kinds = typing.get_args(hints[key]) or (hints[key],)
+        if type(None) in kinds and raw.lower() == "none":
+            out[key] = None
+        elif bool in kinds:
+            if raw.lower() not in ("true", "false"):
+                raise ValueError(f"{key}={raw!r}; allowed: true or false")
+            out[key] = raw.lower() == "true"
+        elif int in kinds:
+            try:
+                out[key] = int(raw)
+            except ValueError:
+                raise ValueError(f"{key}={raw!r}; allowed: an integer") from None
+        elif float in kinds:
+            out[key] = float(raw)
+        else:
+            out[key] = raw
+    return out
+
+
+def _donor_index(i: int, raw: str, earlier: list[LayerAttention], pattern: str) -> int:
+    """The producing layer a ``kv_from`` option names (a chain of readers resolves to its producer)."""
+    where = f"layer {i} of pattern {pattern!r}: kv_from={raw}"
+    try:
+        j = int(raw)
+    except ValueError:
+        raise ValueError(f"{where}; allowed: an earlier layer's index, or -n for n layers back") from None
+    j = i + j if j < 0 else j
+    if not 0 <= j < i:
+        raise ValueError(f"{where} is not an earlier layer; allowed: 0 to {i - 1}, or -1 to -{i}")
+    return j if earlier[j].kv_from is None else earlier[j].kv_from
+
+
+def _check_reader(where: str, config: AttentionConfig, j: int, donor: AttentionConfig) -> None:
+    scheme = config.tying
+    if scheme.ties_query_to_kv or scheme.bilinear:
+        raise ValueError(
+            f"{where}: scheme {config.scheme!r} makes keys or values from the query projection (or from no "
+            "projection), so they cannot come from another layer; allowed: "
+            f"{sorted(n for n, s in SCHEMES.items() if not (s.ties_query_to_kv or s.bilinear))}"
+        )
+    mine = (scheme.kv_groups, config.kv_heads, config.head_dim, config.dtype)
+    theirs = (donor.tying.kv_groups, donor.kv_heads, donor.head_dim, donor.dtype)
+    if mine != theirs:
+        raise ValueError(
+            f"{where}: layer {j}'s K/V (groups {theirs[0]}, K={theirs[1]}, H={theirs[2]}, {theirs[3]}) do not fit "
+            f"this layer's (groups {mine[0]}, K={mine[1]}, H={mine[2]}, {mine[3]}); give both the same scheme "
+            "family, num_kv_heads, head_dim and dtype (or leave them out: a reader inherits its donor's)"
+        )
+
+
+def example_layouts(num_layers: int, num_heads: int) -> dict[str, str]:
+    """Named layer patterns that answer "which K/V saving?" at one model size (those that fit it):
+
+    K = V tying, GQA, cross-layer sharing by pairs (CLA2), their combinations, and a Gemma-4-like stack (our
+    reading of it, not its exact sizes): 5 local layers to 1 global, local layers GQA with K = N/2, global layers
+    K = V with K = N/4, QK-norm and a scale-free V-norm everywhere, and the last third of the layers reading the
+    K/V of the last earlier layer of their kind.
+    """
+    out = {"separate": "", "shared_kv": "shared_kv"}
+    if num_heads % 6 == 0:
+        out["GQA-6"] = "[kv=6]"
+        out["GQA-6 + shared_kv"] = "shared_kv[kv=6]"
+    if num_layers % 2 == 0:
+        out["CLA2"] = f"(separate, [kv_from=-1])*{num_layers // 2}"
+        out["CLA2 + shared_kv"] = f"(shared_kv, [kv_from=-1])*{num_layers // 2}"
+        if num_heads % 6 == 0:
+            out["GQA-6 + CLA2"] = f"([kv=6], [kv_from=-1])*{num_layers // 2}"
+    if num_layers % 6 == 0 and num_heads % 4 == 0:
+        kinds = ["global" if i % 6 == 5 else "local" for i in range(num_layers)]
+        entry = {
+            "local": f"[kv={num_heads // 2},qk_norm,v_norm]",
+            "global": f"shared_kv[kv={num_heads // 4},qk_norm,v_norm]",
+        }
+        own = num_layers - num_layers // 3
+        parts = []
+        for i, kind in enumerate(kinds):
+            if i < own:
+                parts.append(entry[kind])
+            else:
+                donor = max(j for j in range(own) if kinds[j] == kind)
+                parts.append(f"[qk_norm,v_norm,kv_from={donor}]")
+        runs: list[list] = []
+        for part in parts:  # run-length encoded, as a person would write it
+            if runs and runs[-1][0] == part:
+                runs[-1][1] += 1
+            else:
+                runs.append([part, 1])
+        out["Gemma-4-like"] = ", ".join(p if n == 1 else f"{p}*{n}" for p, n in runs)
+    return out
+
+
+def producers(layers: tuple[LayerAttention, ...]) -> tuple[int, ...]:
+    """Indices of the layers that produce (and cache) keys and values, in order."""
+    return tuple(i for i, layer in enumerate(layers) if layer.produces_kv)
