@@ -195,20 +195,21 @@ def _check_reader(where: str, config: AttentionConfig, j: int, donor: AttentionC
 def example_layouts(num_layers: int, num_heads: int) -> dict[str, str]:
     """Named layer patterns that answer "which K/V saving?" at one model size (those that fit it):
 
-    K = V tying, GQA, cross-layer sharing by pairs (CLA2), their combinations, and a Gemma-4-like stack (our
-    reading of it, not its exact sizes): 5 local layers to 1 global, local layers GQA with K = N/2, global layers
-    K = V with K = N/4, QK-norm and a scale-free V-norm everywhere, and the last third of the layers reading the
-    K/V of the last earlier layer of their kind.
+    K = V tying, GQA with half the K/V heads, cross-layer sharing by pairs (CLA2) -- each of the three halves the
+    cache -- their combinations, and a Gemma-4-like stack (our reading of it, not its exact sizes): 5 local layers
+    to 1 global, local layers GQA with K = N/2, global layers K = V with K = N/4, QK-norm and a scale-free V-norm
+    everywhere, and the last third of the layers reading the K/V of the last earlier layer of their kind.
     """
     out = {"separate": "", "shared_kv": "shared_kv"}
-    if num_heads % 6 == 0:
-        out["GQA-6"] = "[kv=6]"
-        out["GQA-6 + shared_kv"] = "shared_kv[kv=6]"
+    gqa = f"GQA-{num_heads // 2}"  # half as many K/V heads: the same cache as K = V or CLA2
+    if num_heads % 2 == 0:
+        out[gqa] = f"[kv={num_heads // 2}]"
+        out[f"{gqa} + shared_kv"] = f"shared_kv[kv={num_heads // 2}]"
     if num_layers % 2 == 0:
         out["CLA2"] = f"(separate, [kv_from=-1])*{num_layers // 2}"
         out["CLA2 + shared_kv"] = f"(shared_kv, [kv_from=-1])*{num_layers // 2}"
-        if num_heads % 6 == 0:
-            out["GQA-6 + CLA2"] = f"([kv=6], [kv_from=-1])*{num_layers // 2}"
+        if num_heads % 2 == 0:
+            out[f"{gqa} + CLA2"] = f"([kv={num_heads // 2}], [kv_from=-1])*{num_layers // 2}"
     if num_layers % 6 == 0 and num_heads % 4 == 0:
         kinds = ["global" if i % 6 == 5 else "local" for i in range(num_layers)]
         entry = {
