@@ -64,8 +64,8 @@ def attention_cost(config: AttentionConfig, d_model: int, seq_len: int, kv_share
     if config.relative_bias:
         params += n * (2 * config.relative_bias + 1)
         score_flops += n * seq_len  # one addition per score
-    if config.qk_norm:
-        params += 2 * h  # q_norm_scale, k_norm_scale
+    if config.qk_norm:  # q_norm_scale, and k_norm_scale unless the layer reads another layer's finished keys
+        params += h if kv_shared and scheme.group_of("k") == "k" else 2 * h
     return AttentionCost(
         scheme=scheme.name,
         params=params,

@@ -21,8 +21,9 @@ def _kernel_init(in_axis, out_axis, scale: float = 1.0, batch_axis=()):
 
 @flax.struct.dataclass
 class KV:
-    """The keys and values a layer attends over, as its scheme's K/V groups produced them (before norms and rotary):
-    ``tensors`` maps each group (``"k"``, ``"v"``, ``"kv"``; ``"x"`` (B, S, D) for a bilinear key side) to an array.
+    """The keys and values a layer attends over, as its scheme's K/V groups produced them: ``tensors`` maps each
+    group (``"k"``, ``"v"``, ``"kv"``; ``"x"`` (B, S, D) for a bilinear key side) to an array. A key-only group
+    ``"k"`` holds finished keys (QK-norm and rotary applied); every other group is raw (norms, rotary on read).
 
     ``start`` None: fresh from this forward pass, (B, S, K, H), at the query positions. ``start`` (B,) int: a
     decode cache, (B, K, S, H) over S slots, where row b's current queries sit at positions start_b + t and every
@@ -53,8 +54,9 @@ class Attention(nn.Module):
       against it: initialise with ``decode=True`` on an input of the maximum length to create the ``cache``
       collection, then call with ``decode=True, mutable=["cache"]``; one position counter for the whole batch.
 
-    Caches hold each K/V group once, before norms and rotary (one tensor for ``shared_kv``), plus the input ``x``
-    when the key side of a bilinear form needs it.
+    Caches hold each K/V group once (one tensor for ``shared_kv``, raw: rotary and norms are applied to it on read),
+    keys of a key-only group finished (normalised and rotated when made, so decoding does not rotate the whole cache
+    at every step), plus the input ``x`` when the key side of a bilinear form needs it.
     """
 
     config: AttentionConfig
@@ -107,10 +109,26 @@ class Attention(nn.Module):
             ).astype(dtype)
         w_o = self._param("w_o", (n, h, d), (axes.HEADS, axes.HEAD_DIM, axes.EMBED), _kernel_init((0, 1), 2))
         w_o = w_o.astype(dtype)
+        # A key-only projection (not shared with values) is handed on and cached as the scores use it: normalised
+        # and rotated once, when made. Rotating every cached key again at every decode step cost 6-13x the rest of
+        # the step (benchmarks/rope_cache.py). A K = V tensor stays raw (norms and rotary on read), so its cache
+        # stays halved; a layer reading another layer's final keys uses them as they are.
+        final_keys = not scheme.bilinear and scheme.group_of("k") == "k"
+        norm_roles = ("q",) + (() if final_keys and kv is not None else ("k",))
         norm_scale = {
             role: self._param(f"{role}_norm_scale", (h,), (axes.HEAD_DIM,), nn.initializers.ones)
-            for role in (("q", "k") if cfg.qk_norm else ())
+            for role in (norm_roles if cfg.qk_norm else ())
         }
+
+        def prepare_keys(k, pos, seq_axis):
+            """Key norms and rotary: k (B, S, K, H) with seq_axis 1, or (B, K, S, H) with 2; pos (B|1, S)."""
+            if cfg.qk_norm:
+                k = core.rms_norm(k, norm_scale["k"])
+            if scheme.normalize_keys:
+                k = core.unit_length(k)
+            if cfg.rope:
+                k = core.rotary(k, jnp.broadcast_to(pos, (b, k.shape[seq_axis])), cfg.rope_base, seq_axis=seq_axis)
+            return k
 
         def run(x, groups):
             bs = [biases[g] for g in groups] if cfg.use_bias else None
@@ -130,6 +148,14 @@ class Attention(nn.Module):
             slots, index = self._linen_cache(fresh.tensors)
             if index is not None:
                 cache = KV({k: slot.value for k, slot in slots.items()}, jnp.broadcast_to(index.value, (b,)))
+        if final_keys and kv is None:  # this layer's new keys, finished at their positions
+            if cache is not None:
+                new_pos = cache.start[:, None] + jnp.arange(t)[None]
+            elif self_attention:
+                new_pos = jnp.arange(t)[None] if positions is None else positions
+            else:
+                new_pos = jnp.arange(x_kv.shape[1])[None]
+            fresh = KV(fresh.tensors | {"k": prepare_keys(fresh.tensors["k"], new_pos, 1)}, fresh.start)
         if cache is not None:
             fresh = KV(_write(cache, fresh.tensors, t), cache.start)
             if decode:
@@ -155,13 +181,11 @@ class Attention(nn.Module):
         if not scheme.bilinear:
             q, k = proj_q[scheme.group_of("q")], kv_side[scheme.group_of("k")]
             if cfg.qk_norm:
-                q, k = core.rms_norm(q, norm_scale["q"]), core.rms_norm(k, norm_scale["k"])
-            if scheme.normalize_keys:
-                k = core.unit_length(k)
+                q = core.rms_norm(q, norm_scale["q"])
             if cfg.rope:
                 q = core.rotary(q, rotary_q, cfg.rope_base)
-                k_rot = jnp.broadcast_to(k_pos, (b, k.shape[kv_layout.index("S")]))
-                k = core.rotary(k, k_rot, cfg.rope_base, seq_axis=kv_layout.index("S"))
+            if not final_keys:  # keys shared with values (or queries): finished here, on read
+                k = prepare_keys(k, k_pos, kv_layout.index("S"))
 
         # Fresh keys are masked causally by index (as flax's make_causal_mask), not by rotary position.
         full_mask = core.combine_masks(
