@@ -69,6 +69,7 @@ class TorchLM(nn.Module):
         super().__init__()
         att = cfg.attention
         plain = not (att.use_bias or att.rope or att.qk_norm or att.v_norm or att.relative_bias or cfg.layers)
+        plain = plain and att.value_dim == att.head_dim
         if att.scheme != "separate" or not plain or not cfg.tie_embeddings or cfg.dropout_rate:
             raise ValueError(
                 "the PyTorch reference covers the separate scheme in every layer without biases, rotary, norms or "

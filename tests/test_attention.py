@@ -413,3 +413,37 @@ def test_invalid_input_raises_before_compiling(call, match):
     x = jnp.ones((B, T, D))
     with pytest.raises(ValueError, match=match):
         jax.jit(lambda x: call(model, x))(x)  # the error comes from tracing, so nothing was compiled
+
+
+@pytest.mark.parametrize("scheme,kv,vh", [("separate", K, 3), ("shared_qk", None, 9), ("bilinear", 1, 3)])
+def test_value_heads_may_be_narrower_or_wider_than_query_heads(scheme, kv, vh):
+    cfg = config(scheme, kv, v_head_dim=vh, rope=valid(scheme, kv, rope=True), use_bias=True)
+    x = inputs(7, B, T, D)
+    params = init_params(cfg, x)
+    assert params["w_v"].shape == (D, cfg.kv_heads, vh) and params["w_o"].shape == (N, vh, D)
+    assert sum(p.size for p in jax.tree.leaves(params)) == attention_cost(cfg, D, T).params
+    full = Attention(cfg).apply({"params": params}, x, causal=True)
+    np.testing.assert_allclose(full, reference(params, cfg, x, causal=True), rtol=2e-5, atol=2e-5)
+    cache = Attention(cfg).init(jax.random.key(0), x, decode=True)["cache"]
+    assert (
+        sum(c.nbytes for c in jax.tree.leaves(cache) if c.ndim)
+        == attention_cost(cfg, D, T).kv_cache_bytes_per_token * B * T
+    )
+    steps = []
+    for i in range(T):
+        y, mutated = Attention(cfg).apply(
+            {"params": params, "cache": cache}, x[:, i : i + 1], decode=True, mutable=["cache"]
+        )
+        cache = mutated["cache"]
+        steps.append(y)
+    np.testing.assert_allclose(jnp.concatenate(steps, 1), full, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("scheme", ["shared_kv", "shared_qv", "shared_qkv"])
+def test_a_value_width_other_than_h_is_refused_where_values_share_a_projection(scheme):
+    with pytest.raises(
+        ValueError,
+        match=rf"scheme '{scheme}' makes values with the projection .* must equal head_dim \({H}\); got v_head_dim=3",
+    ):
+        config(scheme, v_head_dim=3)
+    assert config(scheme, v_head_dim=H).value_dim == H

@@ -109,7 +109,7 @@ def test_a_layer_reading_its_donors_kv_attends_over_them():
 
 
 MIXED = [  # schemes, GQA, cross-layer K/V, norms, rotary, relative bias: each row of the cache at its own position
-    ("separate, [kv_from=-1], shared_kv[kv=2], [kv_from=-1]", False, None),
+    ("separate[v_head_dim=5], [kv_from=-1], shared_kv[kv=2], [kv_from=-1]", False, None),
     ("[qk_norm,v_norm,kv=2], [kv_from=-1,qk_norm], shared_kv[kv=1,qk_norm,v_norm], [kv_from=2,v_norm]", True, None),
     ("reformer_qk, bilinear, shared_qkv, [kv=1,relative_bias=2]", False, None),
 ]

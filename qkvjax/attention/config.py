@@ -28,7 +28,9 @@ class AttentionConfig:
 
     Attributes:
       num_heads: N, query heads.
-      head_dim: H, width of each head.
+      head_dim: H, width of each query and key head.
+      v_head_dim: width of each value head (and of the output projection's input), None = H. Differs from H only
+        where values have their own projection (not tied to queries or keys), as in DeepSeek-V2's attention.
       num_kv_heads: K, key/value heads. None means K = N (multi-head); 1 is multi-query (Shazeer 2019);
         otherwise grouped-query (Ainslie et al. 2023) and K must divide N.
       scheme: the tying scheme, a key of ``qkvjax.SCHEMES``.
@@ -55,6 +57,7 @@ class AttentionConfig:
     head_dim: int
     num_kv_heads: int | None = None
     scheme: str = "separate"
+    v_head_dim: int | None = None
     use_bias: bool = False
     dropout_rate: float = 0.0
     rope: bool = False
@@ -96,6 +99,16 @@ class AttentionConfig:
                 f"scheme {self.scheme!r} merges W^Q (W^K)^T into one (D, D) form per head, so there are no "
                 "separate queries and keys to rotate; rope=True is not allowed with it"
             )
+        vh = self.v_head_dim
+        if vh is not None and (isinstance(vh, bool) or not isinstance(vh, int) or vh < 1):
+            raise ValueError(f"AttentionConfig.v_head_dim={vh!r}; allowed: None (= head_dim) or an integer >= 1")
+        if vh is not None and vh != self.head_dim and scheme.group_of("v") != "v":
+            raise ValueError(
+                f"scheme {self.scheme!r} makes values with the projection w_{scheme.group_of('v')}, shared with "
+                f"{'queries' if 'q' in scheme.group_of('v') else 'keys'}, so v_head_dim must equal head_dim "
+                f"({self.head_dim}); got v_head_dim={vh}. Use None, or a scheme with its own W^V: "
+                f"{sorted(n for n, s in SCHEMES.items() if s.group_of('v') == 'v')}"
+            )
         if scheme.bilinear and self.qk_norm:
             raise ValueError(
                 f"scheme {self.scheme!r} has no separate queries and keys to normalise; qk_norm=True is not allowed"
@@ -123,6 +136,15 @@ class AttentionConfig:
     def kv_heads(self) -> int:
         """K, with None resolved to N."""
         return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
+
+    @property
+    def value_dim(self) -> int:
+        """Width of a value head, with None resolved to H."""
+        return self.head_dim if self.v_head_dim is None else self.v_head_dim
+
+    def width(self, group: str) -> int:
+        """Head width of a projection group's kernel: the value width for a value-only group, else H."""
+        return self.value_dim if group == "v" else self.head_dim
 
     @property
     def group_size(self) -> int:

@@ -41,26 +41,26 @@ class AttentionCost:
 def attention_cost(config: AttentionConfig, d_model: int, seq_len: int, kv_shared: bool = False) -> AttentionCost:
     """One layer; ``kv_shared``: the layer reads another layer's keys and values (no K/V kernels, no cache)."""
     scheme = config.tying
-    n, k, h, d = config.num_heads, config.kv_heads, config.head_dim, d_model
+    n, k, h, hv, d = config.num_heads, config.kv_heads, config.head_dim, config.value_dim, d_model
     bias = 1 if config.use_bias else 0
-    params = n * h * d + bias * d  # w_o, b_o
+    params = n * hv * d + bias * d  # w_o, b_o
     proj_flops = 0
     cache_elems = 0
     for group in scheme.groups:
         if kv_shared and group in scheme.kv_groups:
             continue
-        heads = scheme.heads(group, n, k)
-        params += d * heads * h + bias * heads * h
-        proj_flops += 2 * d * heads * h
+        heads, width = scheme.heads(group, n, k), config.width(group)
+        params += d * heads * width + bias * heads * width
+        proj_flops += 2 * d * heads * width
         if group in scheme.kv_groups:
-            cache_elems += heads * h
+            cache_elems += heads * width
     if scheme.bilinear:
         params += n * d * d
         proj_flops += 2 * n * d * d  # x_t^T W_QK[n], once per query token
-        score_flops = 2 * n * d * seq_len + 2 * n * h * seq_len
+        score_flops = 2 * n * d * seq_len + 2 * n * hv * seq_len
         cache_elems += d  # the key side is x itself
     else:
-        score_flops = 2 * 2 * n * h * seq_len
+        score_flops = 2 * n * h * seq_len + 2 * n * hv * seq_len  # q.k, then the weighted sum of values
     if config.relative_bias:
         params += n * (2 * config.relative_bias + 1)
         score_flops += n * seq_len  # one addition per score
@@ -71,7 +71,7 @@ def attention_cost(config: AttentionConfig, d_model: int, seq_len: int, kv_share
         params=params,
         projection_flops=proj_flops,
         score_flops=score_flops,
-        output_flops=2 * n * h * d,
+        output_flops=2 * n * hv * d,
         kv_cache_bytes_per_token=cache_elems * jnp.dtype(config.dtype).itemsize,
     )
 

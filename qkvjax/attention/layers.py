@@ -34,7 +34,13 @@ from qkvjax.attention.config import AttentionConfig
 from qkvjax.attention.schemes import SCHEMES
 
 ALIASES = {"kv": "num_kv_heads"}
-INHERITED = ("scheme", "num_kv_heads", "head_dim", "dtype")  # what a K/V reader takes from its donor by default
+INHERITED = (
+    "scheme",
+    "num_kv_heads",
+    "head_dim",
+    "v_head_dim",
+    "dtype",
+)  # what a K/V reader takes from its donor by default
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,13 +188,14 @@ def _check_reader(where: str, config: AttentionConfig, j: int, donor: AttentionC
             "projection), so they cannot come from another layer; allowed: "
             f"{sorted(n for n, s in SCHEMES.items() if not (s.ties_query_to_kv or s.bilinear))}"
         )
-    mine = (scheme.kv_groups, config.kv_heads, config.head_dim, config.dtype)
-    theirs = (donor.tying.kv_groups, donor.kv_heads, donor.head_dim, donor.dtype)
+    mine = (scheme.kv_groups, config.kv_heads, config.head_dim, config.dtype, config.value_dim)
+    theirs = (donor.tying.kv_groups, donor.kv_heads, donor.head_dim, donor.dtype, donor.value_dim)
     if mine != theirs:
         raise ValueError(
-            f"{where}: layer {j}'s K/V (groups {theirs[0]}, K={theirs[1]}, H={theirs[2]}, {theirs[3]}) do not fit "
-            f"this layer's (groups {mine[0]}, K={mine[1]}, H={mine[2]}, {mine[3]}); give both the same scheme "
-            "family, num_kv_heads, head_dim and dtype (or leave them out: a reader inherits its donor's)"
+            f"{where}: layer {j}'s K/V (groups {theirs[0]}, K={theirs[1]}, H={theirs[2]}, {theirs[3]}, "
+            f"value width {theirs[4]}) do not fit this layer's (groups {mine[0]}, K={mine[1]}, H={mine[2]}, "
+            f"{mine[3]}, value width {mine[4]}); give both the same scheme family, num_kv_heads, head_dim, "
+            "v_head_dim and dtype (or leave them out: a reader inherits its donor's)"
         )
 
 

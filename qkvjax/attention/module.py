@@ -95,19 +95,22 @@ class Attention(nn.Module):
         for group in own_groups:
             heads = scheme.heads(group, n, kv_heads)
             head_axis = axes.HEADS if "q" in group else axes.KV_HEADS
+            width = cfg.width(group)
             kernels[group] = self._param(
-                f"w_{group}", (d, heads, h), (axes.EMBED, head_axis, axes.HEAD_DIM), _kernel_init(0, (1, 2))
+                f"w_{group}", (d, heads, width), (axes.EMBED, head_axis, axes.HEAD_DIM), _kernel_init(0, (1, 2))
             ).astype(dtype)
             if cfg.use_bias:
                 biases[group] = self._param(
-                    f"b_{group}", (heads, h), (head_axis, axes.HEAD_DIM), nn.initializers.zeros
+                    f"b_{group}", (heads, width), (head_axis, axes.HEAD_DIM), nn.initializers.zeros
                 ).astype(dtype)
         if scheme.bilinear:
             # Var(W_QK) = H / D^2 matches the product of two fan-in-initialised (D, H) kernels.
             w_qk = self._param(
                 "w_qk_merged", (n, d, d), (axes.HEADS, axes.EMBED, None), _kernel_init(1, 2, h / d, 0)
             ).astype(dtype)
-        w_o = self._param("w_o", (n, h, d), (axes.HEADS, axes.HEAD_DIM, axes.EMBED), _kernel_init((0, 1), 2))
+        w_o = self._param(
+            "w_o", (n, cfg.value_dim, d), (axes.HEADS, axes.HEAD_DIM, axes.EMBED), _kernel_init((0, 1), 2)
+        )
         w_o = w_o.astype(dtype)
         # A key-only projection (not shared with values) is handed on and cached as the scores use it: normalised
         # and rotated once, when made. Rotating every cached key again at every decode step cost 6-13x the rest of
@@ -199,6 +202,7 @@ class Attention(nn.Module):
 
         implementation = cfg.implementation or ("einsum" if jax.default_backend() == "cpu" else "xla")
         custom = scheme.bilinear or self_mask is not None or dropout or cfg.relative_bias > 0
+        custom = custom or cfg.value_dim != h  # jax.nn.dot_product_attention wants one width for K and V
         if custom or implementation == "einsum" or kv_layout == "BKSH":
             if scheme.bilinear:
                 logits = core.bilinear_logits(x_q, w_qk, kv_side["x"], kv_heads, h)

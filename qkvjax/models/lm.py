@@ -214,7 +214,7 @@ class DecodeCache:
             entry = {}
             for group in att.tying.kv_groups:
                 heads = att.tying.heads(group, att.num_heads, att.kv_heads)
-                entry[group] = jnp.zeros((batch, heads, s, att.head_dim), dtype)
+                entry[group] = jnp.zeros((batch, heads, s, att.width(group)), dtype)
             if att.tying.bilinear:
                 entry["x"] = jnp.zeros((batch, s, config.d_model), dtype)
             entries.append(entry)
