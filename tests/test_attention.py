@@ -447,3 +447,26 @@ def test_a_value_width_other_than_h_is_refused_where_values_share_a_projection(s
     ):
         config(scheme, v_head_dim=3)
     assert config(scheme, v_head_dim=H).value_dim == H
+
+
+@pytest.mark.parametrize(
+    "scheme,kv,chunk,cross", [("separate", K, 2, False), ("shared_kv", 1, 3, True), ("shared_qkv", None, 7, False)]
+)
+def test_chunked_online_softmax_equals_the_dense_path_forward_and_backward(scheme, kv, chunk, cross):
+    kw = {"rope": True, "use_bias": True} | ({"v_head_dim": 3} if scheme == "separate" else {})
+    dense = config(scheme, kv, implementation="einsum", **kw)
+    chunked = config(scheme, kv, implementation="chunked", chunk_size=chunk, **kw)
+    xq, xkv = inputs(8, B, T, D), inputs(9, B, S, D) if cross else None
+    mask = padding_mask() if cross else padding_mask()[:, :, :, :T]
+    params = init_params(dense, xq, inputs_kv=xkv)
+    rows = np.asarray(mask).any(-1)[:, 0]  # (B, T): a query with no allowed key is undefined in both paths
+    assert rows.any() and not rows.all()
+
+    def loss(cfg, params):
+        y = Attention(cfg).apply({"params": params}, xq, xkv, mask=mask, causal=not cross)
+        return jnp.sum(jnp.sin(y) * rows[:, :, None].astype(np.float32)), y
+
+    (_, y1), g1 = jax.value_and_grad(lambda p: loss(dense, p), has_aux=True)(params)
+    (_, y2), g2 = jax.value_and_grad(lambda p: loss(chunked, p), has_aux=True)(params)
+    np.testing.assert_allclose(np.asarray(y2)[rows], np.asarray(y1)[rows], rtol=2e-5, atol=2e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), g2, g1)

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from qkvjax.attention.schemes import SCHEMES, Scheme, get_scheme
 
 DTYPES = ("float32", "bfloat16", "float16")
-IMPLEMENTATIONS = (None, "einsum", "xla", "cudnn")
+IMPLEMENTATIONS = (None, "einsum", "chunked", "xla", "cudnn")
 
 
 def _canonical_dtype(value, field: str) -> str:
@@ -48,9 +48,12 @@ class AttentionConfig:
       v_norm: RMS-normalise values over the head dim without a scale (Gemma 4, whose global layers tie K = V
         and normalise the one tensor as keys and as values separately).
       implementation: how plain q.k attention is computed: 'einsum' (this package's grouped einsums, the path
-        every scheme can take), or 'xla' / 'cudnn' (``jax.nn.dot_product_attention``; 'cudnn' is cuDNN flash
-        attention on NVIDIA GPUs). None picks per backend: 'einsum' on CPU, 'xla' elsewhere. Schemes with
-        custom logits (bilinear, Reformer's self-mask, a relative bias) and attention dropout always take 'einsum'.
+        every scheme can take), 'chunked' (the same maths over blocks of ``chunk_size`` keys with an online
+        softmax, never holding the (B, N, T, S) scores: for long contexts and large batches), or 'xla' / 'cudnn'
+        (``jax.nn.dot_product_attention``; 'cudnn' is cuDNN flash attention on NVIDIA GPUs). None picks per
+        backend: 'einsum' on CPU, 'xla' elsewhere. Schemes with custom logits (bilinear, Reformer's self-mask, a
+        relative bias), attention dropout and decoding from a cache always take 'einsum'.
+      chunk_size: keys per block of the 'chunked' implementation.
     """
 
     num_heads: int
@@ -68,6 +71,7 @@ class AttentionConfig:
     relative_bias: int = 0
     qk_norm: bool = False
     v_norm: bool = False
+    chunk_size: int = 256
 
     def __post_init__(self):
         for name in ("num_heads", "head_dim"):
@@ -127,6 +131,9 @@ class AttentionConfig:
             raise ValueError(f"AttentionConfig.dropout_rate={self.dropout_rate!r}; allowed: 0 <= rate < 1")
         object.__setattr__(self, "dtype", _canonical_dtype(self.dtype, "dtype"))
         object.__setattr__(self, "param_dtype", _canonical_dtype(self.param_dtype, "param_dtype"))
+        cs = self.chunk_size
+        if isinstance(cs, bool) or not isinstance(cs, int) or cs < 1:
+            raise ValueError(f"AttentionConfig.chunk_size={cs!r}; allowed: an integer >= 1 (keys per block)")
         if self.implementation not in IMPLEMENTATIONS:
             raise ValueError(
                 f"AttentionConfig.implementation={self.implementation!r}; allowed: {list(IMPLEMENTATIONS)}"

@@ -166,6 +166,60 @@ def softmax_weights(
     return weights
 
 
+def chunked_attention(
+    q: Array, k: Array, v: Array, mask: Array | None, q_index: Array, k_index: Array, causal: bool, chunk: int
+) -> Array:
+    """Softmax attention over blocks of ``chunk`` keys with an online softmax (Milakov & Gimelshein 2018; the
+    recurrence of FlashAttention, Dao et al. 2022): q (B, T, N, H), k (B, S, K, H), v (B, S, K, Hv), mask None or
+    (B|1, N|1, T, S) boolean, indices (B|1, T), (B|1, S) -> (B, T, N, Hv). Equal to :func:`qk_logits` +
+    :func:`softmax_weights` + :func:`mix_values` up to float rounding, but holds one (B, K, T * G, chunk) block
+    of scores at a time, forward and backward (each block is recomputed in the backward pass)."""
+    b, t, n, h = q.shape
+    s, kv = k.shape[1], k.shape[2]
+    g = n // kv
+    pad = -s % chunk
+    qf = fold_queries(q / math.sqrt(h), kv)  # (B, K, Q, H), Q = T * G
+    q_rows = jnp.repeat(q_index, g, axis=-1)  # (B|1, Q): each folded row's query index
+    allowed = None if mask is None else grouped(mask, kv, g)  # (B|1, K|1, Q, S)
+
+    def blocks(x, axis, fill):  # split the key axis into (S + pad) / chunk blocks, leading
+        x = jnp.pad(x, [(0, 0)] * axis + [(0, pad)] + [(0, 0)] * (x.ndim - axis - 1), constant_values=fill)
+        x = x.reshape(x.shape[:axis] + (-1, chunk) + x.shape[axis + 1 :])
+        return jnp.moveaxis(x, axis, 0)
+
+    ks, vs = blocks(k, 1, 0), blocks(v, 1, 0)  # (n_blocks, B, chunk, K, H)
+    idx = blocks(jnp.broadcast_to(k_index, (k_index.shape[0], s)), 1, -1)  # pad keys: index -1, never allowed
+    ms = None if allowed is None else blocks(allowed, 3, False)
+    low = jnp.finfo(jnp.float32).min
+
+    @jax.checkpoint
+    def step(carry, block):
+        m, l, acc = carry
+        kb, vb, ib, mb = block
+        logits = jnp.einsum("BKQH,BCKH->BKQC", qf, kb).astype(jnp.float32)
+        ok = (ib >= 0)[:, None, None, :]
+        if causal:
+            ok = ok & (ib[:, None, None, :] <= q_rows[:, None, :, None])
+        if mb is not None:
+            ok = ok & mb
+        logits = jnp.where(ok, logits, low)
+        m_new = jnp.maximum(m, logits.max(-1))
+        p = jnp.exp(logits - m_new[..., None])
+        scale = jnp.exp(m - m_new)
+        l = l * scale + p.sum(-1)
+        acc = acc * scale[..., None] + jnp.einsum("BKQC,BCKH->BKQH", p.astype(vb.dtype), vb).astype(jnp.float32)
+        return (m_new, l, acc), None
+
+    q_len = qf.shape[2]
+    init = (
+        jnp.full((b, kv, q_len), low, jnp.float32),
+        jnp.zeros((b, kv, q_len), jnp.float32),
+        jnp.zeros((b, kv, q_len, v.shape[-1]), jnp.float32),
+    )
+    (_, l, acc), _ = jax.lax.scan(step, init, (ks, vs, idx, ms))
+    return unfold_queries((acc / l[..., None]).astype(v.dtype), t)
+
+
 def mix_values(weights: Array, v: Array, t: int, kv_layout: str = "BSKH") -> Array:
     """Weighted sum of values: weights (B, K, T * G, S), v laid out as ``kv_layout`` -> (B, T, N, H)."""
     return unfold_queries(jnp.einsum(f"BKQS,{kv_layout}->BKQH", weights.astype(v.dtype), v), t)

@@ -202,8 +202,11 @@ class Attention(nn.Module):
 
         implementation = cfg.implementation or ("einsum" if jax.default_backend() == "cpu" else "xla")
         custom = scheme.bilinear or self_mask is not None or dropout or cfg.relative_bias > 0
-        custom = custom or cfg.value_dim != h  # jax.nn.dot_product_attention wants one width for K and V
-        if custom or implementation == "einsum" or kv_layout == "BKSH":
+        if implementation == "chunked" and not custom and kv_layout == "BSKH":
+            user_mask = None if mask is None else mask.astype(jnp.bool_)
+            out = core.chunked_attention(q, k, v, user_mask, index_q, index_k, causal, cfg.chunk_size)
+        elif custom or implementation in ("einsum", "chunked") or kv_layout == "BKSH" or cfg.value_dim != h:
+            # (jax.nn.dot_product_attention wants one width for keys and values)
             if scheme.bilinear:
                 logits = core.bilinear_logits(x_q, w_qk, kv_side["x"], kv_heads, h)
             else:
