@@ -1,0 +1,86 @@
+"""Resident memory per checkpoint save: ``--saves`` saves of a 13-array state with ``max_to_keep=3``, through
+qkvjax's ``checkpoint.save`` or through orbax alone, so growth can be pinned on one or the other
+(tests/faults/soak.py shows it is per save, not per step).
+
+    JAX_PLATFORMS=cpu python tests/faults/save_probe.py --variant qkvjax|state_only|sync|no_inventory
+
+``state_only``: orbax's ``StandardSave`` of the state and nothing else; ``sync``: orbax with async saving off;
+``no_inventory``: qkvjax's items without its inventory and leftover handling. Prints KiB per save after save 200.
+"""
+
+import argparse
+import gc
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import jax.numpy as jnp  # noqa: E402
+import orbax.checkpoint as ocp  # noqa: E402
+
+from qkvjax.train import checkpoint  # noqa: E402
+
+
+def rss():
+    with open("/proc/self/status") as f:
+        for l in f:
+            if l.startswith("VmRSS:"):
+                return int(l.split()[1]) / 1024
+
+
+p = argparse.ArgumentParser()
+p.add_argument("--saves", type=int, default=1500)
+p.add_argument("--variant", default="qkvjax", choices=["qkvjax", "sync", "state_only", "no_inventory"])
+a = p.parse_args()
+state = {"w": {f"p{i}": jnp.ones((64, 64)) * i for i in range(12)}, "step": jnp.int32(0)}
+with tempfile.TemporaryDirectory() as tmp:
+    if a.variant == "sync" or a.variant == "state_only":
+        opts = ocp.CheckpointManagerOptions(max_to_keep=3, enable_async_checkpointing=a.variant != "sync")
+        handlers = (
+            {"state": ocp.StandardCheckpointHandler()}
+            if a.variant == "state_only"
+            else {
+                "state": ocp.StandardCheckpointHandler(),
+                "data": ocp.JsonCheckpointHandler(),
+                "config": ocp.JsonCheckpointHandler(),
+            }
+        )
+        mngr = ocp.CheckpointManager(os.path.join(tmp, "c"), options=opts, item_handlers=handlers)
+    else:
+        mngr = checkpoint.manager(tmp)
+    base = None
+    for i in range(1, a.saves + 1):
+        if a.variant == "state_only":
+            mngr.save(i, args=ocp.args.Composite(state=ocp.args.StandardSave(state)), force=True)
+            mngr.wait_until_finished()
+        elif a.variant == "sync":
+            mngr.save(
+                i,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(state),
+                    data=ocp.args.JsonSave({"i": i}),
+                    config=ocp.args.JsonSave({"a": 1}),
+                ),
+                force=True,
+            )
+            mngr.wait_until_finished()
+        elif a.variant == "no_inventory":
+            checkpoint._save(mngr, i, state, {"i": i}, {"a": 1})
+            mngr.wait_until_finished()
+        else:
+            checkpoint.save(mngr, i, state, {"i": i}, {"a": 1})
+        if i == 200:
+            gc.collect()
+            base = rss()
+        if i % 250 == 0:
+            gc.collect()
+            print(f"{a.variant} save {i}: rss {rss():.1f} MiB", flush=True)
+    checkpoint.close(mngr) if a.variant == "qkvjax" else mngr.close()
+    gc.collect()
+    end = rss()
+    print(
+        f"{a.variant}: {(end - base) * 1024 / (a.saves - 200):.1f} KiB per save after save 200 "
+        f"({base:.0f} -> {end:.0f} MiB)"
+    )
