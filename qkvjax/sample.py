@@ -110,7 +110,7 @@ def generate_batch(
         return tokens.T, cache  # (num_tokens - 1, B) -> (B, num_tokens - 1)
 
     base = jax.random.PRNGKey(seed)
-    keys = jnp.stack([jax.random.fold_in(base, i) for i in range(1, num_tokens)]) if num_tokens > 1 else None
+    keys = jax.vmap(lambda i: jax.random.fold_in(base, i))(jnp.arange(1, num_tokens)) if num_tokens > 1 else None
     start = time.perf_counter()
     cache = DecodeCache.empty(model.config, b)
     token, cache = prefill(params, cache, jnp.asarray(padded), jnp.asarray(lengths), jax.random.fold_in(base, 0))

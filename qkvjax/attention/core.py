@@ -73,7 +73,7 @@ def combine_masks(*masks: Array | None) -> Array | None:
 
 def causal_mask(q_pos: Array, k_pos: Array) -> Array:
     """(B|1, 1, T, S): True where the key's position <= the query's. q_pos (B|1, T), k_pos (B|1, S)."""
-    return (k_pos[:, None, None, :] <= q_pos[:, None, :, None]).astype(jnp.bool_)
+    return k_pos[:, None, None, :] <= q_pos[:, None, :, None]
 
 
 # Grouped-query layout. The G query heads that share a kv head are folded into the query axis, Q = T * G
