@@ -11,7 +11,8 @@ Matchings (each a column of the results):
             scheme takes the number of KV heads that lands exactly on it (``separate`` with N/2 KV heads, i.e.
             GQA; ``shared_kv`` and ``shared_qkv`` with N, since they cache one tensor). Schemes that cannot land on
             it (shared QK/QV need K = N and cache two tensors) are left out of the default sweep and refused when
-            named in ``--schemes``.
+            named in ``--schemes``. A latent scheme (``mla``, named in ``--schemes``) takes the latent rank R that
+            lands on it.
 
 Each run trains through the library's own loop (a real workdir under ``DIR/runs/``, real checkpoints), then is
 evaluated on the whole validation split. A finished run appends one row to ``DIR/runs.csv`` and its curve to
@@ -34,6 +35,8 @@ import shlex
 import sys
 from pathlib import Path
 
+import jax.numpy as jnp
+
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -45,6 +48,8 @@ from qkvjax.workdir import training_clock
 
 REPO = Path(__file__).resolve().parents[1]
 MATCHINGS = ("width", "params", "kv_cache")
+# The tying schemes; latent ones (MLA, a low-rank factorisation rather than a tying) run when named in --schemes.
+DEFAULT_SCHEMES = [name for name, scheme in SCHEMES.items() if not scheme.latent]
 PARAMS_TOLERANCE = 0.02
 RUN_COLUMNS = (
     "scheme",
@@ -112,6 +117,15 @@ def matched_config(base: Config, scheme: str, matching: str, kv_fraction: float 
             )
         return config
     target = kv_fraction * kv_cache_bytes(reference)
+    if SCHEMES[scheme].latent:  # the cache is the latent (and a rotary key): its rank R lands on the target
+        per_layer = target / (m.num_layers * jnp.dtype(m.attention.dtype).itemsize)
+        rank = per_layer - config.model.attention.rope_dim
+        if rank == int(rank) and rank >= 1:
+            return _with_attention(base, scheme=scheme, num_kv_heads=None, kv_rank=int(rank))
+        raise ValueError(
+            f"scheme {scheme!r} cannot be run at {kv_fraction:g} x separate's KV cache: its latent rank "
+            f"would be {rank:g}; leave it out of --schemes or of --matchings"
+        )
     n = m.attention.num_heads
     options = {}
     for k in sorted((k for k in range(1, n + 1) if n % k == 0), reverse=True):
@@ -314,7 +328,7 @@ def sweep(args) -> Path:
     out = Path(args.out)
     base = base_config(args)
     runs, notes = plan(
-        base, args.schemes or list(SCHEMES), args.seeds, args.matchings, strict=bool(args.schemes),
+        base, args.schemes or DEFAULT_SCHEMES, args.seeds, args.matchings, strict=bool(args.schemes),
         kv_fraction=args.kv_fraction,
     )  # fmt: skip
     check_protocol(out, base, args)
@@ -358,7 +372,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="results folder: runs.csv, curves.csv, summary.md, plots, runs/")
     p.add_argument("--preset", default="cpu", choices=["cpu", "gpu"], help="experiments/configs/compare_PRESET.py")
     p.add_argument("--config", default=None, help="another base config file (overrides --preset)")
-    p.add_argument("--schemes", type=_csv_list(str), default=None, help="default: every registered scheme")
+    p.add_argument(
+        "--schemes",
+        type=_csv_list(str),
+        default=None,
+        help="default: every tying scheme (latent ones, such as mla, when named)",
+    )
     p.add_argument("--seeds", type=_csv_list(int), default=[0, 1, 2], help="default: 0,1,2")
     p.add_argument("--matchings", type=_csv_list(str), default=list(MATCHINGS), help="default: width,params,kv_cache")
     p.add_argument("--kv-fraction", type=float, default=0.5, help="kv_cache matching's budget x separate's (0.5)")

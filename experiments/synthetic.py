@@ -101,7 +101,8 @@ PRESETS = {
             "size_schemes": ["separate", "shared_qk", "shared_kv", "shared_qkv", "shared_qk+asym"],
             "rope_tasks": ["reverse", "sort", "swap", "left"]},
 }  # fmt: skip
-DEFAULT_SCHEMES = [*SCHEMES, f"shared_qk{ASYM}", f"shared_qkv{ASYM}"]
+# The tying schemes (latent ones, such as mla, run when named in --schemes), plus the asymmetric variants.
+DEFAULT_SCHEMES = [*(n for n, s in SCHEMES.items() if not s.latent), f"shared_qk{ASYM}", f"shared_qkv{ASYM}"]
 
 
 def plan(preset: dict, grids, tasks=None, schemes=None, seeds=None, steps=None, length=None) -> list[Probe]:

@@ -247,7 +247,22 @@ def block_attention(params: dict, layers, i: int) -> dict:
 
 
 def layer_from_params(attention: dict, scheme) -> LayerWeights:
-    """A qkvjax Attention's params -> LayerWeights: each role reads its group's kernel ``w_<group>`` (D, heads, H)."""
+    """A qkvjax Attention's params -> LayerWeights: each role reads its group's kernel ``w_<group>`` (D, heads, H).
+
+    A latent (MLA) layer's roles are the products of its factors, e.g. ``W^K_j = W^DKV diag(s) W^UK_j`` with the
+    latent norm's scale s (the norm's per-token 1 / rms scales K and V of a token alike and leaves column spaces
+    as they are); the decoupled rotary part is left out (it is shared by all heads and carries positions)."""
+    if scheme.latent:
+        xp = _xp(*attention.values())
+
+        def product(down: str, scale: str, up: str):
+            w = attention[down] * (attention[scale][None] if scale in attention else 1.0)
+            return xp.einsum("DR,RCH->CDH", w, attention[up])
+
+        q = attention["w_q"].transpose(1, 0, 2) if "w_q" in attention else product("w_q_down", "q_norm_scale", "w_q_up")
+        return LayerWeights(
+            v=product("w_kv_down", "kv_norm_scale", "w_v_up"), q=q, k=product("w_kv_down", "kv_norm_scale", "w_k_up")
+        )
     role = lambda r: None if scheme.group_of(r) is None else attention[f"w_{scheme.group_of(r)}"].transpose(1, 0, 2)  # noqa: E731
     merged = attention.get("w_qk_merged") if scheme.bilinear else None
     return LayerWeights(v=role("v"), q=role("q"), k=role("k"), qk_merged=merged)

@@ -15,6 +15,7 @@ G     N // K               (never a parameter axis)
 H     head dim             ``head_dim``
 F     MLP hidden width     ``mlp``
 V     vocabulary           ``vocab``
+R     latent rank (MLA)    ``latent``
 ====  ===================  ====================
 
 Parameters carry logical names (``flax.linen.with_logical_partitioning``); :data:`DEFAULT_RULES` maps them to
@@ -29,6 +30,7 @@ KV_HEADS = "kv_heads"
 HEAD_DIM = "head_dim"
 MLP = "mlp"
 VOCAB = "vocab"
+LATENT = "latent"
 
 MESH_AXES = ("data", "fsdp", "tensor")
 
@@ -43,4 +45,5 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     (HEAD_DIM, None),
     (MLP, "tensor"),
     (VOCAB, "tensor"),
+    (LATENT, None),  # a latent is shared by every head: replicated, so decode never gathers it across devices
 )

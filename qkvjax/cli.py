@@ -143,8 +143,14 @@ def _info(args: argparse.Namespace) -> int:
 def _convert(args: argparse.Namespace) -> int:
     from qkvjax.convert import convert_workdir
 
-    out = convert_workdir(args.workdir, args.out, args.to, args.num_kv_heads, args.step)
-    print(f"converted checkpoint written to {out}")
+    errors: list[float] = []
+    out = convert_workdir(args.workdir, args.out, args.to, args.num_kv_heads, args.step, args.rank, errors)
+    for i, error in enumerate(errors):
+        print(f"layer {i}: rank {args.rank} keeps [W^K, W^V] to a relative error |W - W_R|_F / |W|_F = {error:.4f}")
+    print(
+        f"converted checkpoint written to {out}; uptrain it with: qkvjax train --config {out}/config.json "
+        f"--workdir {out} --config.train.num_steps=N (N above the step it starts from)"
+    )
     return 0
 
 
@@ -294,7 +300,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train a decoder LM; rerun the same command on the same workdir to resume. "
         "Override any config field with --config.a.b=value (e.g. --config.model.attention.scheme=shared_kv).",
     )
-    p.add_argument("--config", required=True, help="a Python file with get_config(), e.g. experiments/configs/tiny.py")
+    p.add_argument(
+        "--config",
+        required=True,
+        help="a Python file with get_config(), e.g. experiments/configs/tiny.py, or a run's config.json",
+    )
     p.add_argument("--workdir", required=True, help="checkpoints, metrics.jsonl, TensorBoard events, config.json")
     p.add_argument("--overwrite", action="store_true", help="delete a run of another config found in --workdir")
     g = p.add_argument_group("multi-process (one process per host; see launch/)")
@@ -358,10 +368,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(func=_info)
 
-    p = sub.add_parser("convert", help="convert a checkpoint to another scheme (bilinear) or fewer kv heads")
+    p = sub.add_parser("convert", help="convert a checkpoint to another scheme (bilinear, mla) or fewer kv heads")
     p.add_argument("--workdir", required=True, help="the run to convert")
     p.add_argument("--out", required=True, help="a new workdir for the converted checkpoint")
-    p.add_argument("--to", default=None, help="target scheme (bilinear: exact)")
+    p.add_argument("--to", default=None, help="target scheme (bilinear: exact; mla: truncated SVD, needs --rank)")
+    p.add_argument(
+        "--rank", type=int, default=None, help="latent rank R of --to mla (full rank min(D, K(H+Hv)) is exact)"
+    )
     p.add_argument("--num-kv-heads", type=int, default=None, help="mean-pool kv heads to K (GQA/MQA)")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (None: the newest)")
     p.set_defaults(func=_convert)

@@ -4,6 +4,11 @@
   Needs plain q.k logits: no rotary embedding, no key normalisation, no query/key biases.
 * ``to_grouped`` (standard, not exact): multi-head to grouped-/multi-query attention by mean-pooling the key and
   value heads of each group (Ainslie et al. 2023, arXiv:2305.13245, section 2.1); meant to be uptrained.
+* ``to_latent`` (exact at full rank): to MLA (:mod:`qkvjax.attention.latent`) by a truncated SVD of the stacked
+  key and value kernels, ``[W^K, W^V] (D, K (H + Hv)) ~ U_R S_R V_R^T``: ``w_kv_down = U_R S_R^(1/2)`` and the
+  up-projections split ``S_R^(1/2) V_R^T``, with no latent norm and no rotary part, so the converted layer computes
+  ``separate``'s function up to the dropped singular values. The relative error ``|W - W_R|_F / |W|_F`` is reported
+  per layer (Eckart-Young: the best rank-R approximation); the result is meant to be uptrained.
 
 Both read the scheme's data (which group makes q, k, v), so they work for every scheme whose groups allow it.
 """
@@ -16,6 +21,7 @@ import os
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from qkvjax.attention import AttentionConfig, get_scheme
 from qkvjax.models.lm import ModelConfig
@@ -64,9 +70,63 @@ def grouped_attention_params(att: dict, cfg: AttentionConfig, num_kv_heads: int)
     return out
 
 
-def convert(model: ModelConfig, params, to: str | None = None, num_kv_heads: int | None = None):
-    """(new ModelConfig, new params) with the scheme ``to`` and/or ``num_kv_heads`` changed."""
+def latent_attention_params(att: dict, cfg: AttentionConfig, rank: int) -> tuple[dict, float]:
+    """One attention layer's parameters as the ``mla`` scheme's at latent rank ``rank``, and the relative error
+    of the rank-``rank`` approximation of its stacked [W^K, W^V]."""
+    scheme = cfg.tying
+    if scheme.bilinear or scheme.latent or scheme.normalize_keys or scheme.mask_self:
+        raise ValueError(f"scheme {cfg.scheme!r} has no plain W^K and W^V to factor; convert a plain q.k scheme")
+    fixed = [f for f in ("rope", "use_bias", "qk_norm", "v_norm", "relative_bias") if getattr(cfg, f)]
+    if fixed:
+        raise ValueError(
+            f"{fixed[0]}={getattr(cfg, fixed[0])!r}: a rank-R latent cannot carry it exactly (MLA rotates only a "
+            "decoupled key part, and has no biases or K/V norms); convert a model without it"
+        )
+    d, k, h, hv = att["w_o"].shape[-1], cfg.kv_heads, cfg.head_dim, cfg.value_dim
+    full = min(d, k * (h + hv))
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= full:
+        raise ValueError(f"rank={rank!r}; allowed: 1 <= rank <= min(D, K (H + Hv)) = {full} (the full rank is exact)")
+    w_k = np.asarray(att["w_" + scheme.group_of("k")], np.float64)
+    w_v = np.asarray(att["w_" + scheme.group_of("v")], np.float64)
+    if w_k.shape[1] != k:  # a shared query/key kernel has N = K heads; checked, never pooled here
+        raise ValueError(f"the key kernel has {w_k.shape[1]} heads, the config {k}")
+    stacked = np.concatenate([w_k.reshape(d, k * h), w_v.reshape(d, k * hv)], axis=1)  # DKH, DKH -> D(K(H+Hv))
+    u, sv, vt = np.linalg.svd(stacked, full_matrices=False)
+    root = np.sqrt(sv[:rank])
+    down, up = u[:, :rank] * root, root[:, None] * vt[:rank]  # (D, R), (R, K (H + Hv))
+    error = float(np.sqrt(np.sum(sv[rank:] ** 2) / np.sum(sv**2)))
+    dtype = att["w_o"].dtype
+    out = {
+        "w_q": att["w_" + scheme.group_of("q")],
+        "w_kv_down": jnp.asarray(down, dtype),
+        "w_k_up": jnp.asarray(up[:, : k * h].reshape(rank, k, h), dtype),
+        "w_v_up": jnp.asarray(up[:, k * h :].reshape(rank, k, hv), dtype),
+        "w_o": att["w_o"],
+    }
+    return out, error
+
+
+def latent_config(cfg: AttentionConfig, rank: int) -> AttentionConfig:
+    """The ``mla`` config that :func:`latent_attention_params` fills: rank ``rank``, no latent norm, no rotary."""
+    return dataclasses.replace(cfg, scheme="mla", kv_rank=rank, latent_norm=False, q_rank=None, rope_head_dim=None)
+
+
+def convert(
+    model: ModelConfig,
+    params,
+    to: str | None = None,
+    num_kv_heads: int | None = None,
+    rank: int | None = None,
+    errors: list | None = None,
+):
+    """(new ModelConfig, new params) with the scheme ``to`` and/or ``num_kv_heads`` changed; ``rank`` is the latent
+    rank of ``to="mla"``, whose relative approximation error per layer is appended to ``errors`` if given."""
     att_cfg = model.attention
+    if att_cfg.tying.latent:
+        raise ValueError(f"this run's scheme {att_cfg.scheme!r} is latent (MLA); convert starts from a plain scheme "
+                         "(separate, GQA, shared_kv, ...)")  # fmt: skip
+    if (rank is not None) != (to is not None and get_scheme(to).latent):
+        raise ValueError(f"rank={rank!r} goes with a latent target scheme and only there: --to mla --rank R")
     if model.layers:
         raise ValueError(
             f"convert works on runs with one attention config for every layer; this run has the layer pattern "
@@ -82,22 +142,37 @@ def convert(model: ModelConfig, params, to: str | None = None, num_kv_heads: int
         att_cfg = dataclasses.replace(att_cfg, num_kv_heads=num_kv_heads)
     if to is not None and to != att_cfg.scheme:
         target = get_scheme(to)
-        if not target.bilinear:
+        if not (target.bilinear or target.latent):
             raise ValueError(
                 f"no conversion from {att_cfg.scheme!r} to {to!r}: tying cannot be undone or imposed exactly; "
-                "supported: --to bilinear (exact) and --num-kv-heads K (mean-pooled kv heads)"
+                "supported: --to bilinear (exact), --to mla --rank R (truncated SVD) and --num-kv-heads K "
+                "(mean-pooled kv heads)"
             )
         for layer in _attention_layers(params):
             block = dict(new[layer])
-            block["attention"] = bilinear_attention_params(block["attention"], att_cfg)
+            if target.latent:
+                block["attention"], error = latent_attention_params(block["attention"], att_cfg, rank)
+                if errors is not None:
+                    errors.append(error)
+            else:
+                block["attention"] = bilinear_attention_params(block["attention"], att_cfg)
             new[layer] = block
-        att_cfg = dataclasses.replace(att_cfg, scheme=to)
+        att_cfg = latent_config(att_cfg, rank) if target.latent else dataclasses.replace(att_cfg, scheme=to)
     return dataclasses.replace(model, attention=att_cfg), new
 
 
-def convert_workdir(workdir: str, out: str, to: str | None, num_kv_heads: int | None, step: int | None = None) -> str:
+def convert_workdir(
+    workdir: str,
+    out: str,
+    to: str | None,
+    num_kv_heads: int | None,
+    step: int | None = None,
+    rank: int | None = None,
+    errors: list | None = None,
+) -> str:
     """Writes a new workdir whose checkpoint holds the converted params (fresh optimizer state, same step and
-    data position), so ``qkvjax eval`` / ``sample`` / ``train`` (to uptrain) all work on it."""
+    data position), so ``qkvjax eval`` / ``sample`` / ``train`` (to uptrain) all work on it. ``errors``: as in
+    :func:`convert`."""
     from qkvjax.evaluate import restore_params
     from qkvjax.train import checkpoint
     from qkvjax.train.config import to_dict, to_json
@@ -110,7 +185,7 @@ def convert_workdir(workdir: str, out: str, to: str | None, num_kv_heads: int | 
     if (path(out) / CONFIG_FILE).exists():
         raise ValueError(f"--out {out} already holds a run; choose an empty directory")
     _, params, config, step = restore_params(workdir, step)
-    model_cfg, new_params = convert(config.model, params, to, num_kv_heads)
+    model_cfg, new_params = convert(config.model, params, to, num_kv_heads, rank, errors)
     config = dataclasses.replace(config, model=model_cfg)
     tx = make_optimizer(config.train)
     mngr_in = checkpoint.manager(workdir, read_only=True)

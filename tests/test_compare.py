@@ -38,9 +38,11 @@ def test_matchings_hold_for_every_scheme_of_the_presets(preset):
         cfg = matched_config(base, scheme, "params")
         assert abs(param_count(cfg.model) - param_count(separate.model)) <= 0.02 * param_count(separate.model)
     runs, notes = plan(base, list(SCHEMES), [0], ["kv_cache"], strict=False)
-    assert {r.scheme for r in runs} == {"separate", "shared_kv", "shared_qkv"}
+    assert {r.scheme for r in runs} == {"separate", "shared_kv", "shared_qkv", "mla"}
     assert {kv_cache_bytes(r.config) for r in runs} == {kv_cache_bytes(separate) // 2}
-    assert len(notes) == len(SCHEMES) - 3 and all("cannot be run at 0.5" in n for n in notes)
+    att = base.model.attention
+    assert next(r for r in runs if r.scheme == "mla").config.model.attention.kv_rank == att.num_heads * att.head_dim
+    assert len(notes) == len(SCHEMES) - 4 and all("cannot be run at 0.5" in n for n in notes)
 
 
 def test_sweep_end_to_end_and_rerun_skips_finished_runs(tmp_path, small_text, data_dir, capsys):

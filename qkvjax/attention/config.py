@@ -54,6 +54,15 @@ class AttentionConfig:
         backend: 'einsum' on CPU, 'xla' elsewhere. Schemes with custom logits (bilinear, Reformer's self-mask, a
         relative bias), attention dropout and decoding from a cache always take 'einsum'.
       chunk_size: keys per block of the 'chunked' implementation.
+      kv_rank: R, the width of the shared K/V latent of a latent scheme (``mla``); None = 4 H (DeepSeek-V2's
+        d_c = 4 d_h). Only latent schemes take it.
+      q_rank: a latent scheme's low-rank query path: queries from a (D, q_rank) down-projection, its norm, and
+        per-head up-projections; None = one (D, N, H) query projection.
+      rope_head_dim: H_r, the width of a latent scheme's decoupled rotary part (a rotated key of H_r shared by all
+        heads, and H_r more per query head), used when ``rope``; None = H / 2 (DeepSeek-V2). Latent keys cannot
+        be rotated themselves: a rotation between W^UQ and W^UK would stop them from being absorbed.
+      latent_norm: RMS norm with a learned scale on a latent scheme's latents (as DeepSeek-V2); False makes the
+        latent a plain low-rank factor (an MLA converted from MHA by SVD starts so, computing the same function).
     """
 
     num_heads: int
@@ -72,6 +81,10 @@ class AttentionConfig:
     qk_norm: bool = False
     v_norm: bool = False
     chunk_size: int = 256
+    kv_rank: int | None = None
+    q_rank: int | None = None
+    rope_head_dim: int | None = None
+    latent_norm: bool = True
 
     def __post_init__(self):
         for name in ("num_heads", "head_dim"):
@@ -106,12 +119,12 @@ class AttentionConfig:
         vh = self.v_head_dim
         if vh is not None and (isinstance(vh, bool) or not isinstance(vh, int) or vh < 1):
             raise ValueError(f"AttentionConfig.v_head_dim={vh!r}; allowed: None (= head_dim) or an integer >= 1")
-        if vh is not None and vh != self.head_dim and scheme.group_of("v") != "v":
+        if vh is not None and vh != self.head_dim and scheme.group_of("v") != "v" and not scheme.latent:
             raise ValueError(
                 f"scheme {self.scheme!r} makes values with the projection w_{scheme.group_of('v')}, shared with "
                 f"{'queries' if 'q' in scheme.group_of('v') else 'keys'}, so v_head_dim must equal head_dim "
                 f"({self.head_dim}); got v_head_dim={vh}. Use None, or a scheme with its own W^V: "
-                f"{sorted(n for n, s in SCHEMES.items() if s.group_of('v') == 'v')}"
+                f"{sorted(n for n, s in SCHEMES.items() if s.group_of('v') == 'v' or s.latent)}"
             )
         if scheme.bilinear and self.qk_norm:
             raise ValueError(
@@ -120,7 +133,7 @@ class AttentionConfig:
         for name in ("qk_norm", "v_norm", "rope", "use_bias"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"AttentionConfig.{name}={getattr(self, name)!r}; allowed: True or False")
-        if self.rope and self.head_dim % 2:
+        if self.rope and self.head_dim % 2 and not scheme.latent:  # a latent scheme rotates rope_dim only
             raise ValueError(f"rope=True needs an even head_dim; got head_dim={self.head_dim}")
         if self.rope and not 0 < self.rope_base < float("inf"):
             raise ValueError(f"AttentionConfig.rope_base={self.rope_base!r}; allowed: a finite number > 0")
@@ -134,10 +147,62 @@ class AttentionConfig:
         cs = self.chunk_size
         if isinstance(cs, bool) or not isinstance(cs, int) or cs < 1:
             raise ValueError(f"AttentionConfig.chunk_size={cs!r}; allowed: an integer >= 1 (keys per block)")
+        self._check_latent(scheme)
         if self.implementation not in IMPLEMENTATIONS:
             raise ValueError(
                 f"AttentionConfig.implementation={self.implementation!r}; allowed: {list(IMPLEMENTATIONS)}"
             )
+
+    def _check_latent(self, scheme: Scheme) -> None:
+        latent = sorted(n for n, s in SCHEMES.items() if s.latent)
+        for name in ("kv_rank", "q_rank", "rope_head_dim"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if not scheme.latent:
+                raise ValueError(
+                    f"AttentionConfig.{name}={value!r} is for latent schemes {latent}; "
+                    f"scheme {self.scheme!r} takes None"
+                )
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"AttentionConfig.{name}={value!r}; allowed: None or an integer >= 1")
+        if not isinstance(self.latent_norm, bool):
+            raise ValueError(f"AttentionConfig.latent_norm={self.latent_norm!r}; allowed: True or False")
+        if not scheme.latent:
+            return
+        if self.rope_head_dim is not None and not self.rope:
+            raise ValueError(
+                f"AttentionConfig.rope_head_dim={self.rope_head_dim} needs rope=True (it is the width "
+                "of the decoupled rotary part); pass rope=True or rope_head_dim=None"
+            )
+        if self.rope and self.rope_dim % 2:
+            raise ValueError(
+                f"the decoupled rotary width of scheme {self.scheme!r} must be even; got "
+                f"rope_head_dim={self.rope_dim}" + (" (H / 2)" if self.rope_head_dim is None else "")
+            )
+        for name, why in (
+            ("qk_norm", "its keys come out of the latent"),
+            ("v_norm", "its values come out of the latent"),
+            ("use_bias", "biases would stop W^UK from being absorbed"),
+            ("relative_bias", "its decode path scores in the latent space"),
+        ):
+            if getattr(self, name):
+                raise ValueError(
+                    f"scheme {self.scheme!r} does not take {name}={getattr(self, name)!r}: {why}; "
+                    "leave it off (latent_norm normalises the latent)"
+                )
+
+    @property
+    def latent_dim(self) -> int:
+        """R of a latent scheme, with None resolved to 4 H."""
+        return 4 * self.head_dim if self.kv_rank is None else self.kv_rank
+
+    @property
+    def rope_dim(self) -> int:
+        """H_r of a latent scheme's decoupled rotary part: 0 without rope, else rope_head_dim or H / 2."""
+        if not self.rope:
+            return 0
+        return max(1, self.head_dim // 2) if self.rope_head_dim is None else self.rope_head_dim
 
     @property
     def kv_heads(self) -> int:

@@ -8,6 +8,7 @@ parameters the modules create and the bytes of the caches they fill.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 
 import jax.numpy as jnp
@@ -38,27 +39,43 @@ class AttentionCost:
         return self.projection_flops + self.score_flops + self.output_flops
 
 
+def cache_shapes(config: AttentionConfig, d_model: int, length: int) -> dict[str, tuple[int, ...]]:
+    """What one layer's decode cache holds per row, by name, for ``length`` positions: each K/V group's
+    (heads, S, width) tensor, ``"x"`` (S, D) for a bilinear key side, or a latent scheme's ``"latent"`` (S, R)
+    and ``"k_rope"`` (S, H_r). The decode caches are built from this, and the accounting counts it."""
+    scheme = config.tying
+    if scheme.latent:
+        rope = {"k_rope": (length, config.rope_dim)} if config.rope_dim else {}
+        return {"latent": (length, config.latent_dim)} | rope
+    shapes = {
+        g: (scheme.heads(g, config.num_heads, config.kv_heads), length, config.width(g)) for g in scheme.kv_groups
+    }
+    return shapes | ({"x": (length, d_model)} if scheme.bilinear else {})
+
+
 def attention_cost(config: AttentionConfig, d_model: int, seq_len: int, kv_shared: bool = False) -> AttentionCost:
     """One layer; ``kv_shared``: the layer reads another layer's keys and values (no K/V kernels, no cache)."""
     scheme = config.tying
+    cache_bytes = 0
+    if not kv_shared:
+        per_token = sum(math.prod(shape) for shape in cache_shapes(config, d_model, 1).values())
+        cache_bytes = per_token * jnp.dtype(config.dtype).itemsize
+    if scheme.latent:
+        return _latent_cost(config, d_model, seq_len, cache_bytes)
     n, k, h, hv, d = config.num_heads, config.kv_heads, config.head_dim, config.value_dim, d_model
     bias = 1 if config.use_bias else 0
     params = n * hv * d + bias * d  # w_o, b_o
     proj_flops = 0
-    cache_elems = 0
     for group in scheme.groups:
         if kv_shared and group in scheme.kv_groups:
             continue
         heads, width = scheme.heads(group, n, k), config.width(group)
         params += d * heads * width + bias * heads * width
         proj_flops += 2 * d * heads * width
-        if group in scheme.kv_groups:
-            cache_elems += heads * width
     if scheme.bilinear:
         params += n * d * d
         proj_flops += 2 * n * d * d  # x_t^T W_QK[n], once per query token
         score_flops = 2 * n * d * seq_len + 2 * n * hv * seq_len
-        cache_elems += d  # the key side is x itself
     else:
         score_flops = 2 * n * h * seq_len + 2 * n * hv * seq_len  # q.k, then the weighted sum of values
     if config.relative_bias:
@@ -72,7 +89,32 @@ def attention_cost(config: AttentionConfig, d_model: int, seq_len: int, kv_share
         projection_flops=proj_flops,
         score_flops=score_flops,
         output_flops=2 * n * hv * d,
-        kv_cache_bytes_per_token=cache_elems * jnp.dtype(config.dtype).itemsize,
+        kv_cache_bytes_per_token=cache_bytes,
+    )
+
+
+def _latent_cost(config: AttentionConfig, d: int, seq_len: int, cache_bytes: int) -> AttentionCost:
+    """MLA as trained (keys and values up-projected from the latents, :mod:`qkvjax.attention.latent`): every
+    kernel is one matmul per token (2 FLOPs per weight); the norms' scales are parameters only."""
+    n, k, h, hv, r, hr = (
+        config.num_heads,
+        config.kv_heads,
+        config.head_dim,
+        config.value_dim,
+        config.latent_dim,
+        config.rope_dim,
+    )
+    rq = config.q_rank
+    kernels = (d if rq is None else rq) * n * (h + hr) + (0 if rq is None else d * rq)  # queries
+    kernels += d * r + r * k * (h + hv) + d * hr  # w_kv_down, w_k_up, w_v_up, w_k_rope
+    norms = (r + (rq or 0)) if config.latent_norm else 0
+    return AttentionCost(
+        scheme=config.scheme,
+        params=kernels + norms + n * hv * d,
+        projection_flops=2 * kernels,
+        score_flops=2 * n * (h + hr) * seq_len + 2 * n * hv * seq_len,
+        output_flops=2 * n * hv * d,
+        kv_cache_bytes_per_token=cache_bytes,
     )
 
 
@@ -113,7 +155,7 @@ def cost_table(
         f"{'x sep':>6} {'KV bytes/tok':>12} {'x sep':>6}",
     ]
     for name, scheme in SCHEMES.items():
-        groups = "{" + "}{".join(scheme.groups) + "}" + ("+W_QK" if scheme.bilinear else "")
+        groups = "{" + "}{".join(scheme.groups) + "}" + ("+W_QK" if scheme.bilinear else "@R" if scheme.latent else "")
         try:
             cfg = AttentionConfig(num_heads, head_dim, num_kv_heads, name, dtype=dtype)
         except ValueError as e:

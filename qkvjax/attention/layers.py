@@ -186,7 +186,12 @@ def _check_reader(where: str, config: AttentionConfig, j: int, donor: AttentionC
         raise ValueError(
             f"{where}: scheme {config.scheme!r} makes keys or values from the query projection (or from no "
             "projection), so they cannot come from another layer; allowed: "
-            f"{sorted(n for n, s in SCHEMES.items() if not (s.ties_query_to_kv or s.bilinear))}"
+            f"{sorted(n for n, s in SCHEMES.items() if not (s.ties_query_to_kv or s.bilinear or s.latent))}"
+        )
+    if scheme.latent or donor.tying.latent:
+        raise ValueError(
+            f"{where}: cross-layer K/V with a latent scheme ({config.scheme!r} reading layer {j}'s "
+            f"{donor.scheme!r}) is not supported: a latent layer caches its latent, not K and V"
         )
     mine = (scheme.kv_groups, config.kv_heads, config.head_dim, config.dtype, config.value_dim)
     theirs = (donor.tying.kv_groups, donor.kv_heads, donor.head_dim, donor.dtype, donor.value_dim)
@@ -205,7 +210,8 @@ def example_layouts(num_layers: int, num_heads: int) -> dict[str, str]:
     K = V tying, GQA with half the K/V heads, cross-layer sharing by pairs (CLA2) -- each of the three halves the
     cache -- their combinations, and a Gemma-4-like stack (our reading of it, not its exact sizes): 5 local layers
     to 1 global, local layers GQA with K = N/2, global layers K = V with K = N/4, QK-norm and a scale-free V-norm
-    everywhere, and the last third of the layers reading the K/V of the last earlier layer of their kind.
+    everywhere, and the last third of the layers reading the K/V of the last earlier layer of their kind; and
+    DeepSeek-V2's MLA (a latent of 4 H per token, with or without its decoupled rotary key of H / 2).
     """
     out = {"separate": "", "shared_kv": "shared_kv"}
     gqa = f"GQA-{num_heads // 2}"  # half as many K/V heads: the same cache as K = V or CLA2
@@ -238,6 +244,8 @@ def example_layouts(num_layers: int, num_heads: int) -> dict[str, str]:
             else:
                 runs.append([part, 1])
         out["Gemma-4-like"] = ", ".join(p if n == 1 else f"{p}*{n}" for p, n in runs)
+    out["MLA (latent 4H)"] = "mla"  # DeepSeek-V2's latent width d_c = 4 d_h ...
+    out["MLA + rotary"] = "mla[rope]"  # ... and its decoupled rotary key of d_h / 2
     return out
 
 

@@ -83,6 +83,11 @@ class Attention(nn.Module):
         to (B, N, T, S) with True = may attend, positions (B, T) for rotary embedding. Returns (B, T, D), or
         ``(y, KV)`` when ``cache`` is given or ``return_kv``."""
         cfg, scheme = self.config, self.config.tying
+        if scheme.latent:
+            raise ValueError(
+                f"scheme {cfg.scheme!r} is a latent scheme: its module is qkvjax.attention.LatentAttention "
+                "(qkvjax.attention.attention_module(config) picks the module for any config)"
+            )
         n, kv_heads, h = cfg.num_heads, cfg.kv_heads, cfg.head_dim
         self_attention = inputs_kv is None
         x_kv_in = inputs_q if self_attention else inputs_kv

@@ -14,6 +14,10 @@ or values. Two variations ride on top of a partition:
 * ``bilinear`` -- the query and key roles are replaced by one full-rank form per head,
   ``score(t, s) = x_t^T W_QK[n] x_s / sqrt(H)`` with ``W_QK[n] = W^Q_n (W^K_n)^T`` of shape (D, D); only the value
   role keeps a projection. The key side of the cache is then the input ``x`` itself.
+* ``latent`` -- Multi-head Latent Attention (DeepSeek-AI 2024, DeepSeek-V2, arXiv:2405.04434, section 2.1): the
+  ``kv`` group is factored, ``k_{s,j} = c_s W^UK_j`` and ``v_{s,j} = c_s W^UV_j`` with one shared latent
+  ``c_s = norm(x_s W^DKV)`` of width R, so K and V tie their first factor only (a partial K = V tying) and the cache
+  holds ``c`` alone. Its module is :class:`qkvjax.attention.latent.LatentAttention`.
 
 Adding a scheme is one :func:`register_scheme` call; nothing else in the package branches on a scheme's name.
 What a scheme costs is read off this data by :mod:`qkvjax.attention.costs`.
@@ -39,6 +43,8 @@ class Scheme:
       bilinear: scores come from a per-head (D, D) form instead of projected queries and keys.
       normalize_keys: keys are divided by their length (Reformer).
       mask_self: in self-attention a token may attend to itself only if nothing else is allowed (Reformer).
+      latent: the ``kv`` group is a low-rank latent with per-role up-projections (MLA); the ranks are
+        ``AttentionConfig.kv_rank`` (and ``q_rank`` for a low-rank query path).
     """
 
     name: str
@@ -48,6 +54,7 @@ class Scheme:
     bilinear: bool = False
     normalize_keys: bool = False
     mask_self: bool = False
+    latent: bool = False
 
     def __post_init__(self):
         roles = [r for g in self.groups for r in g]
@@ -59,6 +66,8 @@ class Scheme:
             )
         if self.bilinear and (self.normalize_keys or self.mask_self):
             raise ValueError(f"scheme {self.name!r}: a bilinear scheme has no keys to normalise or mask")
+        if self.latent and (self.groups != ("q", "kv") or self.bilinear or self.normalize_keys or self.mask_self):
+            raise ValueError(f"scheme {self.name!r}: a latent scheme has the groups ('q', 'kv') and nothing else")
 
     def group_of(self, role: str) -> str | None:
         """The group that produces ``role``, or None (q and k of a bilinear scheme)."""
@@ -123,5 +132,14 @@ register_scheme(
         "per-head full-rank W_QK (D x D) = W^Q (W^K)^T merged, plus W^V",
         "merged bilinear form",
         bilinear=True,
+    )
+)
+register_scheme(
+    Scheme(
+        "mla",
+        ("q", "kv"),
+        "MLA: K, V up-projected from one cached rank-R latent; absorbed W^UQ W^UK at decode",
+        "DeepSeek-AI 2024 (DeepSeek-V2)",
+        latent=True,
     )
 )

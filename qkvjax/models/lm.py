@@ -15,7 +15,8 @@ import jax.numpy as jnp
 from jax import Array
 
 from qkvjax import axes
-from qkvjax.attention import KV, Attention, AttentionConfig, LayerAttention, stack_cost
+from qkvjax.attention import KV, Attention, AttentionConfig, LayerAttention, attention_module, stack_cost
+from qkvjax.attention.costs import cache_shapes
 from qkvjax.attention.layers import expand, producers
 
 REMAT_POLICIES = ("none", "full", "dots")
@@ -147,7 +148,8 @@ class Block(nn.Module):
     """Pre-norm transformer block: causal self-attention, then the MLP, each on a residual.
 
     ``attention_cls`` is any linen module built as ``attention_cls(attention)`` and called like ``Attention`` (the
-    benchmark swaps in flax's own attention this way); ``attention`` defaults to ``config.attention``.
+    benchmark swaps in flax's own attention this way); the default ``Attention`` stands for the zoo's module of
+    the layer's scheme (:func:`qkvjax.attention.attention_module`); ``attention`` defaults to ``config.attention``.
     ``causal=False`` makes it an encoder block. ``config`` is a ModelConfig or anything with the same
     ``attention``, ``mlp_width``, ``dtype``, ``param_dtype`` and ``dropout_rate`` (the encoder's config). Returns
     ``(x, KV)`` with the K/V its attention used (another layer may read them), or ``(x, None)`` for an
@@ -175,9 +177,12 @@ class Block(nn.Module):
         extra = {} if mask is None else {"mask": mask}  # attention_cls need not take these unless given them
         if decode:
             extra["decode"] = True
-        if self.attention_cls is Attention:
+        att = self.attention or cfg.attention
+        cls = self.attention_cls
+        if cls is Attention:
+            cls = attention_module(att)
             extra |= {"kv": kv, "cache": cache, "return_kv": True}
-        out = self.attention_cls(self.attention or cfg.attention, name="attention")(
+        out = cls(att, name="attention")(
             _layer_norm(cfg, "ln_attention")(x),
             **extra,
             causal=self.causal,
@@ -194,8 +199,9 @@ class Block(nn.Module):
 class DecodeCache:
     """The decode state of a :class:`DecoderLM`, passed in and returned (a pytree; jit it, donate it).
 
-    ``kv``: one dict per layer that produces keys and values (layers reading another layer's K/V have none),
-    each group's (B, K, S, H) tensor (``"x"``: (B, S, D) for a bilinear key side), before norms and rotary.
+    ``kv``: one dict per layer that produces keys and values (layers reading another layer's K/V have none), as
+    :func:`qkvjax.attention.costs.cache_shapes` lays it out: each K/V group's (B, K, S, H) tensor (``"x"``: (B, S,
+    D) for a bilinear key side; ``"latent"`` (B, S, R) and ``"k_rope"`` (B, S, H_r) for a latent scheme).
     ``lengths`` (B,) int32: the tokens each row holds; row b's next token goes to position ``lengths[b]``, so rows
     with prompts of different lengths decode together.
     """
@@ -210,14 +216,8 @@ class DecodeCache:
         entries = []
         for i in producers(config.layer_attention):
             att = config.layer_attention[i].config
-            dtype = jnp.dtype(att.dtype)
-            entry = {}
-            for group in att.tying.kv_groups:
-                heads = att.tying.heads(group, att.num_heads, att.kv_heads)
-                entry[group] = jnp.zeros((batch, heads, s, att.width(group)), dtype)
-            if att.tying.bilinear:
-                entry["x"] = jnp.zeros((batch, s, config.d_model), dtype)
-            entries.append(entry)
+            shapes = cache_shapes(att, config.d_model, s)
+            entries.append({name: jnp.zeros((batch, *shape), jnp.dtype(att.dtype)) for name, shape in shapes.items()})
         return cls(tuple(entries), jnp.zeros((batch,), jnp.int32))
 
     @property

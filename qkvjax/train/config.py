@@ -151,9 +151,15 @@ def from_dict(cls, data: dict[str, Any]):
 
 
 def load_config_file(path: str) -> Config:
-    """Imports a config file and calls its ``get_config()``."""
+    """Imports a config file and calls its ``get_config()``; a ``.json`` file is a run's saved ``config.json``
+    (what ``qkvjax convert`` writes: uptrain a converted run with ``--config OUT/config.json``)."""
     if not os.path.isfile(path):
         raise ValueError(f"--config={path!r} is not a file; pass a Python file defining get_config()")
+    if path.endswith(".json"):
+        try:
+            return from_dict(Config, json.loads(open(path).read()))
+        except (ValueError, TypeError, KeyError) as e:
+            raise ValueError(f"--config={path!r} is not a run's config.json ({type(e).__name__}: {e})") from None
     spec = importlib.util.spec_from_file_location(f"qkvjax_config_{abs(hash(path))}", path)
     if spec is None or spec.loader is None:
         raise ValueError(f"--config={path!r} is not a Python file; pass a .py file defining get_config()")

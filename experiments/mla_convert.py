@@ -1,0 +1,151 @@
+"""How much of a trained model's K/V survives a rank-R latent? MHA -> MLA by truncated SVD, against GQA pooling.
+
+    python experiments/mla_convert.py --out experiments/results/mla_convert_cpu [--seeds 0,1,2] [--ranks 16,32,64,128]
+        [--kv-heads 2,1] [--uptrain-steps 200] [--config experiments/configs/compare_cpu.py]
+
+For each seed: trains the ``separate`` source run of ``--config`` (or reuses it), then for each conversion —
+``qkvjax convert --to mla --rank R`` and, at the same cache sizes, ``--num-kv-heads K`` (GQA by mean-pooling,
+Ainslie et al. 2023) — writes the converted run, evaluates it on the whole validation split as converted, uptrains
+it for ``--uptrain-steps`` with the run's own optimiser settings (fresh AdamW state, the schedule stretched to the
+new step count) and evaluates again. The control ``none`` is the source itself trained for the same extra steps.
+Each finished (seed, conversion) appends a row to ``OUT/results.csv`` (with the relative reconstruction error of
+[W^K, W^V] per layer for MLA); a rerun skips finished rows, so a killed sweep loses one conversion at most.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import datetime
+import json
+import platform
+import shlex
+import shutil
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from qkvjax.convert import convert_workdir
+from qkvjax.evaluate import evaluate
+from qkvjax.models.lm import kv_cache_bytes_per_token
+from qkvjax.train.config import apply_overrides, load_config_file
+from qkvjax.train.loop import train
+from qkvjax.workdir import load_config
+
+REPO = Path(__file__).resolve().parents[1]
+COLUMNS = (
+    "seed",
+    "conversion",
+    "rank",
+    "kv_heads",
+    "kv_cache_bytes_per_token",
+    "layer_errors",
+    "source_val_loss",
+    "converted_val_loss",
+    "uptrain_steps",
+    "uptrained_val_loss",
+    "finished_at",
+)
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}; allowed: comma-separated integers") from None
+
+
+def _done(path: Path) -> set[tuple[str, str]]:
+    if not path.exists():
+        return set()
+    with path.open() as f:
+        return {(r["seed"], r["conversion"]) for r in csv.DictReader(f)}
+
+
+def _append(path: Path, row: dict) -> None:
+    new = not path.exists()
+    with path.open("a", newline="") as f:
+        w = csv.DictWriter(f, COLUMNS)
+        if new:
+            w.writeheader()
+        w.writerow(row)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--config", default=str(REPO / "experiments/configs/compare_cpu.py"))
+    p.add_argument("--seeds", type=_ints, default=[0, 1, 2])
+    p.add_argument("--ranks", type=_ints, default=[16, 32, 64, 128])
+    p.add_argument("--kv-heads", type=_ints, default=[2, 1], help="GQA conversions at the same cache sizes")
+    p.add_argument("--uptrain-steps", type=int, default=200)
+    p.add_argument("--corpus", default=str(REPO.parent / "shared/data/tinyshakespeare/input.txt"))
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    (out / "work").mkdir(parents=True, exist_ok=True)
+    base = apply_overrides(load_config_file(args.config), {"data.source_path": args.corpus})
+    conversions = [("none", None, None)] + [(f"mla-r{r}", r, None) for r in args.ranks]
+    conversions += [(f"gqa-k{k}", None, k) for k in args.kv_heads]
+    att = base.model.attention
+    full = min(base.model.d_model, att.kv_heads * (att.head_dim + att.value_dim))
+    for rank in args.ranks:  # refused here, before anything trains
+        if not 1 <= rank <= full:
+            raise SystemExit(f"--ranks: {rank}; allowed: 1 <= R <= min(D, K (H + Hv)) = {full}")
+    meta = {
+        "command": "python experiments/mla_convert.py " + shlex.join(argv or sys.argv[1:]),
+        "machine": f"{platform.machine()}, {platform.node()}",
+        "config": args.config,
+    }
+    (out / "protocol.json").write_text(json.dumps(meta, indent=2) + "\n")
+    results = out / "results.csv"
+    done = _done(results)
+    for seed in args.seeds:
+        source = out / "work" / f"separate-seed{seed}"
+        config = dataclasses.replace(base, seed=seed)
+        train(config, str(source))  # trains, or finds the run finished (resumes an interrupted one)
+        source_loss = evaluate(str(source))["loss"]
+        steps = config.train.num_steps + args.uptrain_steps
+        for name, rank, kv_heads in conversions:
+            if (str(seed), name) in done:
+                continue
+            work = out / "work" / f"{name}-seed{seed}"
+            shutil.rmtree(work, ignore_errors=True)  # a half-made conversion from a killed run
+            errors: list[float] = []
+            if name == "none":
+                shutil.copytree(source, work)
+            else:
+                convert_workdir(str(source), str(work), "mla" if rank else None, kv_heads, rank=rank, errors=errors)
+            converted = load_config(str(work))
+            converted_loss = evaluate(str(work))["loss"]
+            train(
+                dataclasses.replace(converted, train=dataclasses.replace(converted.train, num_steps=steps)), str(work)
+            )
+            row = {
+                "seed": seed,
+                "conversion": name,
+                "rank": rank or "",
+                "kv_heads": converted.model.attention.kv_heads,
+                "kv_cache_bytes_per_token": kv_cache_bytes_per_token(converted.model),
+                "layer_errors": " ".join(f"{e:.4f}" for e in errors),
+                "source_val_loss": f"{source_loss:.4f}",
+                "converted_val_loss": f"{converted_loss:.4f}",
+                "uptrain_steps": args.uptrain_steps,
+                "uptrained_val_loss": f"{evaluate(str(work))['loss']:.4f}",
+                "finished_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            }
+            _append(results, row)
+            print(
+                f"seed {seed} {name}: cache {row['kv_cache_bytes_per_token']} B/tok, errors [{row['layer_errors']}], "
+                f"val loss {row['source_val_loss']} -> {row['converted_val_loss']} -> {row['uptrained_val_loss']} "
+                f"after {args.uptrain_steps} steps",
+                flush=True,
+            )
+            shutil.rmtree(work / "checkpoints", ignore_errors=True)  # the rows are the result; keep the disk free
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,159 @@
+"""Multi-head Latent Attention (DeepSeek-AI 2024, DeepSeek-V2, arXiv:2405.04434, section 2.1), the ``mla`` scheme.
+
+Keys and values of head j come out of one latent per token, shared by K and V and by every head::
+
+    c_s = norm(x_s W^DKV)                      w_kv_down: (D, R), kv_norm_scale: (R,)
+    k_{s,j} = [c_s W^UK_j ; rope(x_s W^KR)]     w_k_up: (R, K, H), w_k_rope: (D, H_r)  (the rotary part is shared)
+    v_{s,j} = c_s W^UV_j                        w_v_up: (R, K, Hv)
+    q_{t,n} = [x_t W^Q_n ; rope(x_t W^QR_n)]    w_q: (D, N, H), w_q_rope: (D, N, H_r)
+                                                (or from c^Q_t = norm(x_t W^DQ): w_q_down (D, Rq), w_q_up, w_q_rope_up)
+    o_t = sum_n softmax_s(q_{t,n} . k_{s,j(n)} / sqrt(H + H_r)) v_{s,j(n)} W^O_n       w_o: (N, Hv, D)
+
+Training and a forward pass without a cache use this form as written (K and V materialised; the ``chunked``
+implementation applies). Decoding caches only ``c`` (R per token) and the rotated ``x W^KR`` (H_r) and uses the
+*absorbed* form: since ``q . (c W^UK_j) = (q (W^UK_j)^T) . c``, queries are taken into the latent space once per
+step, scores are taken against the cached latents, the latents are mixed with the weights and ``W^UV`` is applied
+to the R-wide mixture: no (S, K, H) key or value tensor is ever made from the cache. The rotary part stays apart
+because a position-dependent rotation between ``W^Q`` and ``W^UK`` would not let them merge; that is why
+DeepSeek-V2 decouples it. With R = K (H + Hv) and ``w_kv_down`` = [W^K, W^V] the layer is ``separate`` (or GQA)
+exactly (tested); ``qkvjax convert --to mla --rank R`` starts from there by truncated SVD.
+"""
+
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import jax.numpy as jnp
+from jax import Array
+
+from qkvjax import axes
+from qkvjax.attention import core
+from qkvjax.attention.config import AttentionConfig
+from qkvjax.attention.module import KV, _check_inputs, _kernel_init, _write
+
+
+class LatentAttention(nn.Module):
+    """Attention of a latent scheme (``config.tying.latent``), called like :class:`qkvjax.attention.Attention`:
+    ``inputs_q`` (B, T, D), ``inputs_kv`` (B, S, D) or None, ``mask``, ``causal``, ``positions`` (B, T),
+    ``cache=KV`` (a functional decode cache: ``{"latent": (B, S, R), "k_rope": (B, S, H_r)}`` and each row's
+    start) and ``return_kv``. flax's ``decode=True`` variables and cross-layer ``kv=`` are not supported."""
+
+    config: AttentionConfig
+
+    def _param(self, name: str, shape, names, init):
+        return self.param(name, nn.with_logical_partitioning(init, names), shape, jnp.dtype(self.config.param_dtype))
+
+    @nn.compact
+    def __call__(
+        self,
+        inputs_q: Array,
+        inputs_kv: Array | None = None,
+        *,
+        mask: Array | None = None,
+        causal: bool = False,
+        positions: Array | None = None,
+        decode: bool = False,
+        deterministic: bool = True,
+        kv: KV | None = None,
+        cache: KV | None = None,
+        return_kv: bool = False,
+    ):
+        cfg = self.config
+        if decode or kv is not None:
+            raise ValueError(
+                f"scheme {cfg.scheme!r} decodes with the functional cache only (cache=, DecodeCache) and reads no "
+                "other layer's K/V; decode=True and kv= are not supported"
+            )
+        n, kh, h, hv, r, hr = cfg.num_heads, cfg.kv_heads, cfg.head_dim, cfg.value_dim, cfg.latent_dim, cfg.rope_dim
+        self_attention = inputs_kv is None
+        x_kv_in = inputs_q if self_attention else inputs_kv
+        _check_inputs(cfg, inputs_q, x_kv_in, mask, positions, False, self_attention, None, cache)
+        b, t, d = inputs_q.shape
+        dtype = jnp.dtype(cfg.dtype)
+        heads, kv_heads, hd, lat = axes.HEADS, axes.KV_HEADS, axes.HEAD_DIM, axes.LATENT
+
+        def param(name, shape, names, in_axis, out_axis):
+            return self._param(name, shape, names, _kernel_init(in_axis, out_axis)).astype(dtype)
+
+        def norm(x, name, width):
+            if not cfg.latent_norm:
+                return x
+            return core.rms_norm(x, self._param(name, (width,), (lat,), nn.initializers.ones))
+
+        x_q, x_kv = inputs_q.astype(dtype), x_kv_in.astype(dtype)
+        if cfg.q_rank is None:
+            q_in, q_axis, up = x_q, axes.EMBED, ""
+        else:
+            w_q_down = param("w_q_down", (d, cfg.q_rank), (axes.EMBED, lat), 0, 1)
+            q_in = norm(jnp.einsum("BTD,DR->BTR", x_q, w_q_down), "q_norm_scale", cfg.q_rank)
+            q_axis, up = lat, "_up"
+        w_q = param(f"w_q{up}", (q_in.shape[-1], n, h), (q_axis, heads, hd), 0, (1, 2))
+        q = jnp.einsum("BTR,RNH->BTNH", q_in, w_q)
+        w_kv_down = param("w_kv_down", (d, r), (axes.EMBED, lat), 0, 1)
+        w_k_up = param("w_k_up", (r, kh, h), (lat, kv_heads, hd), 0, (1, 2))
+        w_v_up = param("w_v_up", (r, kh, hv), (lat, kv_heads, hd), 0, (1, 2))
+        w_o = param("w_o", (n, hv, d), (heads, hd, axes.EMBED), (0, 1), 2)
+        fresh = {"latent": norm(jnp.einsum("BSD,DR->BSR", x_kv, w_kv_down), "kv_norm_scale", r)}
+
+        if cache is not None:  # row b's new positions start at its cache length
+            index_q = cache.start[:, None] + jnp.arange(t)[None]
+        else:
+            index_q = jnp.arange(t)[None]
+        q_pos = index_q if positions is None else positions
+        if hr:
+            w_q_rope = param(f"w_q_rope{up}", (q_in.shape[-1], n, hr), (q_axis, heads, hd), 0, (1, 2))
+            w_k_rope = param("w_k_rope", (d, hr), (axes.EMBED, hd), 0, 1)
+            q_rope = core.rotary(
+                jnp.einsum("BTR,RNH->BTNH", q_in, w_q_rope), jnp.broadcast_to(q_pos, (b, t)), cfg.rope_base
+            )
+            k_pos = q_pos if self_attention else jnp.arange(x_kv.shape[1])[None]
+            k_rope = jnp.einsum("BSD,DH->BSH", x_kv, w_k_rope)[:, :, None]  # BSH -> BS1H, one head for all
+            fresh["k_rope"] = core.rotary(k_rope, jnp.broadcast_to(k_pos, k_rope.shape[:2]), cfg.rope_base)[:, :, 0]
+
+        if cache is not None:
+            side = KV(_write(cache, fresh, t), cache.start)
+            index_k, causal = jnp.arange(side.tensors["latent"].shape[1])[None], True
+        else:
+            side = KV(fresh)
+            index_k = jnp.arange(x_kv.shape[1])[None]
+        latent = side.tensors["latent"]
+        full_mask = core.combine_masks(
+            None if mask is None else mask.astype(jnp.bool_), core.causal_mask(index_q, index_k) if causal else None
+        )
+        dropout = cfg.dropout_rate > 0.0 and not deterministic
+        scale = 1.0 / math.sqrt(h + hr)
+
+        def weights_of(logits):
+            self.sow("intermediates", "attention_logits", logits)  # (B, K, T * G, S), before masking
+            w = core.softmax_weights(
+                logits,
+                None if full_mask is None else core.grouped(full_mask, kh, cfg.group_size),
+                dropout_rate=cfg.dropout_rate if dropout else 0.0,
+                dropout_rng=self.make_rng("dropout") if dropout else None,
+            )
+            self.sow("intermediates", "attention_weights", w)
+            return w
+
+        if cache is not None:  # absorbed: scores and mixing in the latent space, W^UV after mixing
+            q_lat = jnp.einsum("BKQH,RKH->BKQR", core.fold_queries(q * scale, kh), w_k_up)
+            logits = jnp.einsum("BKQR,BSR->BKQS", q_lat, latent)
+            if hr:
+                logits = logits + jnp.einsum(
+                    "BKQE,BSE->BKQS", core.fold_queries(q_rope * scale, kh), side.tensors["k_rope"]
+                )
+            mixed = jnp.einsum("BKQS,BSR->BKQR", weights_of(logits).astype(dtype), latent)
+            out = core.unfold_queries(jnp.einsum("BKQR,RKH->BKQH", mixed, w_v_up), t)
+        else:  # as written: keys and values up-projected from the latents of this call
+            k = jnp.einsum("BSR,RKH->BSKH", latent, w_k_up)
+            v = jnp.einsum("BSR,RKH->BSKH", latent, w_v_up)
+            if hr:  # BSH -> BSKH: the rotary key part is the same for every head
+                k_rope = jnp.broadcast_to(fresh["k_rope"][:, :, None], k.shape[:3] + (hr,))
+                q, k = jnp.concatenate([q, q_rope], -1), jnp.concatenate([k, k_rope], -1)
+            if cfg.implementation == "chunked" and not dropout:
+                user_mask = None if mask is None else mask.astype(jnp.bool_)
+                out = core.chunked_attention(q, k, v, user_mask, index_q, index_k, causal, cfg.chunk_size)
+            else:
+                out = core.mix_values(weights_of(core.qk_logits(q, k)), v, t)
+        y = jnp.einsum("BTNH,NHD->BTD", out, w_o)
+        return (y, side) if return_kv or cache is not None else y

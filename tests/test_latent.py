@@ -1,0 +1,289 @@
+"""Multi-head Latent Attention (the ``mla`` scheme): a float64 reference, exact equivalence with separate/GQA,
+absorbed decoding against the full forward, the SVD conversion, and the accounting.
+
+Sizes are distinct so a swapped axis fails: B=3, T=5, S=7, D=11, N=6, K=2 (G=3), H=4, Hv=3, R=9, Rq=8, H_r=2.
+"""
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from qkvjax import AttentionConfig, DecoderLM, ModelConfig, attention_cost
+from qkvjax.attention import KV, Attention, LatentAttention, attention_module
+from qkvjax.attention.costs import cost_table
+from qkvjax.convert import convert, latent_attention_params
+from qkvjax.models.lm import DecodeCache, kv_cache_bytes_per_token, param_count
+from tests.test_attention import init_params, inputs, np_rotary, padding_mask
+
+B, T, S, D, N, K, H, HV, R, RQ, HR = 3, 5, 7, 11, 6, 2, 4, 3, 9, 8, 2
+
+
+def mla(kv=K, **kw):
+    return AttentionConfig(num_heads=N, head_dim=H, num_kv_heads=kv, scheme="mla", **({"kv_rank": R} | kw))
+
+
+FULL = dict(rope=True, rope_head_dim=HR, q_rank=RQ, v_head_dim=HV)  # every optional part on
+
+
+def np_rms(x, scale):
+    return x / np.sqrt((x**2).mean(-1, keepdims=True) + 1e-6) * scale
+
+
+def mla_reference(params, cfg, xq, xkv=None, causal=False, mask=None):
+    """DeepSeek-V2's MLA in float64, written from the paper's equations (9)-(19)."""
+    p = {k: np.asarray(v, np.float64) for k, v in params.items()}
+    xq = np.asarray(xq, np.float64)
+    xkv = xq if xkv is None else np.asarray(xkv, np.float64)
+    t, s, g = xq.shape[1], xkv.shape[1], cfg.group_size
+    norm = cfg.latent_norm
+    c_kv = xkv @ p["w_kv_down"]
+    c_kv = np_rms(c_kv, p["kv_norm_scale"]) if norm else c_kv
+    if cfg.q_rank:
+        c_q = xq @ p["w_q_down"]
+        c_q = np_rms(c_q, p["q_norm_scale"]) if norm else c_q
+        q = np.einsum("btr,rnh->btnh", c_q, p["w_q_up"])
+    else:
+        q = np.einsum("btd,dnh->btnh", xq, p["w_q"])
+    k = np.repeat(np.einsum("bsr,rkh->bskh", c_kv, p["w_k_up"]), g, axis=2)
+    v = np.repeat(np.einsum("bsr,rkh->bskh", c_kv, p["w_v_up"]), g, axis=2)
+    if cfg.rope_dim:
+        pos_q, pos_k = np.broadcast_to(np.arange(t), xq.shape[:2]), np.broadcast_to(np.arange(s), xkv.shape[:2])
+        q_in = c_q if cfg.q_rank else xq
+        q_r = np_rotary(np.einsum("btr,rnh->btnh", q_in, p["w_q_rope_up" if cfg.q_rank else "w_q_rope"]), pos_q)
+        k_r = np_rotary((xkv @ p["w_k_rope"])[:, :, None], pos_k)  # one rotary key for all heads
+        q = np.concatenate([q, q_r], -1)
+        k = np.concatenate([k, np.broadcast_to(k_r, k.shape[:3] + (cfg.rope_dim,))], -1)
+    logits = np.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(cfg.head_dim + cfg.rope_dim)
+    allowed = np.ones((1, 1, t, s), bool)
+    if causal:
+        allowed = allowed & np.tril(np.ones((t, s), bool))
+    if mask is not None:
+        allowed = allowed & np.asarray(mask)
+    logits = np.where(allowed, logits, -1e30)
+    w = np.exp(logits - logits.max(-1, keepdims=True))
+    w = w / w.sum(-1, keepdims=True)
+    return np.einsum("btnh,nhd->btd", np.einsum("bnts,bsnh->btnh", w, v), p["w_o"])
+
+
+def _random(cfg, x, seed):
+    params = nn.meta.unbox(LatentAttention(cfg).init(jax.random.key(seed), x))["params"]
+    leaves, tree = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
+    return jax.tree.unflatten(
+        tree, [0.5 * jax.random.normal(k, p.shape, p.dtype) for k, p in zip(keys, leaves, strict=True)]
+    )
+
+
+@pytest.mark.parametrize(
+    "kv,extra", [(None, {}), (K, FULL), (1, dict(rope=True, rope_head_dim=HR)), (K, dict(latent_norm=False))]
+)
+def test_matches_the_float64_reference(kv, extra):
+    cfg = mla(kv, **extra)
+    x, y = inputs(0, B, T, D), inputs(1, B, S, D)
+    params = _random(cfg, x, 2)
+    model = LatentAttention(cfg)
+    np.testing.assert_allclose(
+        model.apply({"params": params}, x, causal=True),
+        mla_reference(params, cfg, x, causal=True),
+        rtol=1e-4,
+        atol=1e-4,
+    )
+    mask = padding_mask()
+    np.testing.assert_allclose(
+        model.apply({"params": params}, x, y, mask=mask),
+        mla_reference(params, cfg, x, y, mask=mask),
+        rtol=1e-4,
+        atol=1e-4,
+    )
+    chunked = LatentAttention(dataclasses.replace(cfg, implementation="chunked", chunk_size=3))
+    np.testing.assert_allclose(
+        chunked.apply({"params": params}, x, causal=True),
+        mla_reference(params, cfg, x, causal=True),
+        rtol=1e-4,
+        atol=1e-4,
+    )
+
+
+@pytest.mark.parametrize("kv,hv", [(None, H), (K, H), (1, HV)])
+def test_a_full_rank_latent_holding_wk_wv_is_separate_exactly(kv, hv):
+    """R = K (H + Hv), w_kv_down = [W^K, W^V] and identity blocks as up-projections: separate / GQA / MQA."""
+    sep = AttentionConfig(num_heads=N, head_dim=H, num_kv_heads=kv, v_head_dim=hv)
+    x = inputs(3, B, T, D)
+    p = init_params(sep, x, 4)
+    k = sep.kv_heads
+    rank = k * (H + hv)
+    cfg = AttentionConfig(
+        num_heads=N, head_dim=H, num_kv_heads=kv, v_head_dim=hv, scheme="mla", kv_rank=rank, latent_norm=False
+    )
+    eye = np.eye(rank, dtype=np.float32)
+    latent = {
+        "w_q": p["w_q"],
+        "w_kv_down": jnp.concatenate([p["w_k"].reshape(D, k * H), p["w_v"].reshape(D, k * hv)], axis=1),
+        "w_k_up": eye[:, : k * H].reshape(rank, k, H),
+        "w_v_up": eye[:, k * H :].reshape(rank, k, hv),
+        "w_o": p["w_o"],
+    }
+    want = Attention(sep).apply({"params": p}, x, causal=True)
+    np.testing.assert_allclose(
+        LatentAttention(cfg).apply({"params": latent}, x, causal=True), want, rtol=1e-5, atol=1e-5
+    )
+
+
+@pytest.mark.parametrize("extra", [FULL, dict(latent_norm=False)])
+def test_absorbed_decoding_equals_the_full_forward_token_by_token(extra):
+    """The cache holds (latent, rotary key) only; every step scores in the latent space."""
+    cfg = mla(K, **extra)
+    x = inputs(5, B, T, D)
+    params = _random(cfg, x, 6)
+    model = LatentAttention(cfg)
+    full = model.apply({"params": params}, x, causal=True)
+    names = {"latent": (B, T, R)} | ({"k_rope": (B, T, HR)} if cfg.rope_dim else {})
+    cache = KV({n: jnp.zeros(s) for n, s in names.items()}, jnp.zeros((B,), jnp.int32))
+
+    @jax.jit
+    def step(cache, tok):
+        y, cache = model.apply({"params": params}, tok, cache=cache)
+        return y, KV(cache.tensors, cache.start + 1)
+
+    ys = []
+    for i in range(T):
+        y, cache = step(cache, x[:, i : i + 1])
+        ys.append(y)
+    np.testing.assert_allclose(jnp.concatenate(ys, 1), full, rtol=2e-5, atol=2e-5)
+    # the absorbed path never forms keys: nothing of shape (B, S, K, H) or (B, K, S, H) in the decode step
+    text = jax.jit(lambda c, t: model.apply({"params": params}, t, cache=c)).lower(cache, x[:, :1]).as_text()
+    assert f"tensor<{B}x{T}x{K}x{H}x" not in text and f"tensor<{B}x{K}x{T}x{H}x" not in text
+
+
+def test_decoder_lm_decodes_ragged_prompts_against_the_full_forward():
+    att = mla(K, **FULL)
+    model_cfg = ModelConfig(
+        att, vocab_size=13, d_model=D, num_layers=2, mlp_dim=7, max_len=T + 2, learned_positions=False
+    )
+    model = DecoderLM(model_cfg)
+    tokens = jax.random.randint(jax.random.key(7), (B, T), 0, 13)
+    params = model.init(jax.random.key(8), tokens)["params"]
+    assert sum(p.size for p in jax.tree.leaves(params)) == param_count(model_cfg)
+    full = model.apply({"params": params}, tokens)
+    lengths = jnp.array([T, 2, 4])
+    cache = DecodeCache.empty(model_cfg, B)
+    assert cache.nbytes == kv_cache_bytes_per_token(model_cfg) * B * model_cfg.max_len
+    assert kv_cache_bytes_per_token(model_cfg) == 2 * (R + HR) * 4  # two layers, float32: the latent and H_r
+    logits, cache = model.apply({"params": params}, tokens, cache=cache, num_valid=lengths)
+    np.testing.assert_allclose(logits[0], full[0], rtol=1e-4, atol=1e-4)
+    step_logits, _ = model.apply({"params": params}, tokens[:, :1], cache=cache)
+    for b in range(B):  # row b's next token sits at position lengths[b]: equal to the full forward of that prefix
+        n = int(lengths[b])
+        prefix = jnp.concatenate([tokens[b : b + 1, :n], tokens[b : b + 1, :1]], axis=1)
+        want = model.apply({"params": params}, prefix)[0, -1]
+        np.testing.assert_allclose(step_logits[b, 0], want, rtol=1e-4, atol=1e-4)
+
+
+def test_parameters_and_cache_match_the_accounting():
+    for kv in (None, K, 1):
+        for extra in ({}, FULL, dict(rope=True), dict(latent_norm=False, q_rank=RQ)):
+            cfg = mla(kv, **extra)
+            params = _random(cfg, inputs(9, B, T, D), 0)
+            cost = attention_cost(cfg, D, T)
+            assert sum(p.size for p in jax.tree.leaves(params)) == cost.params, (kv, extra)
+            assert cost.kv_cache_bytes_per_token == (R + cfg.rope_dim) * 4
+    default = mla(K, rope=True)
+    assert default.latent_dim == R and default.rope_dim == H // 2
+    assert AttentionConfig(num_heads=N, head_dim=H, scheme="mla").latent_dim == 4 * H  # DeepSeek-V2's d_c = 4 d_h
+
+
+def test_parameters_carry_logical_axis_names():
+    boxed = LatentAttention(mla(K, **FULL)).init(jax.random.key(0), inputs(0, B, T, D))["params"]
+    for name, value in boxed.items():
+        assert isinstance(value, nn.LogicallyPartitioned), name
+        assert len(value.names) == value.value.ndim, name
+    assert boxed["w_kv_down"].names == ("embed", "latent")
+    assert boxed["w_k_up"].names == ("latent", "kv_heads", "head_dim")
+
+
+def test_svd_conversion_is_exact_at_full_rank_and_reports_its_error():
+    sep = AttentionConfig(num_heads=N, head_dim=H, num_kv_heads=K, v_head_dim=HV)
+    x = inputs(10, B, T, D)
+    p = init_params(sep, x, 11)
+    stacked = np.concatenate([np.asarray(p["w_k"]).reshape(D, -1), np.asarray(p["w_v"]).reshape(D, -1)], axis=1)
+    full = min(D, K * (H + HV))
+    out, error = latent_attention_params(p, sep, full)
+    assert error < 1e-6
+    cfg = dataclasses.replace(sep, scheme="mla", kv_rank=full, latent_norm=False)
+    np.testing.assert_allclose(
+        LatentAttention(cfg).apply({"params": out}, x, causal=True),
+        Attention(sep).apply({"params": p}, x, causal=True),
+        rtol=1e-4,
+        atol=1e-4,
+    )
+    for rank in (1, 4, full - 1):
+        out, error = latent_attention_params(p, sep, rank)
+        rebuilt = np.concatenate(
+            [
+                np.einsum("dr,rkh->dkh", out["w_kv_down"], out["w_k_up"]).reshape(D, -1),
+                np.einsum("dr,rkh->dkh", out["w_kv_down"], out["w_v_up"]).reshape(D, -1),
+            ],
+            axis=1,
+        )
+        measured = np.linalg.norm(stacked - rebuilt) / np.linalg.norm(stacked)
+        assert error > 1e-3 and abs(measured - error) < 1e-5, (rank, measured, error)
+    # a model: every layer converted, the config says mla at that rank, the errors are reported per layer
+    model_cfg = ModelConfig(sep, vocab_size=13, d_model=D, num_layers=2, mlp_dim=7, max_len=T)
+    tokens = jax.random.randint(jax.random.key(12), (B, T), 0, 13)
+    params = DecoderLM(model_cfg).init(jax.random.key(13), tokens)["params"]
+    errors: list[float] = []
+    new_cfg, new_params = convert(model_cfg, params, to="mla", rank=full, errors=errors)
+    assert new_cfg.attention.scheme == "mla" and new_cfg.attention.kv_rank == full and len(errors) == 2
+    np.testing.assert_allclose(
+        DecoderLM(new_cfg).apply({"params": new_params}, tokens),
+        DecoderLM(model_cfg).apply({"params": params}, tokens),
+        rtol=1e-4,
+        atol=1e-4,
+    )
+
+
+@pytest.mark.parametrize(
+    "make,match",
+    [
+        (lambda: mla(kv_rank=0), r"kv_rank=0; allowed: None or an integer >= 1"),
+        (lambda: mla(q_rank=-2), r"q_rank=-2; allowed"),
+        (lambda: AttentionConfig(num_heads=N, head_dim=H, kv_rank=8), r"kv_rank=8 is for latent schemes \['mla'\]"),
+        (lambda: mla(rope_head_dim=2), r"rope_head_dim=2 needs rope=True"),
+        (lambda: mla(rope=True, rope_head_dim=3), r"decoupled rotary width .* must be even; got rope_head_dim=3"),
+        (lambda: mla(use_bias=True), r"does not take use_bias=True"),
+        (lambda: mla(qk_norm=True), r"does not take qk_norm=True"),
+        (lambda: mla(latent_norm="yes"), r"latent_norm='yes'; allowed: True or False"),
+        (lambda: mla(v_head_dim=0), r"v_head_dim=0; allowed"),
+    ],
+)
+def test_bad_ranks_and_widths_are_refused_before_compile(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_conversion_refuses_bad_ranks_and_models_it_cannot_carry():
+    sep = AttentionConfig(num_heads=N, head_dim=H, num_kv_heads=K)
+    p = init_params(sep, inputs(0, B, T, D))
+    for rank in (0, min(D, 2 * K * H) + 1):
+        with pytest.raises(ValueError, match=rf"rank={rank}; allowed: 1 <= rank <= min\(D, K \(H \+ Hv\)\) = 11"):
+            latent_attention_params(p, sep, rank)
+    with pytest.raises(ValueError, match=r"rope=True: a rank-R latent cannot carry it"):
+        latent_attention_params(p, dataclasses.replace(sep, rope=True), 4)
+    model_cfg = ModelConfig(sep, vocab_size=13, d_model=D, num_layers=1, mlp_dim=7, max_len=T)
+    with pytest.raises(ValueError, match=r"rank=4 goes with a latent target scheme"):
+        convert(model_cfg, {}, num_kv_heads=1, rank=4)
+
+
+def test_the_zoo_picks_the_module_and_lists_mla():
+    assert attention_module(mla()) is LatentAttention
+    with pytest.raises(ValueError, match=r"latent scheme: its module is qkvjax.attention.LatentAttention"):
+        Attention(mla()).init(jax.random.key(0), inputs(0, B, T, D))
+    table = cost_table(d_model=768, num_heads=12, seq_len=1024)
+    row = next(line for line in table.splitlines() if line.startswith("mla ")).split()
+    cost = attention_cost(AttentionConfig(num_heads=12, head_dim=64, scheme="mla", dtype="bfloat16"), 768, 1024)
+    assert int(row[-2].replace(",", "")) == cost.kv_cache_bytes_per_token == 4 * 64 * 2  # R = 4 H, bfloat16
+    assert int(row[2].replace(",", "")) == cost.params
