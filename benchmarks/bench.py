@@ -178,30 +178,32 @@ def with_scheme(config: Config, scheme: str) -> Config | None:
         return None  # e.g. bilinear with rotary: not a valid model, said in the table
 
 
-def torch_comparison(cfg: Config, qkvjax_step, steps: int) -> dict:
-    """The same model's train step in PyTorch eager (benchmarks/torch_reference.py), timed alternately with
-    qkvjax's; {} when torch is not installed or the config is outside what the reference covers."""
+def torch_comparison(config_path: str, cfg: Config, steps: int) -> dict:
+    """The same model's train step in PyTorch eager (benchmarks/torch_reference.py) against qkvjax's, each in a
+    process of its own, taking turns (``vs_torch.py``: in one process the two frameworks' spinning thread pools
+    slow each other down); {} when torch is not installed or the reference does not cover the config."""
     import importlib.util
 
     if importlib.util.find_spec("torch") is None or cfg.model.attention.dtype != "float32":
         return {}
-    import torch_reference  # beside this script
+    import vs_torch  # beside this script
 
     try:
-        torch_step = torch_reference.runner(cfg, cfg.train.batch_size)
-    except ValueError as e:
+        out = vs_torch.compare(config_path, cfg.train.batch_size, steps, rounds=3, log=lambda line: None)
+    except SystemExit as e:
         print(f"PyTorch reference skipped: {e}", flush=True)
         return {}
-    torch_s, ours_s = interleaved(torch_step, qkvjax_step, steps)
-    tokens = cfg.train.batch_size * cfg.seq_len
-    out = {
-        "torch_tokens_per_s": tokens / torch_s,
-        "x_torch": torch_s / ours_s,
-        "torch": torch_reference.torch.__version__,
+    print(
+        f"separate vs PyTorch {out['torch']} eager (separate processes, 3 rounds): "
+        f"{out['qkvjax_tokens_per_s']:,.0f} against {out['torch_tokens_per_s']:,.0f} tok/s, x{out['x_torch']:.2f}",
+        flush=True,
+    )
+    return {
+        "torch_tokens_per_s": out["torch_tokens_per_s"],
+        "x_torch": out["x_torch"],
+        "torch": out["torch"],
+        "torch_side_qkvjax_tokens_per_s": out["qkvjax_tokens_per_s"],
     }
-    print(f"separate vs PyTorch {out['torch']} eager: {tokens / ours_s:,.0f} against {out['torch_tokens_per_s']:,.0f} "
-          f"tok/s, x{out['x_torch']:.2f}", flush=True)  # fmt: skip
-    return out
 
 
 def main(argv=None) -> int:
@@ -312,13 +314,13 @@ def main(argv=None) -> int:
             "decode_device_tokens_per_s": bench_decode_on_device(model, params, cfg, 1, decode_tokens),
             "decode_device_batch_tokens_per_s": bench_decode_on_device(
                 model, params, cfg, args.decode_batch, decode_tokens
-            ),  # fmt: skip
+            ),
             "baseline_decode_tokens_per_s": baseline["decode_1"],
             "baseline_decode_batch_tokens_per_s": baseline["decode_b"],
             "kv_cache_bytes_per_token": kv_cache_bytes_per_token(cfg.model),
         }
-        if scheme == "separate" and not args.no_torch:
-            row.update(torch_comparison(cfg, runner["step"], steps))
+        if scheme == "separate" and not args.no_torch and not (args.dtype or args.implementation or args.remat):
+            row.update(torch_comparison(args.config, cfg, steps))
         results.append(row)
         print(
             f"{scheme}: {row['tokens_per_s']:,.0f} tok/s, x{row['ratio']:.2f} flax, mfu {100 * row['mfu']:.1f}%",
@@ -351,8 +353,10 @@ def main(argv=None) -> int:
             f"{r['baseline_decode_batch_tokens_per_s']:>9,.0f} {r['kv_cache_bytes_per_token']:>9,}"
         )
     if "x_torch" in sep_row:
-        print(f"PyTorch {sep_row['torch']} eager, same model: {sep_row['torch_tokens_per_s']:,.0f} tok/s; separate is "
-              f"x{sep_row['x_torch']:.2f} its speed (timed alternately)")  # fmt: skip
+        print(
+            f"PyTorch {sep_row['torch']} eager, same model: {sep_row['torch_tokens_per_s']:,.0f} tok/s; separate is "
+            f"x{sep_row['x_torch']:.2f} its speed (processes taking turns, 3 rounds)"
+        )
     print(
         f"flax baseline: {baseline['tokens_per_s']:,.0f} tok/s, compile {baseline['compile_s']:.1f}s; "
         f"{mem_key} {mem_value / 2**20:,.0f} MB"

@@ -14,6 +14,7 @@ parameter tree in, so the logits can be compared (``tests/test_torch_reference.p
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import statistics
 import sys
@@ -29,7 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from qkvjax.models.lm import ModelConfig  # noqa: E402
-from qkvjax.train.config import Config, TrainConfig, load_config_file  # noqa: E402
+from qkvjax.train.config import Config, TrainConfig, apply_overrides, load_config_file  # noqa: E402
 
 
 def _trunc_fan_in(shape: tuple[int, ...], fan_in: int) -> torch.Tensor:
@@ -164,12 +165,30 @@ def main(argv=None) -> int:
     p.add_argument("--config", default=str(REPO / "experiments/configs/shakespeare_char.py"))
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--json", action="store_true", help="print one JSON line (for benchmarks/vs_torch.py)")
     args = p.parse_args(argv)
-    config = load_config_file(args.config)
+    # as qkvjax's side is timed: no dropout, no gradient accumulation
+    config = apply_overrides(
+        load_config_file(args.config), {"model.dropout_rate": "0.0", "train.grad_accum_steps": "1"}
+    )
     times = time_train_steps(config, args.batch_size, args.steps)
     median = statistics.median(times)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads: {median * 1e3:.1f} ms/step, "
-          f"{args.batch_size * config.seq_len / median:,.0f} tokens/s (median of {args.steps})")  # fmt: skip
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "median_s": median,
+                    "tokens": args.batch_size * config.seq_len,
+                    "torch": torch.__version__,
+                    "threads": torch.get_num_threads(),
+                }
+            )
+        )
+        return 0
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads: {median * 1e3:.1f} ms/step, "
+        f"{args.batch_size * config.seq_len / median:,.0f} tokens/s (median of {args.steps})"
+    )
     return 0
 
 

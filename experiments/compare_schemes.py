@@ -44,6 +44,7 @@ from experiments import report
 from qkvjax.attention import SCHEMES, attention_cost
 from qkvjax.models.lm import kv_cache_bytes_per_token, param_count
 from qkvjax.train.config import Config, from_dict, load_config_file, to_dict
+from qkvjax.train.loop import Interrupted
 from qkvjax.workdir import training_clock
 
 REPO = Path(__file__).resolve().parents[1]
@@ -392,6 +393,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         sweep(args)
+    except Interrupted as e:  # the run in progress saved its checkpoint; no row for it: rerun to continue
+        print(f"compare_schemes: {e}", file=sys.stderr)
+        return e.exit_code
     except ValueError as e:
         print(f"compare_schemes: error: {e}", file=sys.stderr)
         return 2

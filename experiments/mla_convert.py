@@ -7,7 +7,8 @@ For each seed: trains the ``separate`` source run of ``--config`` (or reuses it)
 ``qkvjax convert --to mla --rank R`` and, at the same cache sizes, ``--num-kv-heads K`` (GQA by mean-pooling,
 Ainslie et al. 2023) — writes the converted run, evaluates it on the whole validation split as converted, uptrains
 it for ``--uptrain-steps`` with the run's own optimiser settings (fresh AdamW state, the schedule stretched to the
-new step count) and evaluates again. The control ``none`` is the source itself trained for the same extra steps.
+new step count) and evaluates again. The control ``none`` is the source itself uptrained the same way (a fresh
+AdamW state too), so it differs from the others by the conversion alone.
 Each finished (seed, conversion) appends a row to ``OUT/results.csv`` (with the relative reconstruction error of
 [W^K, W^V] per layer for MLA); a rerun skips finished rows, so a killed sweep loses one conversion at most.
 """
@@ -22,6 +23,7 @@ import json
 import platform
 import shlex
 import shutil
+import statistics
 import sys
 from pathlib import Path
 
@@ -32,7 +34,7 @@ from qkvjax.convert import convert_workdir
 from qkvjax.evaluate import evaluate
 from qkvjax.models.lm import kv_cache_bytes_per_token
 from qkvjax.train.config import apply_overrides, load_config_file
-from qkvjax.train.loop import train
+from qkvjax.train.loop import Interrupted, train
 from qkvjax.workdir import load_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -74,7 +76,53 @@ def _append(path: Path, row: dict) -> None:
         w.writerow(row)
 
 
+def summary(path: Path) -> str:
+    """A markdown table: per conversion, mean +- standard deviation over seeds (n seeds)."""
+    with path.open() as f:
+        rows = list(csv.DictReader(f))
+    order = list(dict.fromkeys(r["conversion"] for r in rows))
+    lines = [
+        "| conversion | KV cache B/token | rel. error of [W^K, W^V] (mean over layers) | val loss converted | "
+        "val loss after uptraining | Δ after uptraining vs none, paired by seed | seeds |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    control = {r["seed"]: float(r["uptrained_val_loss"]) for r in rows if r["conversion"] == "none"}
+
+    def stat(values: list[float], sign: str = "") -> str:
+        if not values:
+            return "-"
+        mean = statistics.fmean(values)
+        spread = f" ± {statistics.stdev(values):.3f}" if len(values) > 1 else ""
+        return f"{mean:{sign}.3f}{spread}"
+
+    for name in order:
+        group = [r for r in rows if r["conversion"] == name]
+        errors = [statistics.fmean(float(e) for e in r["layer_errors"].split()) for r in group if r["layer_errors"]]
+        paired = [r for r in group if r["seed"] in control]
+        lines.append(
+            f"| {name} | {group[0]['kv_cache_bytes_per_token']} | {stat(errors) if errors else '-'} | "
+            f"{stat([float(r['converted_val_loss']) for r in group])} | "
+            f"{stat([float(r['uptrained_val_loss']) for r in group])} | "
+            f"{stat([float(r['uptrained_val_loss']) - control[r['seed']] for r in paired], '+')} | "
+            f"{len(group)} |"
+        )
+    source = {r["seed"]: float(r["source_val_loss"]) for r in rows}
+    lines.append(
+        f"\nSource runs (`separate`, before conversion): val loss {stat(list(source.values()))} "
+        f"over {len(source)} seeds."
+    )
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> int:
+    try:
+        return sweep(argv)
+    except Interrupted as e:  # the run in progress saved its checkpoint; no row for it: rerun to continue
+        print(f"mla_convert: {e}", file=sys.stderr)
+        return e.exit_code
+
+
+def sweep(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
     p.add_argument("--config", default=str(REPO / "experiments/configs/compare_cpu.py"))
@@ -114,10 +162,10 @@ def main(argv=None) -> int:
             work = out / "work" / f"{name}-seed{seed}"
             shutil.rmtree(work, ignore_errors=True)  # a half-made conversion from a killed run
             errors: list[float] = []
-            if name == "none":
-                shutil.copytree(source, work)
-            else:
-                convert_workdir(str(source), str(work), "mla" if rank else None, kv_heads, rank=rank, errors=errors)
+            # "none" converts to the same head count, a no-op on the weights: every row then uptrains from a fresh
+            # AdamW state, as a converted run must, so the control differs from the others only by the conversion
+            kv_heads = kv_heads or (None if rank else config.model.attention.kv_heads)
+            convert_workdir(str(source), str(work), "mla" if rank else None, kv_heads, rank=rank, errors=errors)
             converted = load_config(str(work))
             converted_loss = evaluate(str(work))["loss"]
             train(
@@ -144,6 +192,9 @@ def main(argv=None) -> int:
                 flush=True,
             )
             shutil.rmtree(work / "checkpoints", ignore_errors=True)  # the rows are the result; keep the disk free
+    if results.exists():
+        (out / "summary.md").write_text(summary(results))
+        print(summary(results))
     return 0
 
 

@@ -418,10 +418,15 @@ def main(argv: list[str] | None = None) -> int:
     if not args.verbose:
         _quiet_dependencies()
     _compilation_cache(args.compilation_cache)
+    from qkvjax.train.loop import Interrupted
+
     try:
         if getattr(args, "takes_overrides", False):
             return args.func(args, overrides)
         return args.func(args)
+    except Interrupted as e:  # saved and stopped: not a success, so a scheduler or a script reruns it
+        print(f"qkvjax {args.command}: {e}", file=sys.stderr)
+        return e.exit_code
     except (ValueError, OSError) as e:  # bad input, a damaged or full disk: one line (--verbose: the traceback)
         if args.verbose:
             raise

@@ -78,20 +78,26 @@ def test_sweep_end_to_end_and_rerun_skips_finished_runs(tmp_path, small_text, da
     assert _rows(out / "runs.csv") == rows
 
 
-@pytest.mark.slow  # 20-35 s: kills a real sweep and reruns it (out of CI for time: pytest -m slow)
-def test_a_killed_sweep_resumes_without_redoing_finished_runs(tmp_path, small_text, data_dir):
+@pytest.mark.slow  # 20-35 s each: kills a real sweep and reruns it (out of CI for time: pytest -m slow)
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_a_killed_sweep_resumes_without_redoing_finished_runs(tmp_path, small_text, data_dir, sig):
+    """SIGKILL: the run in progress loses the steps since its checkpoint. SIGTERM: it saves, and the sweep stops
+    with 143 without recording the stopped run as finished (it used to evaluate it and append its row)."""
     out = tmp_path / "killed"
     args = _args(out, small_text, data_dir, "--schemes", "separate,shared_qkv", "--seeds", "0", "--matchings", "width")
     args += ["--steps", "300"]
     env = {**os.environ, "XLA_FLAGS": xla_flags(1), "JAX_PLATFORMS": "cpu"}
     cmd = [sys.executable, str(REPO / "experiments" / "compare_schemes.py"), *args]
-    proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     second = out / "runs" / "width-shared_qkv-seed0" / "checkpoints"
     deadline = time.time() + 240
     while time.time() < deadline and not (second.is_dir() and any(p.name.isdigit() for p in second.iterdir())):
         time.sleep(0.1)
-    proc.send_signal(signal.SIGKILL)  # the second run has a checkpoint and is still training
-    proc.wait()
+    proc.send_signal(sig)  # the second run has a checkpoint and is still training
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == (-sig if sig == signal.SIGKILL else 128 + sig), err[-3000:]
+    if sig == signal.SIGTERM:
+        assert "SIGTERM: saved checkpoint step" in err
     first = _rows(out / "runs.csv")
     assert [r["scheme"] for r in first] == ["separate"]
     done = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=240)

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from qkvjax import AttentionConfig, DecoderLM, ModelConfig, attention_cost
+from qkvjax.analyze import layer_from_params
 from qkvjax.attention import KV, Attention, LatentAttention, attention_module
 from qkvjax.attention.costs import cost_table
 from qkvjax.convert import convert, latent_attention_params
@@ -131,6 +132,10 @@ def test_a_full_rank_latent_holding_wk_wv_is_separate_exactly(kv, hv):
     np.testing.assert_allclose(
         LatentAttention(cfg).apply({"params": latent}, x, causal=True), want, rtol=1e-5, atol=1e-5
     )
+    # qkvjax analyze reads a latent layer's roles as the products of its factors: here W^Q, W^K, W^V themselves
+    mine, theirs = layer_from_params(latent, cfg.tying), layer_from_params(p, sep.tying)
+    for role in ("q", "k", "v"):
+        np.testing.assert_allclose(getattr(mine, role), getattr(theirs, role), rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("extra", [FULL, dict(latent_norm=False)])

@@ -88,8 +88,9 @@ class LatentAttention(nn.Module):
             w_q_down = param("w_q_down", (d, cfg.q_rank), (axes.EMBED, lat), 0, 1)
             q_in = norm(jnp.einsum("BTD,DR->BTR", x_q, w_q_down), "q_norm_scale", cfg.q_rank)
             q_axis, up = lat, "_up"
+        # C below is the query path's input width: D, or Rq with low-rank queries
         w_q = param(f"w_q{up}", (q_in.shape[-1], n, h), (q_axis, heads, hd), 0, (1, 2))
-        q = jnp.einsum("BTR,RNH->BTNH", q_in, w_q)
+        q = jnp.einsum("BTC,CNH->BTNH", q_in, w_q)
         w_kv_down = param("w_kv_down", (d, r), (axes.EMBED, lat), 0, 1)
         w_k_up = param("w_k_up", (r, kh, h), (lat, kv_heads, hd), 0, (1, 2))
         w_v_up = param("w_v_up", (r, kh, hv), (lat, kv_heads, hd), 0, (1, 2))
@@ -105,7 +106,7 @@ class LatentAttention(nn.Module):
             w_q_rope = param(f"w_q_rope{up}", (q_in.shape[-1], n, hr), (q_axis, heads, hd), 0, (1, 2))
             w_k_rope = param("w_k_rope", (d, hr), (axes.EMBED, hd), 0, 1)
             q_rope = core.rotary(
-                jnp.einsum("BTR,RNH->BTNH", q_in, w_q_rope), jnp.broadcast_to(q_pos, (b, t)), cfg.rope_base
+                jnp.einsum("BTC,CNH->BTNH", q_in, w_q_rope), jnp.broadcast_to(q_pos, (b, t)), cfg.rope_base
             )
             k_pos = q_pos if self_attention else jnp.arange(x_kv.shape[1])[None]
             k_rope = jnp.einsum("BSD,DH->BSH", x_kv, w_k_rope)[:, :, None]  # BSH -> BS1H, one head for all
@@ -155,5 +156,5 @@ class LatentAttention(nn.Module):
                 out = core.chunked_attention(q, k, v, user_mask, index_q, index_k, causal, cfg.chunk_size)
             else:
                 out = core.mix_values(weights_of(core.qk_logits(q, k)), v, t)
-        y = jnp.einsum("BTNH,NHD->BTD", out, w_o)
+        y = core.dense(out, w_o, 2)  # BTNH,NHD->BTD
         return (y, side) if return_kv or cache is not None else y

@@ -242,7 +242,7 @@ class Attention(nn.Module):
                 is_causal=only_causal,
                 implementation=implementation,
             )
-        y = jnp.einsum("BTNH,NHD->BTD", out, w_o)
+        y = core.dense(out, w_o, 2)  # BTNH,NHD->BTD
         if cfg.use_bias:
             y = y + self._param("b_o", (d,), (axes.EMBED,), nn.initializers.zeros).astype(dtype)[None, None]
         return (y, fresh) if hand_back else y

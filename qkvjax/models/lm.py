@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax import Array
 
 from qkvjax import axes
-from qkvjax.attention import KV, Attention, AttentionConfig, LayerAttention, attention_module, stack_cost
+from qkvjax.attention import KV, Attention, AttentionConfig, LayerAttention, attention_module, core, stack_cost
 from qkvjax.attention.costs import cache_shapes
 from qkvjax.attention.layers import expand, producers
 
@@ -118,8 +118,8 @@ class Mlp(nn.Module):
         w_out = self.param(
             "w_out", nn.with_logical_partitioning(_dense_init(0, 1), (axes.MLP, axes.EMBED)), (f, d), cfg.param_dtype
         )
-        h = nn.gelu(jnp.einsum("BTD,DF->BTF", x, w_in.astype(cfg.dtype)))
-        return jnp.einsum("BTF,FD->BTD", h, w_out.astype(cfg.dtype))
+        h = nn.gelu(core.dense(x, w_in.astype(cfg.dtype)))  # BTD,DF->BTF
+        return core.dense(h, w_out.astype(cfg.dtype))  # BTF,FD->BTD
 
 
 def _layer_norm(cfg: ModelConfig, name: str) -> nn.LayerNorm:
@@ -301,7 +301,7 @@ class DecoderLM(nn.Module):
                     new_entries.append(used.tensors)
         x = _layer_norm(cfg, "ln_final")(x)
         if cfg.tie_embeddings:
-            logits = jnp.einsum("BTD,VD->BTV", x, embed.astype(cfg.dtype)).astype(jnp.float32)
+            logits = core.dense(x, embed.astype(cfg.dtype).T).astype(jnp.float32)  # BTD,DV->BTV
         else:
             w_unembed = self.param(
                 "w_unembed",
@@ -309,7 +309,7 @@ class DecoderLM(nn.Module):
                 (cfg.d_model, cfg.vocab_size),
                 cfg.param_dtype,
             )
-            logits = jnp.einsum("BTD,DV->BTV", x, w_unembed.astype(cfg.dtype)).astype(jnp.float32)
+            logits = core.dense(x, w_unembed.astype(cfg.dtype)).astype(jnp.float32)  # BTD,DV->BTV
         if cache is None:
             return logits
         advance = tokens.shape[1] if num_valid is None else num_valid

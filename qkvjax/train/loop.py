@@ -1,7 +1,9 @@
 """The training loop: the only place that logs, evaluates and checkpoints around the pure ``train_step``.
 
 Rerunning the same command on the same workdir resumes from the newest complete checkpoint (state, RNG, data
-iterator), so the run continues exactly as if never stopped. SIGTERM (preemption) checkpoints and exits cleanly.
+iterator), so the run continues exactly as if never stopped. SIGTERM (preemption) and SIGINT (Ctrl-C) checkpoint
+and stop the run: ``train`` then raises :class:`Interrupted` (the CLI exits with 128 + the signal's number, as a
+shell does), so no caller mistakes a stopped run for a finished one.
 """
 
 from __future__ import annotations
@@ -209,7 +211,8 @@ def train(config: Config, workdir: str, *, overwrite: bool = False) -> dict:
     """Trains (or resumes) ``config`` in ``workdir``; returns the last logged training record.
 
     Process 0 holds the workdir's lock (:class:`qkvjax.workdir.WorkdirLock`) for the whole run, so a second run on
-    the same workdir refuses to start and names the holder.
+    the same workdir refuses to start and names the holder. Raises :class:`Interrupted` when SIGTERM or SIGINT
+    stopped the run (after its checkpoint is saved).
     """
     workdir = workdir_path(workdir)
     if workdir.exists() and not workdir.is_dir():
@@ -222,6 +225,19 @@ def train(config: Config, workdir: str, *, overwrite: bool = False) -> dict:
         return _train(config, workdir, overwrite, lock)
     finally:
         lock.release()
+
+
+class Interrupted(Exception):
+    """The run was stopped by a signal after saving a checkpoint at ``step``; rerunning resumes it."""
+
+    def __init__(self, signal_name: str, step: int):
+        super().__init__(f"{signal_name}: saved checkpoint step {step}; rerun the same command to resume")
+        self.signal_name, self.step = signal_name, step
+
+    @property
+    def exit_code(self) -> int:
+        """128 + the signal's number (130 for SIGINT, 143 for SIGTERM), what a shell reports for it."""
+        return 128 + int(getattr(signal, self.signal_name))
 
 
 class NonFiniteError(ValueError):
@@ -396,6 +412,8 @@ def _train(config: Config, workdir: epath.Path, overwrite: bool, lock: WorkdirLo
             checkpoint.close(mngr)
         finally:
             writer.close()
+    if preemption.requested:
+        raise Interrupted(preemption.requested, step)
     if step >= tc.num_steps:
         export_params(workdir, step, par.unreplicate(state).params)
     _say(f"done at step {step}; checkpoints in {workdir / 'checkpoints'}")

@@ -6,6 +6,8 @@ qkvjax's ``checkpoint.save`` or through orbax alone, so growth can be pinned on 
 
 ``state_only``: orbax's ``StandardSave`` of the state and nothing else; ``sync``: orbax with async saving off;
 ``no_inventory``: qkvjax's items without its inventory and leftover handling. Prints KiB per save after save 200.
+``--trace``: also Python's own allocations (tracemalloc) from save 200 to the end, the lines that grew most: tells
+Python objects that pile up from memory held below Python (the allocator, C++ buffers).
 """
 
 import argparse
@@ -13,6 +15,7 @@ import gc
 import os
 import sys
 import tempfile
+import tracemalloc
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -33,6 +36,7 @@ def rss():
 p = argparse.ArgumentParser()
 p.add_argument("--saves", type=int, default=1500)
 p.add_argument("--variant", default="qkvjax", choices=["qkvjax", "sync", "state_only", "no_inventory"])
+p.add_argument("--trace", action="store_true", help="tracemalloc: Python allocations that grew after save 200")
 a = p.parse_args()
 state = {"w": {f"p{i}": jnp.ones((64, 64)) * i for i in range(12)}, "step": jnp.int32(0)}
 with tempfile.TemporaryDirectory() as tmp:
@@ -74,12 +78,23 @@ with tempfile.TemporaryDirectory() as tmp:
         if i == 200:
             gc.collect()
             base = rss()
+            if a.trace:
+                tracemalloc.start(8)
+                snapshot = tracemalloc.take_snapshot()
         if i % 250 == 0:
             gc.collect()
             print(f"{a.variant} save {i}: rss {rss():.1f} MiB", flush=True)
     checkpoint.close(mngr) if a.variant == "qkvjax" else mngr.close()
     gc.collect()
     end = rss()
+    if a.trace:
+        grown = tracemalloc.take_snapshot().compare_to(snapshot, "traceback")
+        python_growth = sum(st.size_diff for st in grown)
+        print(f"python allocations grew {python_growth / 1024:.0f} KiB in all; the largest:")
+        for st in grown[:5]:
+            print(f"  {st.size_diff / 1024:+.1f} KiB in {st.count_diff:+d} blocks at")
+            for line in st.traceback.format()[-6:]:
+                print("    " + line)
     print(
         f"{a.variant}: {(end - base) * 1024 / (a.saves - 200):.1f} KiB per save after save 200 "
         f"({base:.0f} -> {end:.0f} MiB)"

@@ -1,0 +1,88 @@
+"""qkvjax's train step against the same model in PyTorch eager (``torch_reference.py``), each in a process of its
+own, the two processes taking turns for ``--rounds`` rounds; the ratio is taken within each round and its median
+reported.
+
+Why processes and not steps alternated in one process (as ``bench.py`` does against Flax): PyTorch's OpenMP
+threads keep spinning for a while after each of its steps, and XLA's thread pool does too, so in one process each
+framework's step runs while the other's workers still hold the cores. On this 2-core machine that cost qkvjax
+about 20% of its speed (11,644 tok/s alternated with Flax, 9,484 alternated with PyTorch, same step, same run).
+
+    pip install torch==2.13.0
+    python benchmarks/vs_torch.py --config experiments/configs/compare_cpu.py --batch-size 12 --steps 30 --rounds 5
+    python benchmarks/vs_torch.py --batch-size 8 --steps 8 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _run(cmd: list[str]) -> dict:
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO)
+    if proc.returncode:
+        raise SystemExit(f"vs_torch: {' '.join(cmd[1:3])} failed: {proc.stderr.strip().splitlines()[-1:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def compare(config: str, batch_size: int, steps: int, rounds: int, log=print) -> dict:
+    """Median tokens/s of each side and the median of the per-round ratios (qkvjax over PyTorch)."""
+    common = ["--config", config, "--batch-size", str(batch_size), "--steps", str(steps)]
+    ours_cmd = [sys.executable, str(REPO / "benchmarks" / "xla_flags.py"), "--child", *common, "--check-steps", "0"]
+    torch_cmd = [sys.executable, str(REPO / "benchmarks" / "torch_reference.py"), *common, "--json"]
+    ours, theirs, ratios = [], [], []
+    for r in range(rounds):
+        pair = (ours_cmd, torch_cmd) if r % 2 == 0 else (torch_cmd, ours_cmd)  # who goes first alternates too
+        out = {id(c): _run(c) for c in pair}
+        o, t = out[id(ours_cmd)], out[id(torch_cmd)]
+        ours.append(o["tokens"] / o["median_s"])
+        theirs.append(t["tokens"] / t["median_s"])
+        ratios.append(ours[-1] / theirs[-1])
+        log(f"  round {r}: qkvjax {ours[-1]:,.0f} tok/s, PyTorch {theirs[-1]:,.0f} tok/s, x{ratios[-1]:.2f}")
+    return {
+        "qkvjax_tokens_per_s": statistics.median(ours),
+        "torch_tokens_per_s": statistics.median(theirs),
+        "x_torch": statistics.median(ratios),
+        "x_torch_min": min(ratios),
+        "x_torch_max": max(ratios),
+        "torch": t["torch"],
+        "rounds": rounds,
+    }
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default=str(REPO / "experiments/configs/shakespeare_char.py"))
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--steps", type=int, default=10, help="timed steps per process")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    print(f"{time.strftime('%Y-%m-%d %H:%M')} | {args.config} batch {args.batch_size} | {args.rounds} rounds")
+    out = compare(args.config, args.batch_size, args.steps, args.rounds)
+    print(
+        f"qkvjax {out['qkvjax_tokens_per_s']:,.0f} tok/s, PyTorch {out['torch']} eager "
+        f"{out['torch_tokens_per_s']:,.0f} tok/s: qkvjax x{out['x_torch']:.2f} "
+        f"(rounds {out['x_torch_min']:.2f}..{out['x_torch_max']:.2f})"
+    )
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps(
+                {"date": time.strftime("%Y-%m-%d"), "config": args.config, "batch_size": args.batch_size, **out},
+                indent=2,
+            )
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
