@@ -218,6 +218,13 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default=None, help="compute dtype override (float32, bfloat16)")
     p.add_argument("--implementation", default=None, help="jax.nn.dot_product_attention implementation (cudnn)")
     p.add_argument("--remat", default=None, choices=["none", "full", "dots"])
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="any config override, e.g. model.max_len=1024 or model.attention.chunk_size=64 (repeatable)",
+    )
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--no-torch", action="store_true", help="skip the PyTorch reference even where torch is installed")
     p.add_argument(
@@ -241,6 +248,11 @@ def main(argv=None) -> int:
         overrides["model.attention.implementation"] = args.implementation
     if args.remat:
         overrides["model.remat"] = args.remat
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep:
+            p.error(f"--set {item!r}; allowed: KEY=VALUE, e.g. model.attention.chunk_size=64")
+        overrides[key] = value
     base = apply_overrides(load_config_file(args.config), overrides)
     steps = args.steps or (6 if args.quick else 20)
     decode_tokens = args.decode_tokens or (32 if args.quick else 128)
@@ -319,7 +331,11 @@ def main(argv=None) -> int:
             "baseline_decode_batch_tokens_per_s": baseline["decode_b"],
             "kv_cache_bytes_per_token": kv_cache_bytes_per_token(cfg.model),
         }
-        if scheme == "separate" and not args.no_torch and not (args.dtype or args.implementation or args.remat):
+        if (
+            scheme == "separate"
+            and not args.no_torch
+            and not (args.dtype or args.implementation or args.remat or args.set)
+        ):
             row.update(torch_comparison(args.config, cfg, steps))
         results.append(row)
         print(
