@@ -136,6 +136,22 @@ def test_convert_to_bilinear_is_exact_and_to_gqa_pools_heads(run, tmp_path):
         convert(config.model, params, to="shared_kv")
 
 
+def test_convert_to_mla_reports_errors_and_uptrains_from_its_config_json(run, tmp_path, capsys):
+    out = tmp_path / "mla"
+    assert run_in_process(["convert", f"--workdir={run}", f"--out={out}", "--to=mla", "--rank=8"]) == 0
+    printed = capsys.readouterr().out
+    errors = [float(x) for x in re.findall(r"relative error \|W - W_R\|_F / \|W\|_F = ([0-9.]+)", printed)]
+    assert len(errors) == 2 and all(0 < e < 1 for e in errors), printed  # tiny: D = 32, full rank 32
+    assert f"qkvjax train --config {out}/config.json --workdir {out}" in printed
+    _, _, config = qkvjax.load(str(out))
+    assert (config.model.attention.scheme, config.model.attention.kv_rank) == ("mla", 8)
+    # uptraining: the converted run's own config.json, more steps
+    assert (
+        run_in_process(["train", f"--config={out}/config.json", f"--workdir={out}", "--config.train.num_steps=6"]) == 0
+    )
+    assert metrics(out)[-1]["step"] == 6
+
+
 @pytest.mark.parametrize(
     "args,match",
     [
