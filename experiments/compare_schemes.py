@@ -35,8 +35,6 @@ import shlex
 import sys
 from pathlib import Path
 
-import jax.numpy as jnp
-
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -118,9 +116,9 @@ def matched_config(base: Config, scheme: str, matching: str, kv_fraction: float 
             )
         return config
     target = kv_fraction * kv_cache_bytes(reference)
-    if SCHEMES[scheme].latent:  # the cache is the latent (and a rotary key): its rank R lands on the target
-        per_layer = target / (m.num_layers * jnp.dtype(m.attention.dtype).itemsize)
-        rank = per_layer - config.model.attention.rope_dim
+    if SCHEMES[scheme].latent:  # the cache is the latent (and a rotary key), linear in R: solve for the target
+        one, two = (kv_cache_bytes(_with_attention(base, scheme=scheme, num_kv_heads=None, kv_rank=r)) for r in (1, 2))
+        rank = 1 + (target - one) / (two - one)
         if rank == int(rank) and rank >= 1:
             return _with_attention(base, scheme=scheme, num_kv_heads=None, kv_rank=int(rank))
         raise ValueError(

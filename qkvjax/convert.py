@@ -88,8 +88,6 @@ def latent_attention_params(att: dict, cfg: AttentionConfig, rank: int) -> tuple
         raise ValueError(f"rank={rank!r}; allowed: 1 <= rank <= min(D, K (H + Hv)) = {full} (the full rank is exact)")
     w_k = np.asarray(att["w_" + scheme.group_of("k")], np.float64)
     w_v = np.asarray(att["w_" + scheme.group_of("v")], np.float64)
-    if w_k.shape[1] != k:  # a shared query/key kernel has N = K heads; checked, never pooled here
-        raise ValueError(f"the key kernel has {w_k.shape[1]} heads, the config {k}")
     stacked = np.concatenate([w_k.reshape(d, k * h), w_v.reshape(d, k * hv)], axis=1)  # DKH, DKH -> D(K(H+Hv))
     u, sv, vt = np.linalg.svd(stacked, full_matrices=False)
     root = np.sqrt(sv[:rank])

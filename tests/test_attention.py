@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from qkvjax import SCHEMES, Attention, AttentionConfig, attention_cost
+from qkvjax.attention import attention_module
 
 B, T, S, D, N, K, H = 3, 5, 7, 11, 6, 2, 4
 KV_CHOICES = (None, K, 1)
@@ -42,7 +43,7 @@ def inputs(seed, *shape):
 
 def init_params(cfg, x, seed=0, **kw):
     """Parameters with every leaf random (biases too, so that bias paths are exercised)."""
-    params = nn.meta.unbox(Attention(cfg).init(jax.random.key(seed), x, **kw))["params"]
+    params = nn.meta.unbox(attention_module(cfg)(cfg).init(jax.random.key(seed), x, **kw))["params"]
     leaves, tree = jax.tree.flatten(params)
     keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
     return jax.tree.unflatten(
@@ -75,6 +76,19 @@ def np_rotary(x, pos, base=10000.0):
     return np.concatenate([x1 * np.cos(ang) - x2 * np.sin(ang), x2 * np.cos(ang) + x1 * np.sin(ang)], -1)
 
 
+def np_softmax(logits, causal=False, mask=None):
+    """Softmax over keys of (B, N, T, S) float64 logits, with the causal and the user mask (True = allowed)."""
+    t, s = logits.shape[-2:]
+    allowed = np.ones((1, 1, t, s), bool)
+    if causal:
+        allowed = allowed & np.tril(np.ones((t, s), bool))
+    if mask is not None:
+        allowed = allowed & np.asarray(mask)
+    logits = np.where(allowed, logits, -1e30)
+    w = np.exp(logits - logits.max(-1, keepdims=True))
+    return w / w.sum(-1, keepdims=True)
+
+
 def reference(params, cfg, xq, xkv=None, mask=None, causal=False):
     p = {k: np.asarray(v, np.float64) for k, v in params.items()}
     scheme = SCHEMES[cfg.scheme]
@@ -105,14 +119,7 @@ def reference(params, cfg, xq, xkv=None, mask=None, causal=False):
         logits = logits + p["rel_bias"][:, offsets][None]
     if scheme.mask_self and self_attn:
         logits = np.where(np.eye(t, dtype=bool), -1e4, logits)
-    allowed = np.ones((1, 1, t, s), bool)
-    if causal:
-        allowed = allowed & np.tril(np.ones((t, s), bool))
-    if mask is not None:
-        allowed = allowed & np.asarray(mask)
-    logits = np.where(allowed, logits, -1e30)
-    w = np.exp(logits - logits.max(-1, keepdims=True))
-    w = w / w.sum(-1, keepdims=True)
+    w = np_softmax(logits, causal, mask)
     v = np.repeat(proj(xkv, "v"), g, axis=2)
     out = np.einsum("bnts,bsnh->btnh", w, v)
     return np.einsum("btnh,nhd->btd", out, p["w_o"]) + p.get("b_o", 0.0)

@@ -18,7 +18,7 @@ from qkvjax.attention import KV, Attention, LatentAttention, attention_module
 from qkvjax.attention.costs import cost_table
 from qkvjax.convert import convert, latent_attention_params
 from qkvjax.models.lm import DecodeCache, kv_cache_bytes_per_token, param_count
-from tests.test_attention import init_params, inputs, np_rotary, padding_mask
+from tests.test_attention import init_params, inputs, np_rotary, np_softmax, padding_mask
 
 B, T, S, D, N, K, H, HV, R, RQ, HR = 3, 5, 7, 11, 6, 2, 4, 3, 9, 8, 2
 
@@ -59,24 +59,8 @@ def mla_reference(params, cfg, xq, xkv=None, causal=False, mask=None):
         q = np.concatenate([q, q_r], -1)
         k = np.concatenate([k, np.broadcast_to(k_r, k.shape[:3] + (cfg.rope_dim,))], -1)
     logits = np.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(cfg.head_dim + cfg.rope_dim)
-    allowed = np.ones((1, 1, t, s), bool)
-    if causal:
-        allowed = allowed & np.tril(np.ones((t, s), bool))
-    if mask is not None:
-        allowed = allowed & np.asarray(mask)
-    logits = np.where(allowed, logits, -1e30)
-    w = np.exp(logits - logits.max(-1, keepdims=True))
-    w = w / w.sum(-1, keepdims=True)
+    w = np_softmax(logits, causal, mask)
     return np.einsum("btnh,nhd->btd", np.einsum("bnts,bsnh->btnh", w, v), p["w_o"])
-
-
-def _random(cfg, x, seed):
-    params = nn.meta.unbox(LatentAttention(cfg).init(jax.random.key(seed), x))["params"]
-    leaves, tree = jax.tree.flatten(params)
-    keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
-    return jax.tree.unflatten(
-        tree, [0.5 * jax.random.normal(k, p.shape, p.dtype) for k, p in zip(keys, leaves, strict=True)]
-    )
 
 
 @pytest.mark.parametrize(
@@ -85,7 +69,7 @@ def _random(cfg, x, seed):
 def test_matches_the_float64_reference(kv, extra):
     cfg = mla(kv, **extra)
     x, y = inputs(0, B, T, D), inputs(1, B, S, D)
-    params = _random(cfg, x, 2)
+    params = init_params(cfg, x, 2)
     model = LatentAttention(cfg)
     np.testing.assert_allclose(
         model.apply({"params": params}, x, causal=True),
@@ -143,7 +127,7 @@ def test_absorbed_decoding_equals_the_full_forward_token_by_token(extra):
     """The cache holds (latent, rotary key) only; every step scores in the latent space."""
     cfg = mla(K, **extra)
     x = inputs(5, B, T, D)
-    params = _random(cfg, x, 6)
+    params = init_params(cfg, x, 6)
     model = LatentAttention(cfg)
     full = model.apply({"params": params}, x, causal=True)
     names = {"latent": (B, T, R)} | ({"k_rope": (B, T, HR)} if cfg.rope_dim else {})
@@ -192,7 +176,7 @@ def test_parameters_and_cache_match_the_accounting():
     for kv in (None, K, 1):
         for extra in ({}, FULL, dict(rope=True), dict(latent_norm=False, q_rank=RQ)):
             cfg = mla(kv, **extra)
-            params = _random(cfg, inputs(9, B, T, D), 0)
+            params = init_params(cfg, inputs(9, B, T, D), 0)
             cost = attention_cost(cfg, D, T)
             assert sum(p.size for p in jax.tree.leaves(params)) == cost.params, (kv, extra)
             assert cost.kv_cache_bytes_per_token == (R + cfg.rope_dim) * 4

@@ -29,20 +29,14 @@ from jax import Array
 
 from qkvjax import axes
 from qkvjax.attention import core
-from qkvjax.attention.config import AttentionConfig
-from qkvjax.attention.module import KV, _check_inputs, _kernel_init, _write
+from qkvjax.attention.module import KV, AttentionModule, _check_inputs, _kernel_init, _write
 
 
-class LatentAttention(nn.Module):
+class LatentAttention(AttentionModule):
     """Attention of a latent scheme (``config.tying.latent``), called like :class:`qkvjax.attention.Attention`:
     ``inputs_q`` (B, T, D), ``inputs_kv`` (B, S, D) or None, ``mask``, ``causal``, ``positions`` (B, T),
     ``cache=KV`` (a functional decode cache: ``{"latent": (B, S, R), "k_rope": (B, S, H_r)}`` and each row's
     start) and ``return_kv``. flax's ``decode=True`` variables and cross-layer ``kv=`` are not supported."""
-
-    config: AttentionConfig
-
-    def _param(self, name: str, shape, names, init):
-        return self.param(name, nn.with_logical_partitioning(init, names), shape, jnp.dtype(self.config.param_dtype))
 
     @nn.compact
     def __call__(

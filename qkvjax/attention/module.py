@@ -35,7 +35,16 @@ class KV:
     start: Array | None = None
 
 
-class Attention(nn.Module):
+class AttentionModule(nn.Module):
+    """What every module of the zoo shares: its config, and parameters made with logical axis names."""
+
+    config: AttentionConfig
+
+    def _param(self, name: str, shape, names, init):
+        return self.param(name, nn.with_logical_partitioning(init, names), shape, jnp.dtype(self.config.param_dtype))
+
+
+class Attention(AttentionModule):
     """Multi-head attention whose Q/K/V projections are tied as ``config.scheme`` says.
 
     ``out_t = sum_n softmax_s(score_n(t, s)) v_{s,n} W^O_n`` with ``score_n(t, s) = q_{t,n} . k_{s,kv(n)} / sqrt(H)``
@@ -58,11 +67,6 @@ class Attention(nn.Module):
     keys of a key-only group finished (normalised and rotated when made, so decoding does not rotate the whole cache
     at every step), plus the input ``x`` when the key side of a bilinear form needs it.
     """
-
-    config: AttentionConfig
-
-    def _param(self, name: str, shape, names, init):
-        return self.param(name, nn.with_logical_partitioning(init, names), shape, jnp.dtype(self.config.param_dtype))
 
     @nn.compact
     def __call__(
