@@ -39,9 +39,10 @@ def rss():
 p = argparse.ArgumentParser()
 p.add_argument("--saves", type=int, default=1500)
 p.add_argument("--variant", default="qkvjax", choices=["qkvjax", "sync", "state_only", "no_inventory"])
+p.add_argument("--arrays", type=int, default=12, help="arrays in the saved state (besides the step)")
 p.add_argument("--trace", action="store_true", help="tracemalloc: Python allocations that grew after save 200")
 a = p.parse_args()
-state = {"w": {f"p{i}": jnp.ones((64, 64)) * i for i in range(12)}, "step": jnp.int32(0)}
+state = {"w": {f"p{i}": jnp.ones((64, 64)) * i for i in range(a.arrays)}, "step": jnp.int32(0)}
 with tempfile.TemporaryDirectory() as tmp:
     if a.variant == "sync" or a.variant == "state_only":
         opts = ocp.CheckpointManagerOptions(max_to_keep=3, enable_async_checkpointing=a.variant != "sync")

@@ -151,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out).write_text(json.dumps({**meta, **result}, indent=2) + "\n")
     # Memory must have settled: the second half's trend, carried over the whole run, stays within the allowance.
     flat_rss = r1 <= r0 * (1 + args.max_rss_growth) and slope * args.minutes <= args.max_rss_growth * r0
-    ok = flat_rss and d1 <= d0 * 1.5 and t1 >= 0.75 * t0 and result["exit_code"] == 0
+    # SIGTERM saves and exits 128 + 15, as a shell reports a stopped (not finished) run
+    ok = flat_rss and d1 <= d0 * 1.5 and t1 >= 0.75 * t0 and result["exit_code"] == 128 + signal.SIGTERM
     return 0 if ok else 1
 
 
