@@ -92,7 +92,7 @@ def main(argv=None) -> int:
         for _ in range(args.rounds):  # alternate, so drift in the machine's speed hits both alike
             host.append(b * n_tokens / bench_decode(model, params, cfg, b, n_tokens))
             dev.append(b * n_tokens / bench_decode_on_device(model, params, cfg, b, n_tokens))
-        host_s, dev_s = statistics.median(host) / n_tokens * b, statistics.median(dev) / n_tokens * b
+        host_s, dev_s = statistics.median(host) / n_tokens, statistics.median(dev) / n_tokens  # per step
         filled = (n_tokens + 1) / 2  # positions in the cache, averaged over the run
         bytes_step = param_bytes + b * filled * cache_per_token
         # 2 FLOPs per weight and row; 2 per cached value and row (q.k over keys, p.v over values; G = 1)
