@@ -12,10 +12,8 @@ import pytest
 from qkvjax.train import checkpoint, tensorstore_leak
 from tests.helpers import REPO
 
-PROBES = [tensorstore_leak._probe_kvstore_spec, tensorstore_leak._probe_spec, tensorstore_leak._probe_metrics]
 
-
-@pytest.mark.parametrize("probe", PROBES, ids=["KvStore.Spec.to_json", "Spec.to_json", "collect_metrics"])
+@pytest.mark.parametrize("probe", [probe for _, _, probe in tensorstore_leak._TARGETS], ids=lambda p: p.__name__)
 def test_a_fresh_value_from_tensorstore_json_is_owned_exactly_once(probe):
     # 1 would be the leak; -1 a reference taken that was never leaked (a later crash)
     assert tensorstore_leak._extra_references(probe) == 0
@@ -37,7 +35,7 @@ def test_nested_results_are_freed_with_their_parent():
 def test_the_leak_is_there_without_the_fix_and_install_is_idempotent():
     code = (
         "from qkvjax.train import tensorstore_leak as t; print(t.install());"
-        "print([t._extra_references(p) for p in (t._probe_kvstore_spec, t._probe_spec, t._probe_metrics)])"
+        "print([t._extra_references(probe) for _, _, probe in t._TARGETS])"
     )
     env = {**os.environ, "QKVJAX_TENSORSTORE_LEAK_FIX": "0"}
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True, check=True)
