@@ -6,7 +6,9 @@ kernel for that piece could save.
 
 Variants: ``gelu=relu`` (the MLP's tanh-GELU replaced by a ReLU: same shapes, no transcendental);
 ``gelu=sigmoid`` (GELU's sigmoid form x * sigmoid(1.702 x), one transcendental instead of tanh's polynomial);
-``layernorm=none`` (every LayerNorm an identity). The ratio is the variant's tokens/s over the real step's.
+``layernorm=none`` (every LayerNorm an identity); ``layernorm=flax`` (``flax.linen.LayerNorm`` differentiated by
+JAX instead of qkvjax's norm with its written-out backward, ``qkvjax.models.norm``; same function). The ratio is
+the variant's tokens/s over the real step's.
 """
 
 from __future__ import annotations
@@ -45,13 +47,17 @@ def patched(variant: str):
         lm.nn.gelu = lambda x: x * jax.nn.sigmoid(1.702 * x)
     elif variant == "layernorm=none":
         lm._layer_norm = lambda cfg, name: _Identity(name=name)
+    elif variant == "layernorm=flax":
+        lm._layer_norm = lambda cfg, name: nn.LayerNorm(
+            use_bias=False, dtype=cfg.dtype, param_dtype=cfg.param_dtype, name=name
+        )
     try:
         yield
     finally:
         lm.nn.gelu, lm._layer_norm = gelu, layer_norm
 
 
-VARIANTS = ("as is", "gelu=relu", "gelu=sigmoid", "layernorm=none")
+VARIANTS = ("as is", "gelu=relu", "gelu=sigmoid", "layernorm=none", "layernorm=flax")
 
 
 def main(argv=None) -> int:
@@ -59,21 +65,27 @@ def main(argv=None) -> int:
     p.add_argument("--config", default="experiments/configs/shakespeare_char.py")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--steps", type=int, default=12, help="timed steps per variant, alternated")
+    others = VARIANTS[1:]
+    p.add_argument("--variants", default=",".join(others), help="comma-separated, from: " + ", ".join(others))
     args = p.parse_args(argv)
     overrides = {"model.dropout_rate": "0.0", "train.batch_size": str(args.batch_size), "train.grad_accum_steps": "1"}
     cfg = apply_overrides(load_config_file(args.config), overrides)
+    chosen = ["as is"] + [v.strip() for v in args.variants.split(",") if v.strip()]
+    for v in chosen[1:]:
+        if v not in VARIANTS[1:]:
+            p.error(f"--variants: {v!r} is not a variant; allowed: {', '.join(VARIANTS[1:])}")
     runners = {}
-    for variant in VARIANTS:
+    for variant in chosen:
         with patched(variant):
             runners[variant] = prepare_train(DecoderLM(cfg.model), cfg)  # traced and compiled inside
-    times = {v: [] for v in VARIANTS}
+    times = {v: [] for v in chosen}
     for _ in range(args.steps):
-        for v in VARIANTS:
+        for v in chosen:
             times[v].append(runners[v]["step"]())
     base = statistics.median(times["as is"])
     tokens = runners["as is"]["tokens"]
     print(f"config {args.config} batch {args.batch_size} | {jax.devices()[0].device_kind} | median of {args.steps}")
-    for v in VARIANTS:
+    for v in chosen:
         t = statistics.median(times[v])
         print(f"  {v:<16} {1e3 * t:8.1f} ms/step {tokens / t:9,.0f} tok/s   x{base / t:.2f}")
     return 0

@@ -131,10 +131,11 @@ def padding_mask():
     return jnp.asarray(q_valid[:, None, :, None] & kv_valid[:, None, None, :])
 
 
+@pytest.mark.parametrize("block", [64, 2], ids=["full_square", "causal_blocks"])
 @pytest.mark.parametrize("scheme,kv", VALID)
-def test_self_attention_matches_reference(scheme, kv):
+def test_self_attention_matches_reference(scheme, kv, block):
     rope = valid(scheme, kv, rope=True)
-    cfg = config(scheme, kv, rope=rope, use_bias=True)
+    cfg = config(scheme, kv, rope=rope, use_bias=True, causal_block=block)  # T=5, blocks of 2: 2 + 2 + 1 queries
     x = inputs(0, B, T, D)
     params = init_params(cfg, x)
     y = Attention(cfg).apply({"params": params}, x, causal=True)
@@ -400,6 +401,7 @@ def test_nnx_bridge_wraps_the_module():
         (dict(num_heads=N, head_dim=H, dropout_rate=1.0), r"dropout_rate=1.0"),
         (dict(num_heads=N, head_dim=H, dtype="int8"), r"dtype='int8'.*float32"),
         (dict(num_heads=N, head_dim=H, implementation="flash"), r"implementation='flash'.*cudnn"),
+        (dict(num_heads=N, head_dim=H, causal_block=-1), r"causal_block=-1; allowed: 0 \(off\) or an integer >= 1"),
     ],
 )
 def test_invalid_config_raises(kwargs, match):
@@ -480,3 +482,47 @@ def test_chunked_online_softmax_equals_the_dense_path_forward_and_backward(schem
     (_, y2), g2 = jax.value_and_grad(lambda p: loss(chunked, p), has_aux=True)(params)
     np.testing.assert_allclose(np.asarray(y2)[rows], np.asarray(y1)[rows], rtol=2e-5, atol=2e-5)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), g2, g1)
+
+
+@pytest.mark.parametrize("block", [1, 4, 6])
+def test_causal_blocks_equal_the_masked_square_forward_and_backward(block):
+    from qkvjax.attention import core
+
+    t = 13  # blocks of one query, blocks that leave a shorter last one; G = 3 folded query rows
+    q, k, v = inputs(20, B, t, N, H), inputs(21, B, t, K, H), inputs(22, B, t, K, 3)
+    idx = jnp.arange(t)[None]
+
+    def full(q, k, v):
+        mask = core.grouped(core.causal_mask(idx, idx), K, N // K)
+        return core.mix_values(core.softmax_weights(core.qk_logits(q, k), mask), v, t)
+
+    def loss(fn, *args):
+        return jnp.sum(jnp.sin(fn(*args)))
+
+    blocked = jax.jit(lambda q, k, v: core.causal_attention(q, k, v, block))
+    np.testing.assert_allclose(blocked(q, k, v), full(q, k, v), rtol=2e-6, atol=2e-6)
+    g_blocked = jax.jit(jax.grad(lambda *a: loss(blocked, *a), (0, 1, 2)))(q, k, v)
+    g_full = jax.jit(jax.grad(lambda *a: loss(full, *a), (0, 1, 2)))(q, k, v)
+    for a, b in zip(g_blocked, g_full, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("scheme,kv", [("separate", K), ("shared_kv", 1), ("shared_qkv", None), ("shared_qv", None)])
+def test_causal_blocks_change_the_program_not_the_maths(scheme, kv):
+    kw = {"rope": True} | ({"v_head_dim": 3} if scheme == "separate" else {})
+    full, blocked = config(scheme, kv, causal_block=0, **kw), config(scheme, kv, causal_block=2, **kw)
+    x = inputs(23, B, T, D)
+    params = init_params(full, x)
+
+    def loss(cfg, params):
+        return jnp.sum(jnp.sin(Attention(cfg).apply({"params": params}, x, causal=True)))
+
+    def dots(cfg):
+        return str(jax.make_jaxpr(lambda p: loss(cfg, p))(params)).count("dot_general")
+
+    assert dots(blocked) > dots(full)  # the blocked path was taken: two products per block instead of two
+    g_full, g_blocked = jax.grad(lambda p: loss(full, p))(params), jax.grad(lambda p: loss(blocked, p))(params)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5), g_blocked, g_full)
+    # analysis collects the (T, S) logits and weights: then the full square is computed, whatever the block
+    _, inter = Attention(blocked).apply({"params": params}, x, causal=True, mutable=["intermediates"])
+    assert inter["intermediates"]["attention_weights"][0].shape == (B, kv or N, T * (N // (kv or N)), T)

@@ -54,6 +54,10 @@ class AttentionConfig:
         backend: 'einsum' on CPU, 'xla' elsewhere. Schemes with custom logits (bilinear, Reformer's self-mask, a
         relative bias), attention dropout and decoding from a cache always take 'einsum'.
       chunk_size: keys per block of the 'chunked' implementation.
+      causal_block: the 'einsum' implementation's causal self-attention (no other mask, custom logits or
+        dropout) is computed in blocks of this many queries, each scored only against the keys up to its last
+        position, so the scores above the diagonal are never computed (:func:`core.causal_attention`; about half
+        of them at long context); used when T >= 2 ``causal_block``. 0 scores the full (T, S) square and masks it.
       kv_rank: R, the width of the shared K/V latent of a latent scheme (``mla``); None = 4 H (DeepSeek-V2's
         d_c = 4 d_h). Only latent schemes take it.
       q_rank: a latent scheme's low-rank query path: queries from a (D, q_rank) down-projection, its norm, and
@@ -81,6 +85,7 @@ class AttentionConfig:
     qk_norm: bool = False
     v_norm: bool = False
     chunk_size: int = 256
+    causal_block: int = 64
     kv_rank: int | None = None
     q_rank: int | None = None
     rope_head_dim: int | None = None
@@ -147,6 +152,9 @@ class AttentionConfig:
         cs = self.chunk_size
         if isinstance(cs, bool) or not isinstance(cs, int) or cs < 1:
             raise ValueError(f"AttentionConfig.chunk_size={cs!r}; allowed: an integer >= 1 (keys per block)")
+        cb = self.causal_block
+        if isinstance(cb, bool) or not isinstance(cb, int) or cb < 0:
+            raise ValueError(f"AttentionConfig.causal_block={cb!r}; allowed: 0 (off) or an integer >= 1 (queries)")
         self._check_latent(scheme)
         if self.implementation not in IMPLEMENTATIONS:
             raise ValueError(

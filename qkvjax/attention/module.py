@@ -43,6 +43,21 @@ class AttentionModule(nn.Module):
     def _param(self, name: str, shape, names, init):
         return self.param(name, nn.with_logical_partitioning(init, names), shape, jnp.dtype(self.config.param_dtype))
 
+    def _blocked_causal(self, causal: bool, mask, start, t: int, k: Array) -> bool:
+        """Whether :func:`core.causal_attention` computes this call: causal self-attention over fresh keys
+        (masked by index, so the mask is the plain triangle), no other mask, at least two blocks, and nobody
+        collecting the (T, S) logits and weights (``mutable=["intermediates"]``, for analysis)."""
+        block = self.config.causal_block
+        return bool(
+            block
+            and causal
+            and mask is None
+            and start is None  # fresh keys (B, S, K, H), not a cache
+            and k.shape[1] == t
+            and t >= 2 * block
+            and not self.is_mutable_collection("intermediates")
+        )
+
 
 class Attention(AttentionModule):
     """Multi-head attention whose Q/K/V projections are tied as ``config.scheme`` says.
@@ -214,6 +229,8 @@ class Attention(AttentionModule):
         if implementation == "chunked" and not custom and kv_layout == "BSKH":
             user_mask = None if mask is None else mask.astype(jnp.bool_)
             out = core.chunked_attention(q, k, v, user_mask, index_q, index_k, causal, cfg.chunk_size)
+        elif implementation == "einsum" and not custom and self._blocked_causal(causal, mask, fresh.start, t, k):
+            out = core.causal_attention(q, k, v, cfg.causal_block)
         elif custom or implementation in ("einsum", "chunked") or kv_layout == "BKSH" or cfg.value_dim != h:
             # (jax.nn.dot_product_attention wants one width for keys and values)
             if scheme.bilinear:

@@ -18,6 +18,7 @@ from qkvjax import axes
 from qkvjax.attention import KV, Attention, AttentionConfig, LayerAttention, attention_module, core, stack_cost
 from qkvjax.attention.costs import cache_shapes
 from qkvjax.attention.layers import expand, producers
+from qkvjax.models.norm import LayerNorm
 
 REMAT_POLICIES = ("none", "full", "dots")
 
@@ -122,14 +123,8 @@ class Mlp(nn.Module):
         return core.dense(h, w_out.astype(cfg.dtype))  # BTF,FD->BTD
 
 
-def _layer_norm(cfg: ModelConfig, name: str) -> nn.LayerNorm:
-    return nn.LayerNorm(
-        use_bias=False,
-        dtype=cfg.dtype,
-        param_dtype=cfg.param_dtype,
-        scale_init=nn.with_logical_partitioning(nn.initializers.ones, (axes.EMBED,)),
-        name=name,
-    )
+def _layer_norm(cfg: ModelConfig, name: str) -> LayerNorm:
+    return LayerNorm(dtype=cfg.dtype, param_dtype=cfg.param_dtype, name=name)
 
 
 def token_table(module: nn.Module, cfg) -> Array:
