@@ -42,7 +42,7 @@ def core_runner(b: int, t: int, n: int, kv: int, h: int, block: int):
     q = jax.random.normal(keys[0], (b, t, n, h))
     k, v = (jax.random.normal(key, (b, t, kv, h)) for key in keys[1:3])
     dout = jax.random.normal(keys[3], (b, t, n, h))
-    fn = full_square if block == 0 else (lambda q, k, v: core.causal_attention(q, k, v, block))
+    fn = full_square if block == 0 else (lambda q, k, v: core.causal_attention(core.block_logits(q, k), v, block))
     grads = jax.jit(lambda q, k, v, d: jax.vjp(fn, q, k, v)[1](d)).lower(q, k, v, dout).compile()
     jax.block_until_ready(grads(q, k, v, dout))
 

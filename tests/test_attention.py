@@ -499,7 +499,7 @@ def test_causal_blocks_equal_the_masked_square_forward_and_backward(block):
     def loss(fn, *args):
         return jnp.sum(jnp.sin(fn(*args)))
 
-    blocked = jax.jit(lambda q, k, v: core.causal_attention(q, k, v, block))
+    blocked = jax.jit(lambda q, k, v: core.causal_attention(core.block_logits(q, k), v, block))
     np.testing.assert_allclose(blocked(q, k, v), full(q, k, v), rtol=2e-6, atol=2e-6)
     g_blocked = jax.jit(jax.grad(lambda *a: loss(blocked, *a), (0, 1, 2)))(q, k, v)
     g_full = jax.jit(jax.grad(lambda *a: loss(full, *a), (0, 1, 2)))(q, k, v)
@@ -507,12 +507,21 @@ def test_causal_blocks_equal_the_masked_square_forward_and_backward(block):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("scheme,kv", [("separate", K), ("shared_kv", 1), ("shared_qkv", None), ("shared_qv", None)])
-def test_causal_blocks_change_the_program_not_the_maths(scheme, kv):
-    kw = {"rope": True} | ({"v_head_dim": 3} if scheme == "separate" else {})
+@pytest.mark.parametrize(
+    "scheme,kv,extra",
+    [
+        ("separate", K, {"v_head_dim": 3, "rope": True}),
+        ("shared_kv", 1, {"rope": True}),
+        ("shared_qkv", None, {"relative_bias": 2}),
+        ("reformer_qk", None, {}),
+        ("bilinear", 1, {"relative_bias": 3}),
+    ],
+)
+def test_causal_blocks_change_the_program_not_the_maths(scheme, kv, extra):
+    kw = extra
     full, blocked = config(scheme, kv, causal_block=0, **kw), config(scheme, kv, causal_block=2, **kw)
     x = inputs(23, B, T, D)
-    params = init_params(full, x)
+    params = init_params(full, x)  # every leaf random: a relative bias table too
 
     def loss(cfg, params):
         return jnp.sum(jnp.sin(Attention(cfg).apply({"params": params}, x, causal=True)))

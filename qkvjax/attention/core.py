@@ -232,31 +232,44 @@ def chunked_attention(
     return unfold_queries((acc / l[..., None]).astype(v.dtype), t)
 
 
-def causal_attention(q: Array, k: Array, v: Array, block: int) -> Array:
-    """Causal self-attention with the scores above the diagonal never computed: q (B, T, N, H), k (B, T, K, H),
-    v (B, T, K, Hv) -> (B, T, N, Hv), query t seeing keys 0..t.
+def causal_attention(logits_of, v: Array, block: int, mask_self: bool = False) -> Array:
+    """Causal self-attention with the scores above the diagonal never computed: query t sees keys 0..t.
+
+    ``logits_of(lo, hi)`` gives the folded scores (B, K, (hi - lo) G, hi) of queries lo..hi-1 against keys
+    0..hi-1 (:func:`block_logits` for plain q.k; any score function: bilinear forms, a relative bias); v is
+    (B, T, K, Hv); the result (B, T, N, Hv). With ``mask_self`` each query's own key gets
+    :data:`SELF_PENALTY` (Reformer), as :func:`softmax_weights`' ``self_mask``.
 
     The queries are cut into blocks of ``block`` positions (the last may be shorter); block i, queries
     [i c, (i + 1) c), is scored only against keys [0, (i + 1) c), and only its last c x c square needs the
     triangular mask. For T = n c that is n (n + 1) / 2 blocks of scores out of n^2: the score and mixing FLOPs
-    (and the scores held for the backward pass) drop to (n + 1) / 2n of :func:`qk_logits` + :func:`softmax_weights`
-    + :func:`mix_values` over the full (T, T), which it equals up to float rounding. The blocks are unrolled
-    (T / c of them in the program). On the CPU the attention core's forward and backward ran 1.5x faster at
-    T = 256 and 1.9x at T = 1024 with c = 64 (``benchmarks/causal_blocks.py``)."""
-    b, t, n, h = q.shape
-    kv = k.shape[2]
-    g = n // kv
-    qf = fold_queries(q / math.sqrt(h), kv)  # (B, K, T * G, H): rows ordered (t, g)
-    kt, vt = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # BSKH -> BKSH, once for every block
+    (and the scores held for the backward pass) drop to (n + 1) / 2n of :func:`softmax_weights` and
+    :func:`mix_values` over the full (T, T), which it equals up to float rounding. The blocks are unrolled
+    (T / c of them in the program). On the CPU the attention core's forward and backward ran 1.4-2.0x faster at
+    T = 256 and 1.8-1.9x at T = 1024 with c = 64 (``benchmarks/causal_blocks.py``)."""
+    t = v.shape[1]
+    vt = v.transpose(0, 2, 1, 3)  # BSKH -> BKSH, once for every block
     outs = []
     for lo in range(0, t, block):
         hi = min(t, lo + block)
-        logits = jnp.einsum("BKQH,BKSH->BKQS", qf[:, :, lo * g : hi * g], kt[:, :, :hi])
-        allowed = jnp.arange(lo, hi)[:, None] >= jnp.arange(hi)[None, :]  # (c, hi): key s <= query t
-        allowed = jnp.repeat(allowed, g, axis=0)[None, None]  # (1, 1, c * G, hi), folded like the logits
-        weights = softmax_weights(logits, allowed)
+        logits = logits_of(lo, hi)
+        g = logits.shape[2] // (hi - lo)
+        rows, cols = jnp.arange(lo, hi)[:, None], jnp.arange(hi)[None, :]
+        causal, own = _fold_rows(rows >= cols, g), _fold_rows(rows == cols, g) if mask_self else None
+        weights = softmax_weights(logits, causal, own)
         outs.append(jnp.einsum("BKQS,BKSH->BKQH", weights.astype(v.dtype), vt[:, :, :hi]))
     return unfold_queries(jnp.concatenate(outs, axis=2), t)
+
+
+def _fold_rows(mask: Array, g: int) -> Array:
+    return jnp.repeat(mask, g, axis=0)[None, None]  # (c, S) -> (1, 1, c G, S), rows ordered (t, g) as the logits
+
+
+def block_logits(q: Array, k: Array):
+    """``logits_of`` for :func:`causal_attention` from q (B, T, N, H) and k (B, T, K, H): q.k / sqrt(H) of query
+    rows lo..hi-1 against keys 0..hi-1, k transposed to (B, K, T, H) once for all blocks."""
+    kt = k.transpose(0, 2, 1, 3)  # BSKH -> BKSH
+    return lambda lo, hi: qk_logits(q[:, lo:hi], kt[:, :, :hi], "BKSH")
 
 
 def mix_values(weights: Array, v: Array, t: int, kv_layout: str = "BSKH") -> Array:

@@ -148,8 +148,8 @@ class LatentAttention(AttentionModule):
             if cfg.implementation == "chunked" and not dropout:
                 user_mask = None if mask is None else mask.astype(jnp.bool_)
                 out = core.chunked_attention(q, k, v, user_mask, index_q, index_k, causal, cfg.chunk_size)
-            elif not dropout and self._blocked_causal(causal, mask, side.start, t, k):
-                out = core.causal_attention(q, k, v, cfg.causal_block)
+            elif not dropout and self._blocked_causal(causal, mask, side.start, t, v.shape[1]):
+                out = core.causal_attention(core.block_logits(q, k), v, cfg.causal_block)
             else:
                 out = core.mix_values(weights_of(core.qk_logits(q, k)), v, t)
         y = core.dense(out, w_o, 2)  # BTNH,NHD->BTD

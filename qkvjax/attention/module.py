@@ -43,7 +43,7 @@ class AttentionModule(nn.Module):
     def _param(self, name: str, shape, names, init):
         return self.param(name, nn.with_logical_partitioning(init, names), shape, jnp.dtype(self.config.param_dtype))
 
-    def _blocked_causal(self, causal: bool, mask, start, t: int, k: Array) -> bool:
+    def _blocked_causal(self, causal: bool, mask, start, t: int, s: int) -> bool:
         """Whether :func:`core.causal_attention` computes this call: causal self-attention over fresh keys
         (masked by index, so the mask is the plain triangle), no other mask, at least two blocks, and nobody
         collecting the (T, S) logits and weights (``mutable=["intermediates"]``, for analysis)."""
@@ -53,7 +53,7 @@ class AttentionModule(nn.Module):
             and causal
             and mask is None
             and start is None  # fresh keys (B, S, K, H), not a cache
-            and k.shape[1] == t
+            and s == t
             and t >= 2 * block
             and not self.is_mutable_collection("intermediates")
         )
@@ -226,22 +226,39 @@ class Attention(AttentionModule):
 
         implementation = cfg.implementation or ("einsum" if jax.default_backend() == "cpu" else "xla")
         custom = scheme.bilinear or self_mask is not None or dropout or cfg.relative_bias > 0
+        table = None
+        if cfg.relative_bias:
+            table = self._param("rel_bias", (n, 2 * cfg.relative_bias + 1), (axes.HEADS, None), nn.initializers.zeros)
+
+        def logits_of(lo: int, hi: int, keys: Array, layout: str) -> Array:
+            """Folded scores (B, K, (hi - lo) G, S') of queries lo..hi-1 against ``keys`` (bilinear: inputs)."""
+            if scheme.bilinear:
+                logits = core.bilinear_logits(x_q[:, lo:hi], w_qk, keys, kv_heads, h)
+            else:
+                logits = core.qk_logits(q[:, lo:hi], keys, layout)
+            if table is not None:
+                key_index = index_k[:, : logits.shape[-1]]
+                logits = logits + core.relative_bias(table.astype(logits.dtype), index_q[:, lo:hi], key_index, kv_heads)
+            return logits
+
+        may_block = (custom or implementation == "einsum") and not dropout
         if implementation == "chunked" and not custom and kv_layout == "BSKH":
             user_mask = None if mask is None else mask.astype(jnp.bool_)
             out = core.chunked_attention(q, k, v, user_mask, index_q, index_k, causal, cfg.chunk_size)
-        elif implementation == "einsum" and not custom and self._blocked_causal(causal, mask, fresh.start, t, k):
-            out = core.causal_attention(q, k, v, cfg.causal_block)
+        elif may_block and self._blocked_causal(causal, mask, fresh.start, t, v.shape[1]):
+            if scheme.bilinear:
+                keys, prefix = kv_side["x"], lambda hi: keys[:, :hi]
+            else:  # BSKH -> BKSH once, sliced per block
+                keys, prefix = k.transpose(0, 2, 1, 3), lambda hi: keys[:, :, :hi]
+            out = core.causal_attention(
+                lambda lo, hi: logits_of(lo, hi, prefix(hi), "BKSH"),
+                v,
+                cfg.causal_block,
+                mask_self=self_mask is not None,
+            )
         elif custom or implementation in ("einsum", "chunked") or kv_layout == "BKSH" or cfg.value_dim != h:
             # (jax.nn.dot_product_attention wants one width for keys and values)
-            if scheme.bilinear:
-                logits = core.bilinear_logits(x_q, w_qk, kv_side["x"], kv_heads, h)
-            else:
-                logits = core.qk_logits(q, k, kv_layout)
-            if cfg.relative_bias:
-                table = self._param(
-                    "rel_bias", (n, 2 * cfg.relative_bias + 1), (axes.HEADS, None), nn.initializers.zeros
-                )
-                logits = logits + core.relative_bias(table.astype(logits.dtype), index_q, index_k, kv_heads)
+            logits = logits_of(0, t, kv_side["x"] if scheme.bilinear else k, kv_layout)
             self.sow("intermediates", "attention_logits", logits)  # (B, K, T * G, S), before masking
             weights = core.softmax_weights(
                 logits,
