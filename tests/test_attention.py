@@ -535,3 +535,18 @@ def test_causal_blocks_change_the_program_not_the_maths(scheme, kv, extra):
     # analysis collects the (T, S) logits and weights: then the full square is computed, whatever the block
     _, inter = Attention(blocked).apply({"params": params}, x, causal=True, mutable=["intermediates"])
     assert inter["intermediates"]["attention_weights"][0].shape == (B, kv or N, T * (N // (kv or N)), T)
+
+
+@pytest.mark.parametrize("implementation", ["einsum", "chunked"])
+@pytest.mark.parametrize("shape", [(B, 1, 1, S), (B, N, 1, S), (1, 1, T, S), (B, N, T, S)])
+def test_a_mask_broadcast_over_heads_or_queries_equals_the_full_mask_with_gqa(implementation, shape):
+    # A padding mask (B, 1, 1, S) broadcast over the folded (T * G) rows used to fail with G > 1.
+    rng = np.random.default_rng(27)
+    mask = rng.random(shape) < 0.7
+    mask[..., 0] = True  # every query keeps a key
+    full = np.broadcast_to(mask, (B, N, T, S))
+    cfg = config("separate", K, implementation=implementation, chunk_size=3)
+    xq, xkv = inputs(28, B, T, D), inputs(29, B, S, D)
+    params = init_params(cfg, xq, inputs_kv=xkv)
+    y = Attention(cfg).apply({"params": params}, xq, xkv, mask=jnp.asarray(mask))
+    np.testing.assert_allclose(y, Attention(cfg).apply({"params": params}, xq, xkv, mask=jnp.asarray(full)), atol=1e-6)

@@ -107,9 +107,15 @@ def unfold_queries(x: Array, t: int) -> Array:
     return x.reshape(b, kv, t, q // t, h).transpose(0, 2, 1, 3, 4).reshape(b, t, kv * (q // t), h)
 
 
-def grouped(mask: Array, num_kv_heads: int, group_size: int) -> Array:
-    """A (B|1, N|1, T, S) mask as (B|1, K|1, T * G, S), matching folded logits."""
+def grouped(mask: Array, num_kv_heads: int, group_size: int, queries: int | None = None) -> Array:
+    """A (B|1, N|1, T|1, S) mask as (B|1, K|1, T * G, S) (or (B|1, 1, 1, S) left as it is), matching folded
+    logits. A per-head mask broadcast over queries (N heads, T = 1) needs ``queries`` = T (its rows repeat per
+    query, ordered (t, g) as the folded logits are); without it T = 1 is taken as one query (decoding)."""
     b, n, t, s = mask.shape
+    if n == 1 and t == 1:
+        return mask  # the same for every head and query: broadcasts against any folded logits
+    if t == 1 and n > 1 and queries is not None:
+        mask, t = jnp.broadcast_to(mask, (b, n, queries, s)), queries
     if n == 1:
         return jnp.broadcast_to(mask[:, :, :, None], (b, 1, t, group_size, s)).reshape(b, 1, t * group_size, s)
     m = mask.reshape(b, num_kv_heads, group_size, t, s).transpose(0, 1, 3, 2, 4)  # BKGTS -> BKTGS
@@ -192,7 +198,7 @@ def chunked_attention(
     pad = -s % chunk
     qf = fold_queries(q / math.sqrt(h), kv)  # (B, K, Q, H), Q = T * G
     q_rows = jnp.repeat(q_index, g, axis=-1)  # (B|1, Q): each folded row's query index
-    allowed = None if mask is None else grouped(mask, kv, g)  # (B|1, K|1, Q, S)
+    allowed = None if mask is None else grouped(mask, kv, g, t)  # (B|1, K|1, Q|1, S)
 
     def blocks(x, axis, fill):  # split the key axis into (S + pad) / chunk blocks, leading
         x = jnp.pad(x, [(0, 0)] * axis + [(0, pad)] + [(0, 0)] * (x.ndim - axis - 1), constant_values=fill)

@@ -123,7 +123,7 @@ class LatentAttention(AttentionModule):
             self.sow("intermediates", "attention_logits", logits)  # (B, K, T * G, S), before masking
             w = core.softmax_weights(
                 logits,
-                None if full_mask is None else core.grouped(full_mask, kh, cfg.group_size),
+                None if full_mask is None else core.grouped(full_mask, kh, cfg.group_size, t),
                 dropout_rate=cfg.dropout_rate if dropout else 0.0,
                 dropout_rng=self.make_rng("dropout") if dropout else None,
             )

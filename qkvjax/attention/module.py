@@ -262,7 +262,7 @@ class Attention(AttentionModule):
             self.sow("intermediates", "attention_logits", logits)  # (B, K, T * G, S), before masking
             weights = core.softmax_weights(
                 logits,
-                None if full_mask is None else core.grouped(full_mask, kv_heads, cfg.group_size),
+                None if full_mask is None else core.grouped(full_mask, kv_heads, cfg.group_size, t),
                 self_mask,
                 dropout_rate=cfg.dropout_rate if dropout else 0.0,
                 dropout_rng=self.make_rng("dropout") if dropout else None,
