@@ -14,8 +14,10 @@ from qkvjax.train.mesh import make_mesh, shardings_for
 B, T, D, V = 3, 7, 10, 11
 
 
-def lm(scheme="separate", kv=None, rope=False, **kw):
-    att = AttentionConfig(num_heads=2, head_dim=5 if not rope else 6, num_kv_heads=kv, scheme=scheme, rope=rope)
+def lm(scheme="separate", kv=None, rope=False, block=64, **kw):
+    att = AttentionConfig(
+        num_heads=2, head_dim=5 if not rope else 6, num_kv_heads=kv, scheme=scheme, rope=rope, causal_block=block
+    )
     return ModelConfig(attention=att, vocab_size=V, d_model=D, num_layers=2, mlp_dim=13, max_len=T, **kw)
 
 
@@ -32,7 +34,7 @@ def test_param_count_matches_the_tree(scheme, tie):
     [("separate", 1, True), ("shared_kv", None, False), ("bilinear", 1, False), ("reformer_qk", None, True)],
 )
 def test_cached_decoding_matches_the_full_forward(scheme, kv, rope):
-    cfg = lm(scheme, kv, rope, learned_positions=not rope)
+    cfg = lm(scheme, kv, rope, block=2, learned_positions=not rope)  # the full forward in causal blocks of 2
     model = DecoderLM(cfg)
     tokens = jax.random.randint(jax.random.key(1), (B, T), 0, V)
     params = model.init(jax.random.key(0), tokens)["params"]
@@ -83,7 +85,8 @@ def test_logical_axes_shard_heads_and_replicate_what_does_not_divide():
 @pytest.mark.parametrize("remat", ["full", "dots"])
 def test_remat_changes_memory_not_maths(remat):
     tokens = jax.random.randint(jax.random.key(4), (B, T), 0, V)
-    base, rematted = DecoderLM(lm("shared_kv")), DecoderLM(lm("shared_kv", remat=remat))
+    # blocks of 3 causal queries (T = 7): the remat policies see the blocked attention's products too
+    base, rematted = DecoderLM(lm("shared_kv", block=3)), DecoderLM(lm("shared_kv", block=3, remat=remat))
     params = base.init(jax.random.key(0), tokens)["params"]
 
     def loss(model, p):

@@ -78,7 +78,7 @@ def test_resume_in_a_new_process_is_bitwise_exact(tmp_path, corpus, data_dir):
 
 
 def test_sharded_mesh_and_pmap_match_one_device(tmp_path, corpus, data_dir):
-    steps = {"train.num_steps": 3}
+    steps = {"train.num_steps": 3, "model.attention.causal_block": 8}  # T = 32: the causal blocks, sharded too
     one = run_in_new_process(train_args(tmp_path / "one", corpus, data_dir, **steps), devices=1)
     assert one.returncode == 0, one.stderr[-3000:]
     mesh = {"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2}
