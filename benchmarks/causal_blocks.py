@@ -70,6 +70,7 @@ def main(argv=None) -> int:
     p.add_argument("--blocks", default="32,64,128", help="block sizes for the core timings")
     p.add_argument("--core-rounds", type=int, default=20)
     p.add_argument("--steps", type=int, default=8, help="timed train steps per variant, alternated")
+    p.add_argument("--step-block", type=int, default=None, help="the block for the train step (default: the config's)")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
     base = load_config_file(args.config)
@@ -106,7 +107,7 @@ def main(argv=None) -> int:
             "train.grad_accum_steps": "1",
             "model.max_len": str(t),
         }
-        default_block = att.causal_block
+        default_block = args.step_block or att.causal_block
         if 2 * default_block > t:
             continue
         runners = {}
