@@ -90,14 +90,41 @@ def prepare_train(model, config: Config) -> dict:
     return {"step": one_step, "tokens": b * t, "compile_s": compile_s, "xla_memory_bytes": mem_bytes}
 
 
+# What every train-step timing here runs with: no dropout (its masks are not what is measured), one micro-batch.
+TIMING_OVERRIDES = {"model.dropout_rate": "0.0", "train.grad_accum_steps": "1"}
+
+
+def timing_config(path: str, batch_size: int | None = None, overrides: dict | None = None) -> Config:
+    """The config file at ``path`` with :data:`TIMING_OVERRIDES`, the batch size, and any ``overrides``."""
+    over = dict(TIMING_OVERRIDES) | ({} if batch_size is None else {"train.batch_size": str(batch_size)})
+    return apply_overrides(load_config_file(path), over | (overrides or {}))
+
+
+def parse_set(parser: argparse.ArgumentParser, items: list[str]) -> dict[str, str]:
+    """``--set KEY=VALUE`` arguments as config overrides; anything else is a one-line usage error."""
+    overrides = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            parser.error(f"--set {item!r}; allowed: KEY=VALUE, e.g. model.attention.chunk_size=64")
+        overrides[key] = value
+    return overrides
+
+
+def alternate(runners: dict, rounds: int) -> dict[str, list[float]]:
+    """Every runner's step times, timed in turns (a, b, c, a, b, c, ...), so that drift in the machine's speed
+    (other load, clocks) hits all alike and their ratios stay honest."""
+    times = {name: [] for name in runners}
+    for _ in range(rounds):
+        for name, run in runners.items():
+            times[name].append(run())
+    return times
+
+
 def interleaved(a, b, steps: int) -> tuple[float, float]:
-    """Median step times of two runners timed alternately (a, b, a, b, ...), so that drift in the machine's
-    speed (other load, clocks) hits both alike and their ratio stays honest."""
-    ta, tb = [], []
-    for _ in range(steps):
-        ta.append(a())
-        tb.append(b())
-    return statistics.median(ta), statistics.median(tb)
+    """Median step times of two runners timed alternately (:func:`alternate`)."""
+    times = alternate({"a": a, "b": b}, steps)
+    return statistics.median(times["a"]), statistics.median(times["b"])
 
 
 def bench_decode(model, params, config: Config, batch: int, new_tokens: int) -> float:
@@ -237,7 +264,7 @@ def main(argv=None) -> int:
     )
     args = p.parse_args(argv)
 
-    overrides = {"model.dropout_rate": "0.0", "train.grad_accum_steps": "1"}
+    overrides = dict(TIMING_OVERRIDES)
     if args.quick:
         overrides["train.batch_size"] = "8"
     if args.batch_size:
@@ -248,11 +275,7 @@ def main(argv=None) -> int:
         overrides["model.attention.implementation"] = args.implementation
     if args.remat:
         overrides["model.remat"] = args.remat
-    for item in args.set:
-        key, sep, value = item.partition("=")
-        if not sep:
-            p.error(f"--set {item!r}; allowed: KEY=VALUE, e.g. model.attention.chunk_size=64")
-        overrides[key] = value
+    overrides |= parse_set(p, args.set)
     base = apply_overrides(load_config_file(args.config), overrides)
     steps = args.steps or (6 if args.quick else 20)
     decode_tokens = args.decode_tokens or (32 if args.quick else 128)

@@ -23,11 +23,11 @@ import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench import prepare_train  # noqa: E402
+from bench import alternate, prepare_train, timing_config  # noqa: E402
 
 from qkvjax.attention import core  # noqa: E402
 from qkvjax.models.lm import DecoderLM  # noqa: E402
-from qkvjax.train.config import apply_overrides, load_config_file  # noqa: E402
+from qkvjax.train.config import load_config_file  # noqa: E402
 
 
 def full_square(q, k, v):
@@ -54,12 +54,8 @@ def core_runner(b: int, t: int, n: int, kv: int, h: int, block: int):
     return one
 
 
-def alternate(runners: dict, rounds: int) -> dict:
-    times = {name: [] for name in runners}
-    for _ in range(rounds):
-        for name, run in runners.items():
-            times[name].append(run())
-    return {name: statistics.median(ts) for name, ts in times.items()}
+def medians(runners: dict, rounds: int) -> dict:
+    return {name: statistics.median(ts) for name, ts in alternate(runners, rounds).items()}
 
 
 def main(argv=None) -> int:
@@ -73,14 +69,13 @@ def main(argv=None) -> int:
     p.add_argument("--step-block", type=int, default=None, help="the block for the train step (default: the config's)")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
-    base = load_config_file(args.config)
-    att = base.model.attention
+    att = load_config_file(args.config).model.attention
     rows = []
     print(f"{time.strftime('%Y-%m-%d %H:%M')} | {args.config} batch {args.batch_size} | {jax.devices()[0].device_kind}")
     for t in [int(x) for x in args.contexts.split(",")]:
         b = args.batch_size
         blocks = [c for c in (int(x) for x in args.blocks.split(",")) if 2 * c <= t]
-        core_t = alternate(
+        core_t = medians(
             {c: core_runner(b, t, att.num_heads, att.kv_heads, att.head_dim, c) for c in [0, *blocks]},
             args.core_rounds,
         )
@@ -101,39 +96,33 @@ def main(argv=None) -> int:
                     "speedup": speedup,
                 }
             )
-        over = {
-            "model.dropout_rate": "0.0",
-            "train.batch_size": str(b),
-            "train.grad_accum_steps": "1",
-            "model.max_len": str(t),
-        }
-        default_block = args.step_block or att.causal_block
-        if 2 * default_block > t:
+        step_block = args.step_block or att.causal_block
+        if 2 * step_block > t:
             continue
         runners = {}
-        for c in (default_block, 0):
-            cfg = apply_overrides(base, over | {"model.attention.causal_block": str(c)})
+        for c in (step_block, 0):
+            cfg = timing_config(args.config, b, {"model.max_len": str(t), "model.attention.causal_block": str(c)})
             runners[c] = prepare_train(DecoderLM(cfg.model), cfg)
-        step_t = alternate({c: r["step"] for c, r in runners.items()}, args.steps)
+        step_t = medians({c: r["step"] for c, r in runners.items()}, args.steps)
         tokens = runners[0]["tokens"]
-        speedup = step_t[0] / step_t[default_block]
+        speedup = step_t[0] / step_t[step_block]
         mem = {c: r["xla_memory_bytes"] for c, r in runners.items()}
         print(
-            f"  T={t:5d} train step: full {tokens / step_t[0]:9,.0f} tok/s, blocks of {default_block} "
-            f"{tokens / step_t[default_block]:9,.0f} tok/s  x{speedup:.2f}; XLA memory plan "
-            f"{mem[0] / 2**20:,.0f} -> {mem[default_block] / 2**20:,.0f} MiB"
+            f"  T={t:5d} train step: full {tokens / step_t[0]:9,.0f} tok/s, blocks of {step_block} "
+            f"{tokens / step_t[step_block]:9,.0f} tok/s  x{speedup:.2f}; XLA memory plan "
+            f"{mem[0] / 2**20:,.0f} -> {mem[step_block] / 2**20:,.0f} MiB"
         )
         rows.append(
             {
                 "what": "train_step",
                 "T": t,
                 "B": b,
-                "block": default_block,
+                "block": step_block,
                 "full_tok_s": tokens / step_t[0],
-                "blocked_tok_s": tokens / step_t[default_block],
+                "blocked_tok_s": tokens / step_t[step_block],
                 "speedup": speedup,
                 "full_mem": mem[0],
-                "blocked_mem": mem[default_block],
+                "blocked_mem": mem[step_block],
             }
         )
     if args.json:

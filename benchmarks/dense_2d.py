@@ -25,7 +25,6 @@ import bench  # noqa: E402
 
 from qkvjax.attention import core  # noqa: E402
 from qkvjax.models.lm import DecoderLM  # noqa: E402
-from qkvjax.train.config import apply_overrides, load_config_file  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -35,8 +34,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    overrides = {"model.dropout_rate": "0.0", "train.grad_accum_steps": "1", "train.batch_size": str(args.batch_size)}
-    cfg = apply_overrides(load_config_file(args.config), overrides)
+    cfg = bench.timing_config(args.config, args.batch_size)
     two_d = core.dense
     core.dense = lambda x, w, contract=1: jnp.tensordot(x, w, axes=contract)  # the einsum form
     try:

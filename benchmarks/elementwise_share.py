@@ -24,11 +24,10 @@ import jax
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench import prepare_train  # noqa: E402
+from bench import alternate, prepare_train, timing_config  # noqa: E402
 
 from qkvjax.models import lm  # noqa: E402
 from qkvjax.models.lm import DecoderLM  # noqa: E402
-from qkvjax.train.config import apply_overrides, load_config_file  # noqa: E402
 
 
 class _Identity(nn.Module):
@@ -68,20 +67,16 @@ def main(argv=None) -> int:
     others = VARIANTS[1:]
     p.add_argument("--variants", default=",".join(others), help="comma-separated, from: " + ", ".join(others))
     args = p.parse_args(argv)
-    overrides = {"model.dropout_rate": "0.0", "train.batch_size": str(args.batch_size), "train.grad_accum_steps": "1"}
-    cfg = apply_overrides(load_config_file(args.config), overrides)
+    cfg = timing_config(args.config, args.batch_size)
     chosen = ["as is"] + [v.strip() for v in args.variants.split(",") if v.strip()]
     for v in chosen[1:]:
-        if v not in VARIANTS[1:]:
-            p.error(f"--variants: {v!r} is not a variant; allowed: {', '.join(VARIANTS[1:])}")
+        if v not in others:
+            p.error(f"--variants: {v!r} is not a variant; allowed: {', '.join(others)}")
     runners = {}
     for variant in chosen:
         with patched(variant):
             runners[variant] = prepare_train(DecoderLM(cfg.model), cfg)  # traced and compiled inside
-    times = {v: [] for v in chosen}
-    for _ in range(args.steps):
-        for v in chosen:
-            times[v].append(runners[v]["step"]())
+    times = alternate({v: r["step"] for v, r in runners.items()}, args.steps)
     base = statistics.median(times["as is"])
     tokens = runners["as is"]["tokens"]
     print(f"config {args.config} batch {args.batch_size} | {jax.devices()[0].device_kind} | median of {args.steps}")

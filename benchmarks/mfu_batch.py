@@ -23,11 +23,10 @@ import jax
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench import prepare_train  # noqa: E402
+from bench import parse_set, prepare_train, timing_config  # noqa: E402
 
 from qkvjax.models.lm import DecoderLM, train_flops_per_token  # noqa: E402
 from qkvjax.perf import measure_peak_flops  # noqa: E402
-from qkvjax.train.config import apply_overrides, load_config_file  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -40,12 +39,11 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     sizes = [int(x) for x in args.batch_sizes.split(",")]
-    extra = dict(item.split("=", 1) for item in args.set)
-    base = apply_overrides(load_config_file(args.config), {"model.dropout_rate": "0.0", "train.grad_accum_steps": "1"})
+    extra = parse_set(p, args.set)
     peak = measure_peak_flops("float32")
     runners = {}
     for b in sizes:
-        cfg = apply_overrides(base, {"train.batch_size": str(b)} | extra)
+        cfg = timing_config(args.config, b, extra)
         runners[b] = prepare_train(DecoderLM(cfg.model), cfg)
     flops = train_flops_per_token(cfg.model, cfg.seq_len)
     times = {b: [] for b in sizes}

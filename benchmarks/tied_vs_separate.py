@@ -22,11 +22,10 @@ import jax
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench import prepare_train  # noqa: E402
+from bench import alternate, prepare_train, timing_config  # noqa: E402
 
 from qkvjax import SCHEMES  # noqa: E402
 from qkvjax.models.lm import DecoderLM, train_flops_per_token  # noqa: E402
-from qkvjax.train.config import apply_overrides, load_config_file  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -37,15 +36,13 @@ def main(argv=None) -> int:
     p.add_argument("--schemes", default=",".join(s for s in SCHEMES if s != "separate"))
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    over = {"model.dropout_rate": "0.0", "train.batch_size": str(args.batch_size), "train.grad_accum_steps": "1"}
-    base = apply_overrides(load_config_file(args.config), over)
     names = [s.strip() for s in args.schemes.split(",") if s.strip()]
     for name in names:
         if name not in SCHEMES or name == "separate":
             p.error(f"--schemes: {name!r}; allowed: {', '.join(s for s in SCHEMES if s != 'separate')}")
 
     def config_of(scheme):
-        return apply_overrides(base, {"model.attention.scheme": scheme})
+        return timing_config(args.config, args.batch_size, {"model.attention.scheme": scheme})
 
     sep_cfg = config_of("separate")
     sep = prepare_train(DecoderLM(sep_cfg.model), sep_cfg)
@@ -56,10 +53,8 @@ def main(argv=None) -> int:
     for name in names:
         cfg = config_of(name)
         run = prepare_train(DecoderLM(cfg.model), cfg)
-        ts, tsep = [], []
-        for _ in range(args.steps):
-            tsep.append(sep["step"]())
-            ts.append(run["step"]())
+        times = alternate({"separate": sep["step"], name: run["step"]}, args.steps)  # separate first in each pair
+        tsep, ts = times["separate"], times[name]
         pairs = sorted(a / b for a, b in zip(tsep, ts, strict=True))
         quart = statistics.quantiles(pairs, n=4)
         ratio = statistics.median(tsep) / statistics.median(ts)
