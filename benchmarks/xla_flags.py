@@ -9,6 +9,10 @@ float32 reassociation shows up there, and a NaN fails it outright).
 
     python benchmarks/xla_flags.py --config experiments/configs/compare_cpu.py --batch-size 12 --rounds 5
     python benchmarks/xla_flags.py --batch-size 8 --rounds 3 --json benchmarks/results/xla_flags_shakespeare_b8.json
+    python benchmarks/xla_flags.py --decode --batch-size 8 --rounds 5 --options ynn_dot_fusions
+
+``--decode`` times greedy decoding on the device instead (``--tokens`` per row; the check values are the first
+steps' largest logits, so an option that changes the generated tokens shows up there too).
 """
 
 from __future__ import annotations
@@ -40,6 +44,10 @@ CANDIDATES = {
     "xnn_graph_greedy": "--xla_cpu_experimental_xnn_graph_fusion_mode=XNN_GRAPH_FUSION_MODE_GREEDY",
     "onednn_dots": "--xla_cpu_experimental_onednn_fusion_type=LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT",
     "ynn_dots": "--xla_cpu_experimental_ynn_fusion_type=LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT",
+    "ynn_dot_fusions": "--xla_cpu_experimental_ynn_fusion_type=LIBRARY_FUSION_TYPE_DOT",
+    "ynn_eltwise": "--xla_cpu_experimental_ynn_fusion_type=LIBRARY_FUSION_TYPE_ELTWISE",
+    "ynn_dot_eltwise_reduce": "--xla_cpu_experimental_ynn_fusion_type="
+    "LIBRARY_FUSION_TYPE_DOT,LIBRARY_FUSION_TYPE_ELTWISE,LIBRARY_FUSION_TYPE_REDUCE",
 }
 
 
@@ -60,6 +68,8 @@ def child(args) -> None:
     tx = make_optimizer(cfg.train)
     state = create_state(model, cfg, tx, None)
     b, t = cfg.train.batch_size, cfg.seq_len
+    if args.decode:
+        return decode_child(args, model, cfg, state.params)
     tokens = jax.random.randint(jax.random.PRNGKey(1), (b, t + 1), 0, cfg.model.vocab_size)
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
     start = time.perf_counter()
@@ -88,6 +98,56 @@ def child(args) -> None:
     )
 
 
+def decode_child(args, model, cfg, params) -> None:
+    """``--decode``: greedy on-device generation of ``--tokens`` per row from an empty cache (``lax.scan``, params
+    passed in as ``qkvjax sample`` does); the check values are row 0's largest logit at each of the first steps."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    from qkvjax.models.lm import DecodeCache
+
+    b, n = args.batch_size, min(args.tokens, cfg.model.max_len)
+
+    @functools.partial(jax.jit, donate_argnums=1)
+    def generate(params, cache, tok):
+        def body(carry, _):
+            cache, tok = carry
+            logits, cache = model.apply({"params": params}, tok, cache=cache)
+            last = logits[:, -1]
+            return (cache, jnp.argmax(last, -1)[:, None].astype(jnp.int32)), jnp.max(last[0])
+
+        (cache, _), peaks = jax.lax.scan(body, (cache, tok), None, length=n)
+        return cache, peaks
+
+    def fresh():
+        return DecodeCache.empty(cfg.model, b), jnp.zeros((b, 1), jnp.int32)
+
+    start = time.perf_counter()
+    compiled = generate.lower(params, *fresh()).compile()
+    compile_s = time.perf_counter() - start
+    _, peaks = compiled(params, *fresh())
+    times = []
+    for _ in range(args.steps):
+        cache, tok = fresh()
+        jax.block_until_ready(cache)
+        start = time.perf_counter()
+        jax.block_until_ready(compiled(params, cache, tok))
+        times.append(time.perf_counter() - start)
+    print(
+        json.dumps(
+            {
+                "median_s": statistics.median(times),
+                "losses": [float(x) for x in peaks[: args.check_steps]],
+                "compile_s": compile_s,
+                "tokens": b * n,
+                "finite": bool(jnp.isfinite(peaks).all()),
+            }
+        )
+    )
+
+
 def run_child(args, flags: str) -> dict:
     env = dict(os.environ)
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + flags).strip()
@@ -104,7 +164,9 @@ def run_child(args, flags: str) -> dict:
         str(args.steps),
         "--check-steps",
         str(args.check_steps),
-    ]
+        "--tokens",
+        str(args.tokens),
+    ] + (["--decode"] if args.decode else [])
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         return {"error": (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]}
@@ -119,6 +181,8 @@ def main(argv=None) -> int:
     p.add_argument("--check-steps", type=int, default=3, help="untimed first steps whose losses are compared")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--options", default=",".join(CANDIDATES), help=f"comma-separated, from {sorted(CANDIDATES)}")
+    p.add_argument("--decode", action="store_true", help="time on-device greedy decoding instead of the train step")
+    p.add_argument("--tokens", type=int, default=64, help="--decode: new tokens per row per timed generation")
     p.add_argument("--json", default=None)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -129,9 +193,10 @@ def main(argv=None) -> int:
     unknown = [n for n in names if n not in CANDIDATES]
     if unknown:
         p.error(f"unknown option(s) {unknown}; allowed: {sorted(CANDIDATES)}")
+    what = f"decoding {args.tokens} tokens on device" if args.decode else "train step"
     print(
-        f"{time.strftime('%Y-%m-%d %H:%M')} | {args.config} batch {args.batch_size} | {args.rounds} rounds x "
-        f"{args.steps} steps | XLA_FLAGS from the environment: {os.environ.get('XLA_FLAGS', '')!r}",
+        f"{time.strftime('%Y-%m-%d %H:%M')} | {what} | {args.config} batch {args.batch_size} | {args.rounds} rounds "
+        f"x {args.steps} steps | XLA_FLAGS from the environment: {os.environ.get('XLA_FLAGS', '')!r}",
         flush=True,
     )
     runs: dict[str, list[dict]] = {n: [] for n in ["baseline", *names]}
@@ -184,6 +249,8 @@ def main(argv=None) -> int:
             "batch_size": args.batch_size,
             "rounds": args.rounds,
             "steps": args.steps,
+            "measured": "decode" if args.decode else "train_step",
+            "new_tokens": args.tokens if args.decode else None,
             "machine": os.uname().machine,
             "cpus": os.cpu_count(),
             "xla_flags_env": os.environ.get("XLA_FLAGS", ""),

@@ -549,3 +549,65 @@ def test_a_mask_broadcast_over_heads_or_queries_equals_the_full_mask_with_gqa(im
     params = init_params(cfg, xq, inputs_kv=xkv)
     y = Attention(cfg).apply({"params": params}, xq, xkv, mask=jnp.asarray(mask))
     np.testing.assert_allclose(y, Attention(cfg).apply({"params": params}, xq, xkv, mask=jnp.asarray(full)), atol=1e-6)
+
+
+# Decoding reads the cache only as far as the longest row is filled (core.within_prefix).
+# Each scheme once (GQA with one K/V head and rotary where it allows them), and a relative bias.
+PREFIX_CASES = [
+    next(
+        (s, kv, rope)
+        for kv, rope in ((1, True), (1, False), (None, True), (None, False))
+        if (s, kv, rope) in DECODE_CASES
+    )
+    for s in dict.fromkeys(s for s, _, _ in DECODE_CASES)
+] + [("shared_qkv", None, False)]
+
+
+@pytest.mark.parametrize("scheme,kv,rope", PREFIX_CASES)
+def test_decoding_reads_only_the_filled_prefix_and_rows_stay_exact(scheme, kv, rope):
+    from qkvjax.attention import core
+    from qkvjax.attention.costs import cache_shapes
+    from qkvjax.attention.module import KV
+
+    extra = {"relative_bias": 2} if (scheme, kv, rope) == ("shared_qkv", None, False) else {}
+    on, off = (config(scheme, kv, rope=rope, use_bias=True, causal_block=c, **extra) for c in (2, 0))
+    assert core.prefix_lengths(S, 2) == [2, 4, S]  # slots 0..1, 0..3 or all 7
+    x = inputs(30, B, S, D)
+    params = init_params(on, x)
+    full = Attention(on).apply({"params": params}, x, causal=True)
+
+    def empty():
+        return KV({n: jnp.zeros((B, *s)) for n, s in cache_shapes(on, D, S).items()}, jnp.zeros((B,), jnp.int32))
+
+    @jax.jit
+    def step(cache, tok, start):
+        y, cache = Attention(on).apply({"params": params}, tok, cache=KV(cache.tensors, start))
+        return y, cache
+
+    # Every row alike, token by token: the filled slots cross from the 2-slot prefix to 4 and to 7.
+    cache, ys = empty(), []
+    for i in range(S):
+        y, cache = step(cache, x[:, i : i + 1], jnp.full((B,), i, jnp.int32))
+        ys.append(y)
+    np.testing.assert_allclose(jnp.concatenate(ys, 1), full, rtol=2e-5, atol=2e-5)
+
+    # Ragged rows: row b holds starts[b] tokens; the branch must follow the longest row (4 + 1 slots -> all 7),
+    # and each row must equal the full forward of its own prefix followed by the new token.
+    starts = jnp.array([1, 4, 0], jnp.int32)
+    _, cache = step(empty(), x[:, :5], jnp.zeros((B,), jnp.int32))
+    new = x[:, 6:7]
+    y, _ = step(cache, new, starts)
+    y_off, _ = Attention(off).apply({"params": params}, new, cache=KV(cache.tensors, starts))
+    np.testing.assert_allclose(y, y_off, rtol=2e-6, atol=2e-6)  # the same softmax as the whole cache
+    for b in range(B):
+        n = int(starts[b])
+        seq = jnp.concatenate([x[b : b + 1, :n], new[b : b + 1]], axis=1)
+        want = Attention(on).apply({"params": params}, seq, causal=True)[0, -1]
+        np.testing.assert_allclose(y[b, 0], want, rtol=2e-5, atol=2e-5)
+
+    # The program: one branch per prefix with blocks on, none without.
+    def branches(cfg):
+        text = str(jax.make_jaxpr(lambda c, t: Attention(cfg).apply({"params": params}, t, cache=c))(cache, new))
+        return text.count("cond[")
+
+    assert branches(on) == 1 and branches(off) == 0

@@ -122,10 +122,12 @@ def test_a_full_rank_latent_holding_wk_wv_is_separate_exactly(kv, hv):
         np.testing.assert_allclose(getattr(mine, role), getattr(theirs, role), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("block", [64, 2], ids=["whole_cache", "filled_prefix"])
 @pytest.mark.parametrize("extra", [FULL, dict(latent_norm=False)])
-def test_absorbed_decoding_equals_the_full_forward_token_by_token(extra):
-    """The cache holds (latent, rotary key) only; every step scores in the latent space."""
-    cfg = mla(K, **extra)
+def test_absorbed_decoding_equals_the_full_forward_token_by_token(extra, block):
+    """The cache holds (latent, rotary key) only; every step scores in the latent space. With blocks of 2 a step
+    reads cache slots 0..1, 0..3 or all 5, as far as the rows are filled (``core.within_prefix``)."""
+    cfg = mla(K, causal_block=block, **extra)
     x = inputs(5, B, T, D)
     params = init_params(cfg, x, 6)
     model = LatentAttention(cfg)
@@ -146,6 +148,7 @@ def test_absorbed_decoding_equals_the_full_forward_token_by_token(extra):
     # the absorbed path never forms keys: nothing of shape (B, S, K, H) or (B, K, S, H) in the decode step
     text = jax.jit(lambda c, t: model.apply({"params": params}, t, cache=c)).lower(cache, x[:, :1]).as_text()
     assert f"tensor<{B}x{T}x{K}x{H}x" not in text and f"tensor<{B}x{K}x{T}x{H}x" not in text
+    assert (text.count("stablehlo.case") == 1) == (block == 2)  # one branch per prefix, or the whole cache
 
 
 def test_decoder_lm_decodes_ragged_prompts_against_the_full_forward():

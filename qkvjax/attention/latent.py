@@ -123,7 +123,7 @@ class LatentAttention(AttentionModule):
             self.sow("intermediates", "attention_logits", logits)  # (B, K, T * G, S), before masking
             w = core.softmax_weights(
                 logits,
-                None if full_mask is None else core.grouped(full_mask, kh, cfg.group_size, t),
+                None if full_mask is None else core.grouped(full_mask[..., : logits.shape[-1]], kh, cfg.group_size, t),
                 dropout_rate=cfg.dropout_rate if dropout else 0.0,
                 dropout_rng=self.make_rng("dropout") if dropout else None,
             )
@@ -132,13 +132,21 @@ class LatentAttention(AttentionModule):
 
         if cache is not None:  # absorbed: scores and mixing in the latent space, W^UV after mixing
             q_lat = jnp.einsum("BKQH,RKH->BKQR", core.fold_queries(q * scale, kh), w_k_up)
-            logits = jnp.einsum("BKQR,BSR->BKQS", q_lat, latent)
-            if hr:
-                logits = logits + jnp.einsum(
-                    "BKQE,BSE->BKQS", core.fold_queries(q_rope * scale, kh), side.tensors["k_rope"]
-                )
-            mixed = jnp.einsum("BKQS,BSR->BKQR", weights_of(logits).astype(dtype), latent)
-            out = core.unfold_queries(jnp.einsum("BKQR,RKH->BKQH", mixed, w_v_up), t)
+
+            def attend(p: int) -> Array:  # over cache slots 0..p-1
+                logits = jnp.einsum("BKQR,BSR->BKQS", q_lat, latent[:, :p])
+                if hr:
+                    logits = logits + jnp.einsum(
+                        "BKQE,BSE->BKQS", core.fold_queries(q_rope * scale, kh), side.tensors["k_rope"][:, :p]
+                    )
+                mixed = jnp.einsum("BKQS,BSR->BKQR", weights_of(logits).astype(dtype), latent[:, :p])
+                return core.unfold_queries(jnp.einsum("BKQR,RKH->BKQH", mixed, w_v_up), t)
+
+            length = latent.shape[1]
+            if self._prefix_only(side.start, dropout):  # read the cache only as far as rows are filled
+                out = core.within_prefix(attend, jnp.max(side.start) + t, length, cfg.causal_block)
+            else:
+                out = attend(length)
         else:  # as written: keys and values up-projected from the latents of this call
             k = jnp.einsum("BSR,RKH->BSKH", latent, w_k_up)
             v = jnp.einsum("BSR,RKH->BSKH", latent, w_v_up)

@@ -58,6 +58,16 @@ class AttentionModule(nn.Module):
             and not self.is_mutable_collection("intermediates")
         )
 
+    def _prefix_only(self, start, dropout: bool) -> bool:
+        """Whether a call reading a cache (``start`` not None) goes through :func:`core.within_prefix`: blocks on,
+        no attention dropout (its random draws cannot sit in a branch) and nobody collecting the (T, S) weights."""
+        return bool(
+            self.config.causal_block
+            and start is not None
+            and not dropout
+            and not self.is_mutable_collection("intermediates")
+        )
+
 
 class Attention(AttentionModule):
     """Multi-head attention whose Q/K/V projections are tied as ``config.scheme`` says.
@@ -199,20 +209,30 @@ class Attention(AttentionModule):
         else:  # a cache (B, K, S, H): row b's queries at start_b + t; what they see is causal by position
             kv_layout, causal = "BKSH", True
             q_pos = index_q = fresh.start[:, None] + jnp.arange(t)[None]
-            k_pos = index_k = jnp.arange(next(iter(kv_side.values())).shape[-2])[None]
+            k_pos = index_k = jnp.arange(next(iter(kv_side.values())).shape[-2])[None]  # (B, K, S, H), (B, S, D)
         rotary_q = jnp.broadcast_to(q_pos, (b, t))
 
-        v = kv_side[scheme.group_of("v")]
-        if cfg.v_norm:
-            v = core.rms_norm(v)
+        seq_axis = kv_layout.index("S")
+        length = kv_side[scheme.group_of("v")].shape[seq_axis]  # S: key slots
+
+        def read(p: int) -> tuple[Array, Array]:
+            """Keys (bilinear: the key side's inputs) and values of key slots 0..p-1, as the scores use them."""
+            v = jax.lax.slice_in_dim(kv_side[scheme.group_of("v")], 0, p, axis=seq_axis)
+            if cfg.v_norm:
+                v = core.rms_norm(v)
+            if scheme.bilinear:
+                return jax.lax.slice_in_dim(kv_side["x"], 0, p, axis=1), v
+            k = jax.lax.slice_in_dim(kv_side[scheme.group_of("k")], 0, p, axis=seq_axis)
+            if not final_keys:  # keys shared with values (or queries): finished here, on read
+                k = prepare_keys(k, k_pos[:, :p], seq_axis)
+            return k, v
+
         if not scheme.bilinear:
-            q, k = proj_q[scheme.group_of("q")], kv_side[scheme.group_of("k")]
+            q = proj_q[scheme.group_of("q")]
             if cfg.qk_norm:
                 q = core.rms_norm(q, norm_scale["q"])
             if cfg.rope:
                 q = core.rotary(q, rotary_q, cfg.rope_base)
-            if not final_keys:  # keys shared with values (or queries): finished here, on read
-                k = prepare_keys(k, k_pos, kv_layout.index("S"))
 
         # Fresh keys are masked causally by index (as flax's make_causal_mask), not by rotary position.
         full_mask = core.combine_masks(
@@ -241,37 +261,45 @@ class Attention(AttentionModule):
                 logits = logits + core.relative_bias(table.astype(logits.dtype), index_q[:, lo:hi], key_index, kv_heads)
             return logits
 
-        may_block = (custom or implementation == "einsum") and not dropout
-        if implementation == "chunked" and not custom and kv_layout == "BSKH":
-            user_mask = None if mask is None else mask.astype(jnp.bool_)
-            out = core.chunked_attention(q, k, v, user_mask, index_q, index_k, causal, cfg.chunk_size)
-        elif may_block and self._blocked_causal(causal, mask, fresh.start, t, v.shape[1]):
-            if scheme.bilinear:
-                keys, prefix = kv_side["x"], lambda hi: keys[:, :hi]
-            else:  # BSKH -> BKSH once, sliced per block
-                keys, prefix = k.transpose(0, 2, 1, 3), lambda hi: keys[:, :, :hi]
-            out = core.causal_attention(
-                lambda lo, hi: logits_of(lo, hi, prefix(hi), "BKSH"),
-                v,
-                cfg.causal_block,
-                mask_self=self_mask is not None,
-            )
-        elif custom or implementation in ("einsum", "chunked") or kv_layout == "BKSH" or cfg.value_dim != h:
-            # (jax.nn.dot_product_attention wants one width for keys and values)
-            logits = logits_of(0, t, kv_side["x"] if scheme.bilinear else k, kv_layout)
+        def attend(p: int) -> Array:
+            """Scores over key slots 0..p-1, masked softmax, values mixed: (B, T, N, Hv)."""
+            keys, v = read(p)
+            logits = logits_of(0, t, keys, kv_layout)
             self.sow("intermediates", "attention_logits", logits)  # (B, K, T * G, S), before masking
             weights = core.softmax_weights(
                 logits,
-                None if full_mask is None else core.grouped(full_mask, kv_heads, cfg.group_size, t),
-                self_mask,
+                None if full_mask is None else core.grouped(full_mask[..., :p], kv_heads, cfg.group_size, t),
+                None if self_mask is None else self_mask[..., :p],
                 dropout_rate=cfg.dropout_rate if dropout else 0.0,
                 dropout_rng=self.make_rng("dropout") if dropout else None,
             )
             self.sow("intermediates", "attention_weights", weights)  # (B, K, T * G, S), for analysis
-            out = core.mix_values(weights, v, t, kv_layout)
+            return core.mix_values(weights, v, t, kv_layout)
+
+        may_block = (custom or implementation == "einsum") and not dropout
+        if implementation == "chunked" and not custom and kv_layout == "BSKH":
+            user_mask = None if mask is None else mask.astype(jnp.bool_)
+            k, v = read(length)
+            out = core.chunked_attention(q, k, v, user_mask, index_q, index_k, causal, cfg.chunk_size)
+        elif may_block and self._blocked_causal(causal, mask, fresh.start, t, length):
+            k, v = read(length)
+            keys = k if scheme.bilinear else k.transpose(0, 2, 1, 3)  # BSKH -> BKSH once, sliced per block
+            key_axis = 1 if scheme.bilinear else 2
+            out = core.causal_attention(
+                lambda lo, hi: logits_of(lo, hi, jax.lax.slice_in_dim(keys, 0, hi, axis=key_axis), "BKSH"),
+                v,
+                cfg.causal_block,
+                mask_self=self_mask is not None,
+            )
+        elif self._prefix_only(fresh.start, dropout):  # decoding: read the cache only as far as rows are filled
+            out = core.within_prefix(attend, jnp.max(fresh.start) + t, length, cfg.causal_block)
+        elif custom or implementation in ("einsum", "chunked") or kv_layout == "BKSH" or cfg.value_dim != h:
+            # (jax.nn.dot_product_attention wants one width for keys and values)
+            out = attend(length)
         else:
             # Plain q.k logits: let jax pick the kernel (cuDNN flash attention when implementation='cudnn').
             only_causal = mask is None and causal
+            k, v = read(length)
             out = jax.nn.dot_product_attention(
                 q,
                 k,
