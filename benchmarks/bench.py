@@ -133,8 +133,8 @@ def bench_decode(model, params, config: Config, batch: int, new_tokens: int) -> 
     n = min(new_tokens, config.model.max_len)
     functional = model.attention_cls is Attention
 
-    @functools.partial(jax.jit, donate_argnums=0)
-    def step(cache, tok):
+    @functools.partial(jax.jit, donate_argnums=1)  # params passed in, as `qkvjax sample` does
+    def step(params, cache, tok):
         if functional:
             logits, cache = model.apply({"params": params}, tok, cache=cache)
         else:
@@ -148,7 +148,7 @@ def bench_decode(model, params, config: Config, batch: int, new_tokens: int) -> 
         zeros = jnp.zeros((batch, config.model.max_len), jnp.int32)
         return model.init(jax.random.PRNGKey(0), zeros, decode=True)["cache"]
 
-    cache, tok = step(fresh_cache(), jnp.zeros((batch, 1), jnp.int32))  # compile
+    cache, tok = step(params, fresh_cache(), jnp.zeros((batch, 1), jnp.int32))  # compile
     jax.block_until_ready(tok)
 
     def run():
@@ -156,7 +156,7 @@ def bench_decode(model, params, config: Config, batch: int, new_tokens: int) -> 
         jax.block_until_ready(cache)
         start = time.perf_counter()
         for _ in range(n):
-            cache, tok = step(cache, tok)
+            cache, tok = step(params, cache, tok)
         jax.block_until_ready(tok)
         return time.perf_counter() - start
 
@@ -168,8 +168,8 @@ def bench_decode_on_device(model, params, config: Config, batch: int, new_tokens
     the functional cache, as ``qkvjax sample`` does for a batch of prompts): no host round trip per token."""
     n = min(new_tokens, config.model.max_len)
 
-    @functools.partial(jax.jit, donate_argnums=0)
-    def run_all(cache, tok):
+    @functools.partial(jax.jit, donate_argnums=1)
+    def run_all(params, cache, tok):
         def body(carry, _):
             cache, tok = carry
             logits, cache = model.apply({"params": params}, tok, cache=cache)
@@ -183,7 +183,7 @@ def bench_decode_on_device(model, params, config: Config, batch: int, new_tokens
         cache, tok = DecodeCache.empty(config.model, batch), jnp.zeros((batch, 1), jnp.int32)
         jax.block_until_ready(cache)
         start = time.perf_counter()
-        jax.block_until_ready(run_all(cache, tok))
+        jax.block_until_ready(run_all(params, cache, tok))
         return time.perf_counter() - start
 
     run()  # compile

@@ -57,7 +57,9 @@ class AttentionConfig:
       causal_block: the 'einsum' implementation's causal self-attention (no other mask, custom logits or
         dropout) is computed in blocks of this many queries, each scored only against the keys up to its last
         position, so the scores above the diagonal are never computed (:func:`core.causal_attention`; about half
-        of them at long context); used when T >= 2 ``causal_block``. 0 scores the full (T, S) square and masks it.
+        of them at long context); used when T >= 2 ``causal_block``. Decoding from a cache likewise reads only the
+        first ``causal_block`` x 2^i slots that hold the longest row (:func:`core.within_prefix`). 0 turns both off:
+        the full (T, S) square, masked.
       kv_rank: R, the width of the shared K/V latent of a latent scheme (``mla``); None = 4 H (DeepSeek-V2's
         d_c = 4 d_h). Only latent schemes take it.
       q_rank: a latent scheme's low-rank query path: queries from a (D, q_rank) down-projection, its norm, and
