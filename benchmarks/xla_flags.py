@@ -44,6 +44,7 @@ CANDIDATES = {
     "xnn_graph_greedy": "--xla_cpu_experimental_xnn_graph_fusion_mode=XNN_GRAPH_FUSION_MODE_GREEDY",
     "onednn_dots": "--xla_cpu_experimental_onednn_fusion_type=LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT",
     "ynn_dots": "--xla_cpu_experimental_ynn_fusion_type=LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT",
+    "no_ynn": "--xla_cpu_experimental_ynn_fusion_type=",  # no YNNPACK fusions: XLA's own dot emitters
     "ynn_dot_fusions": "--xla_cpu_experimental_ynn_fusion_type=LIBRARY_FUSION_TYPE_DOT",
     "ynn_eltwise": "--xla_cpu_experimental_ynn_fusion_type=LIBRARY_FUSION_TYPE_ELTWISE",
     "ynn_dot_eltwise_reduce": "--xla_cpu_experimental_ynn_fusion_type="

@@ -96,3 +96,36 @@ def test_remat_changes_memory_not_maths(remat):
     g1 = jax.grad(lambda p: loss(rematted, p))(params)
     for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_decoding_on_a_mesh_equals_one_device_with_the_prefix_branches():
+    """Params sharded by their logical axes on (data 2, fsdp 2, tensor 2), the cache's rows over data: each step's
+    prefix branch (blocks of 2 over 7 slots) is picked by a max over sharded rows, and nothing changes."""
+    cfg = ModelConfig(
+        attention=AttentionConfig(num_heads=4, head_dim=3, num_kv_heads=2, scheme="shared_kv", causal_block=2),
+        vocab_size=16,
+        d_model=8,
+        num_layers=2,
+        max_len=T,
+    )
+    model, rows = DecoderLM(cfg), 4
+    tokens = jax.random.randint(jax.random.key(5), (rows, T), 0, 16)
+    boxed = model.init(jax.random.key(6), tokens)["params"]
+    params = nn.meta.unbox(boxed)
+    mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    sharded = jax.device_put(params, nn.meta.unbox(shardings_for(boxed, mesh)))
+    by_row = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+
+    @jax.jit
+    def step(p, cache, tok):
+        return model.apply({"params": p}, tok, cache=cache)
+
+    lengths = jnp.array([3, 1, 5, 2], jnp.int32)  # ragged rows: the branch follows the longest (5 + 1 -> 7 slots)
+    plain = DecodeCache.empty(cfg, rows)
+    _, plain = model.apply({"params": params}, tokens[:, :5], cache=plain, num_valid=lengths)
+    spread = jax.device_put(plain, by_row)
+    assert len(spread.kv[0]["kv"].sharding.device_set) == 8
+    want, _ = step(params, plain, tokens[:, 5:6])
+    got, after = step(sharded, spread, jax.device_put(tokens[:, 5:6], by_row))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(after.lengths, lengths + 1)

@@ -284,8 +284,9 @@ def within_prefix(attend, filled: Array, length: int, block: int) -> Array:
     Decoding from a cache of S slots whose rows hold only ``filled`` tokens: the slots past them are masked out,
     so scores over them are exp(-inf) = 0 and reading them is wasted. One branch per prefix (log2(S / block) + 1
     of them, ``lax.switch``) reads at most max(block, 2 filled) slots and gives the same softmax as the whole
-    cache up to float rounding. The ``shakespeare_char`` decode step at batch 8 read 38 MB of cache per token
-    for 32 filled slots on average (``benchmarks/decode_roofline.py``)."""
+    cache up to float rounding. The slices are copies, still far cheaper than scoring the whole cache: generating 64
+    tokens at ``shakespeare_char`` (S = 256, 38 MB of cache at batch 8), a step went from 6.6 to 4.6 ms
+    (``benchmarks/decode_roofline.py``)."""
     sizes = prefix_lengths(length, block)
     if len(sizes) == 1:
         return attend(length)
