@@ -201,19 +201,18 @@ class Attention(AttentionModule):
                 index.value = index.value + t
         kv_side = fresh.tensors
 
-        if fresh.start is None:  # fresh keys at the query positions (or 0..S-1 for cross-attention)
-            kv_layout = "BSKH"
-            q_pos = jnp.arange(t)[None] if positions is None else positions
-            k_pos = q_pos if self_attention else jnp.arange(x_kv.shape[1])[None]
-            index_q, index_k = jnp.arange(t)[None], jnp.arange(x_kv.shape[1])[None]
-        else:  # a cache (B, K, S, H): row b's queries at start_b + t; what they see is causal by position
-            kv_layout, causal = "BKSH", True
-            q_pos = index_q = fresh.start[:, None] + jnp.arange(t)[None]
-            k_pos = index_k = jnp.arange(next(iter(kv_side.values())).shape[-2])[None]  # (B, K, S, H), (B, S, D)
-        rotary_q = jnp.broadcast_to(q_pos, (b, t))
-
+        kv_layout = "BSKH" if fresh.start is None else "BKSH"  # fresh K/V, or a cache
         seq_axis = kv_layout.index("S")
         length = kv_side[scheme.group_of("v")].shape[seq_axis]  # S: key slots
+        if fresh.start is None:  # fresh keys at the query positions (or 0..S-1 for cross-attention)
+            q_pos = jnp.arange(t)[None] if positions is None else positions
+            k_pos = q_pos if self_attention else jnp.arange(length)[None]
+            index_q, index_k = jnp.arange(t)[None], jnp.arange(length)[None]
+        else:  # a cache (B, K, S, H): row b's queries at start_b + t; what they see is causal by position
+            causal = True
+            q_pos = index_q = fresh.start[:, None] + jnp.arange(t)[None]
+            k_pos = index_k = jnp.arange(length)[None]
+        rotary_q = jnp.broadcast_to(q_pos, (b, t))
 
         def read(p: int) -> tuple[Array, Array]:
             """Keys (bilinear: the key side's inputs) and values of key slots 0..p-1, as the scores use them."""
