@@ -17,12 +17,13 @@ from qkvjax.train.config import Config, MeshConfig, from_dict
 from qkvjax.train.mesh import batch_sharding, make_mesh
 from qkvjax.train.state import abstract_state, make_optimizer
 from qkvjax.train.step import make_eval_step, mean_loss
-from qkvjax.workdir import CONFIG_FILE, load_config, path
+from qkvjax.workdir import CONFIG_FILE, path
 
 
 def resolve_step(workdir: str, step: int | None) -> tuple[Config, object, int]:
     """(config, read-only checkpoint manager, step), with errors that say what the workdir holds. The config is
-    the one saved in the checkpoint (``config.json`` only for checkpoints that carry none)."""
+    the one saved in the checkpoint; without ``step``, a newest step whose config is damaged is skipped (with a
+    warning) for the newest one whose config reads."""
     workdir = path(workdir)
     has_checkpoints = (workdir / "checkpoints").is_dir()
     if not (workdir / CONFIG_FILE).exists() and not has_checkpoints:
@@ -33,36 +34,41 @@ def resolve_step(workdir: str, step: int | None) -> tuple[Config, object, int]:
     steps = sorted(mngr.all_steps())
     if not steps:
         raise ValueError(f"workdir {workdir} has no complete checkpoint")
-    if step is None:
-        step = steps[-1]
-    elif step not in steps:
+    if step is not None and step not in steps:
         raise ValueError(f"checkpoint step {step} does not exist in {workdir}; available steps: {steps}")
-    return checkpoint_config(workdir, mngr, step), mngr, step
+    candidates = [step] if step is not None else steps[::-1]
+    for candidate in candidates:
+        try:
+            return checkpoint_config(mngr, candidate), mngr, candidate
+        except checkpoint.CorruptCheckpointError as e:
+            if candidate == candidates[-1]:
+                raise
+            print(f"warning: {e}; using the previous checkpoint", file=sys.stderr)
+    raise AssertionError("unreachable")
 
 
-def checkpoint_config(workdir: str, mngr, step: int) -> Config:
-    saved = checkpoint.restore_config(mngr, step)
-    return from_dict(Config, saved) if saved is not None else load_config(workdir)
+def checkpoint_config(mngr, step: int) -> Config:
+    return from_dict(Config, checkpoint.restore_config(mngr, step))
 
 
 def restore_params(workdir: str, step: int | None = None, mesh=None):
     """(model, params, config, step): the params of a checkpoint, replicated over ``mesh`` (default: every
     device, data parallel). The whole train state is restored strictly, so a checkpoint of another model fails
     with the list of differences rather than loading part of it. Without ``step``, a damaged newest checkpoint
-    is skipped (with a warning) for the newest one that restores."""
-    config, mngr, chosen = resolve_step(workdir, step)
+    is skipped (with a warning) for the newest one that restores; any other failure to read stops."""
+    _, mngr, chosen = resolve_step(workdir, step)
     mesh = mesh or make_mesh(MeshConfig(data=-1, fsdp=1, tensor=1))
-    candidates = [chosen] if step is not None else sorted(mngr.all_steps(), reverse=True)
+    candidates = [chosen] if step is not None else sorted((s for s in mngr.all_steps() if s <= chosen), reverse=True)
     replicated = NamedSharding(mesh, PartitionSpec())
-    for i, candidate in enumerate(candidates):
-        config = checkpoint_config(workdir, mngr, candidate)
-        model = DecoderLM(config.model)
-        abstract = nn.meta.unbox(abstract_state(model, config, make_optimizer(config.train)))
-        target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), abstract)
+    for candidate in candidates:
         try:
+            config = checkpoint_config(mngr, candidate)
+            model = DecoderLM(config.model)
+            abstract = nn.meta.unbox(abstract_state(model, config, make_optimizer(config.train)))
+            target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), abstract)
             state, _, _ = checkpoint.restore(mngr, candidate, target)
         except checkpoint.CorruptCheckpointError as e:
-            if i == len(candidates) - 1:
+            if candidate == candidates[-1]:
                 raise
             print(f"warning: {e}; using the previous checkpoint", file=sys.stderr)
             continue

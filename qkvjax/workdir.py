@@ -31,6 +31,7 @@ from qkvjax.train.config import Config, from_dict
 
 CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"
+DAMAGED_DIR = "checkpoints_damaged"  # steps moved aside on evidence of damage (never deleted)
 
 
 def path(workdir) -> epath.Path:

@@ -21,7 +21,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from qkvjax.train import tensorstore_leak
-from qkvjax.workdir import is_remote, write_text
+from qkvjax.workdir import DAMAGED_DIR, is_remote, write_text
 from qkvjax.workdir import path as workdir_path
 
 ITEMS = ("state", "data", "config")
@@ -37,10 +37,14 @@ class CheckpointError(ValueError):
 
 
 class CorruptCheckpointError(CheckpointError):
-    """A step whose files are missing, resized or unreadable (as opposed to a checkpoint of another model)."""
+    """Evidence that a step's bytes are damaged: a file missing, resized or rewritten against the step's inventory,
+    or (for a step written without one) bytes that do not decode. Only this error moves a step aside."""
 
 
-DAMAGED_DIR = "checkpoints_damaged"
+class CheckpointReadError(CheckpointError):
+    """A step that could not be read for a reason that is not evidence of damage (an I/O or object-store error, too
+    little memory, a layout the target mesh cannot take): nothing is moved or deleted; the message names the step
+    and the cause, and rerunning once the cause is gone restores it."""
 
 
 def quarantine(mngr: ocp.CheckpointManager, step: int) -> str:
@@ -58,12 +62,23 @@ def quarantine(mngr: ocp.CheckpointManager, step: int) -> str:
     return os.fspath(target)
 
 
-def restore_config(mngr: ocp.CheckpointManager, step: int) -> dict | None:
-    """The config saved with ``step``, or None when it cannot be read (the state restore then says why)."""
+def damaged_steps(workdir) -> list[str]:
+    """The names of the steps moved to ``checkpoints_damaged/`` (``<step>-<time>``), oldest first."""
+    folder = workdir_path(workdir) / DAMAGED_DIR
+    if not folder.is_dir():
+        return []
+    return sorted((p.name for p in folder.iterdir()), key=lambda name: name.split("-")[0].zfill(12))
+
+
+def restore_config(mngr: ocp.CheckpointManager, step: int) -> dict:
+    """The config saved with ``step``. A config that cannot be read is an error (never a skipped provenance check):
+    CorruptCheckpointError on evidence of damage, CheckpointReadError otherwise."""
+    where = epath.Path(mngr.directory)
+    check_intact(where, step)
     try:
         return mngr.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
-    except Exception:
-        return None
+    except Exception as e:
+        raise _read_failure(e, where, step, "its saved config") from e
 
 
 def manager(workdir: str, max_to_keep: int = 3, read_only: bool = False) -> ocp.CheckpointManager:
@@ -267,24 +282,71 @@ def check_structure(saved, expected, step: int, where: str) -> None:
         raise CheckpointError("\n".join(lines))
 
 
-def restore(mngr: ocp.CheckpointManager, step: int, target_state):
-    """(state, data_state, config_dict) of ``step``, the state laid out as ``target_state`` (abstract arrays with
-    shardings) says. Unreadable or mismatching checkpoints raise CheckpointError naming the step and the file."""
-    where = epath.Path(mngr.directory)
-    step_dir = where / str(step)
-    damaged = damaged_files(step_dir)
+def check_intact(where: epath.Path, step: int) -> None:
+    """Raises CorruptCheckpointError if the step's files differ from its inventory, CheckpointReadError if they
+    cannot even be listed or read (a transient error is no evidence of damage)."""
+    try:
+        damaged = damaged_files(where / str(step))
+    except (OSError, MemoryError) as e:
+        raise CheckpointReadError(
+            f"checkpoint step {step} in {where} could not be checked ({_short(e)}); nothing was moved: rerun once "
+            "the cause is fixed"
+        ) from e
     if damaged:
         raise CorruptCheckpointError(
             f"checkpoint step {step} in {where} is corrupted: "
             + "; ".join(damaged[:8])
+            + (f" and {len(damaged) - 8} more" if len(damaged) > 8 else "")
             + " (training and evaluation fall back to an earlier step by themselves)"
         )
+
+
+# What only damaged bytes produce when a step has no inventory to compare against: a file that is not there, or
+# bytes that do not decode. TensorStore reports these with absl status codes in its message.
+_DAMAGE_TYPES = (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError, EOFError)
+_DAMAGE_WORDS = ("DATA_LOSS", "NOT_FOUND", "Error decoding", "Failed to decode", "corrupt", "checksum mismatch")
+
+
+def is_damage(e: BaseException) -> bool:
+    """Whether ``e`` (or what caused it) is evidence of damaged bytes rather than trouble reading good ones."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, (MemoryError, PermissionError)):
+            return False
+        if isinstance(e, _DAMAGE_TYPES) or any(word in str(e) for word in _DAMAGE_WORDS):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _read_failure(e: BaseException, where: epath.Path, step: int, what: str) -> CheckpointError:
+    """The error to raise for a failed read of ``what``: damage only when the step has no inventory vouching for
+    its bytes and the failure itself shows damage; anything else moves nothing."""
+    vouched = (where / str(step) / INVENTORY).exists()  # check_intact passed: every byte is as written
+    if not vouched and is_damage(e):
+        return CorruptCheckpointError(
+            f"checkpoint step {step} in {where} is corrupted: cannot read {what} ({_short(e)}); training and "
+            "evaluation fall back to an earlier step by themselves"
+        )
+    return CheckpointReadError(
+        f"checkpoint step {step} in {where}: reading {what} failed ({_short(e)}); this is not evidence of damage, "
+        "so nothing was moved or deleted: rerun once the cause is fixed"
+    )
+
+
+def restore(mngr: ocp.CheckpointManager, step: int, target_state):
+    """(state, data_state, config_dict) of ``step``, the state laid out as ``target_state`` (abstract arrays with
+    shardings) says. Raises CorruptCheckpointError on evidence of damage (the callers then fall back),
+    CheckpointReadError when the read failed for another reason, CheckpointError when the step holds another
+    model; each names the step and the file or cause."""
+    where = epath.Path(mngr.directory)
+    step_dir = where / str(step)
+    check_intact(where, step)
     try:
         metadata = mngr.item_metadata(step)["state"]
     except Exception as e:
-        raise CorruptCheckpointError(
-            f"checkpoint step {step} in {where}: cannot read its metadata ({_short(e)})"
-        ) from e
+        raise _read_failure(e, where, step, "its metadata") from e
     if metadata is None or not (step_dir / "state" / "_METADATA").exists():
         raise CorruptCheckpointError(
             f"checkpoint step {step} in {where} is corrupted: the state's metadata file state/_METADATA is missing"
@@ -299,10 +361,7 @@ def restore(mngr: ocp.CheckpointManager, step: int, target_state):
             ),
         )
     except Exception as e:
-        raise CorruptCheckpointError(
-            f"checkpoint step {step} in {where} is corrupted or incomplete ({_short(e)}); "
-            "training and evaluation fall back to an earlier step by themselves"
-        ) from e
+        raise _read_failure(e, where, step, "its state") from e
     return restored["state"], restored["data"], restored["config"]
 
 

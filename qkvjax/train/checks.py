@@ -10,7 +10,7 @@ import jax
 from qkvjax.data.pipeline import check_corpus
 from qkvjax.train.config import Config, TrainConfig, from_dict, to_dict
 from qkvjax.train.state import learning_rate_schedule
-from qkvjax.workdir import CONFIG_FILE, METRICS_FILE, path
+from qkvjax.workdir import CONFIG_FILE, DAMAGED_DIR, METRICS_FILE, path
 
 # What may change between runs on one workdir: cadence, length and layout, not the experiment itself.
 RESUMABLE_CHANGES = {
@@ -44,19 +44,17 @@ def _flatten(d: dict, prefix: str = "") -> dict:
 def check_workdir(workdir, config: Config, overwrite: bool) -> None:
     """Refuses a workdir that holds a run of another experiment, unless ``overwrite`` (which clears it)."""
     workdir = path(workdir)
-    if not (workdir / CONFIG_FILE).exists():
-        return
-    old = _flatten(json.loads((workdir / CONFIG_FILE).read_text()))
+    old = _flatten(json.loads((workdir / CONFIG_FILE).read_text())) if (workdir / CONFIG_FILE).exists() else {}
     new = _flatten(to_dict(config))
     diff = sorted(k for k in set(old) | set(new) if k not in RESUMABLE_CHANGES and old.get(k) != new.get(k))
-    if diff and not overwrite:
+    if old and diff and not overwrite:
         details = ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in diff[:8])
         raise ValueError(
             f"workdir {workdir} holds a run of another config ({details}); use another --workdir, or pass "
             "--overwrite to delete that run and start again"
         )
     if overwrite and jax.process_index() == 0:
-        for name in ("checkpoints", "params", "tensorboard", METRICS_FILE, CONFIG_FILE):
+        for name in ("checkpoints", DAMAGED_DIR, "params", "tensorboard", METRICS_FILE, CONFIG_FILE):
             target = workdir / name
             if target.is_dir():
                 target.rmtree()

@@ -267,18 +267,27 @@ def _train(config: Config, workdir: epath.Path, overwrite: bool, lock: WorkdirLo
     batches = train_batches(
         splits["train"], config.seq_len, tc.batch_size, config.seed, jax.process_index(), jax.process_count()
     )
-    while latest is not None:  # the newest checkpoint that restores; damaged ones are moved aside
-        check_resume(checkpoint.restore_config(mngr, latest), config, latest, overwrite)
+    # The newest checkpoint that restores. Only evidence of damage moves a step aside (never deleted); any other
+    # failure (I/O, memory, a mesh the layout does not fit) stops here with the step and the cause, moving nothing.
+    moved = []
+    while latest is not None:
         try:
+            check_resume(checkpoint.restore_config(mngr, latest), config, latest, overwrite)
             state, data_state, _ = checkpoint.restore(mngr, latest, par.target())
         except checkpoint.CorruptCheckpointError as e:
-            moved = checkpoint.quarantine(mngr, latest)
-            _say(f"warning: {e}; moved it to {moved} and falling back to the previous checkpoint")
+            moved.append(checkpoint.quarantine(mngr, latest))
+            _say(f"warning: {e}; moved it to {moved[-1]} and falling back to the previous checkpoint")
             latest = mngr.latest_step()
             continue
         batches.set_state(data_state)
         _say(f"resumed from checkpoint step {latest} in {mngr.directory}")
         break
+    if latest is None and (moved or checkpoint.damaged_steps(workdir)):
+        raise checkpoint.CheckpointError(
+            f"workdir {workdir} has no checkpoint that restores: every one was damaged and is kept in "
+            f"{checkpoint.DAMAGED_DIR}/ ({', '.join(checkpoint.damaged_steps(workdir))}); a run never starts "
+            "afresh by itself: pass --overwrite to delete the run and start again"
+        )
     if latest is None:
         state = create_state(model, config, tx, par.state_shardings)
     if jax.process_index() == 0:

@@ -1,0 +1,175 @@
+"""Damage versus trouble: only evidence that a checkpoint's bytes are damaged moves it aside. A transient I/O
+error, too little memory or a mesh the saved layout cannot take stops the run with one line naming the step and the
+cause, and every checkpoint folder stays where it was; a workdir whose checkpoints are all damaged never starts
+afresh by itself; metrics.jsonl is never cut below the newest restorable step."""
+
+import errno
+import json
+import os
+import shutil
+
+import flax.linen as nn
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from qkvjax.train import checkpoint
+from tests.helpers import run_in_process, train_args
+
+STRICT_DTYPE_PROMOTION = False  # optax
+
+SETTINGS = {"train.num_steps": 4, "train.checkpoint_every": 2, "train.eval_every": 100}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, small_text, data_dir):
+    """A finished 4-step run with checkpoints at steps 2 and 4 (copied per test: tests damage it)."""
+    w = tmp_path_factory.mktemp("trained") / "w"
+    assert run_in_process(train_args(w, small_text, data_dir, **SETTINGS)) == 0
+    return w
+
+
+@pytest.fixture
+def run(trained, tmp_path):
+    w = tmp_path / "w"
+    shutil.copytree(trained, w)
+    return w
+
+
+def snapshot(w) -> dict:
+    """Every file under the workdir (but the lock and the TensorBoard events a start adds) with its bytes."""
+    out = {}
+    for root, _, files in os.walk(w):
+        for name in files:
+            p = os.path.join(root, name)
+            rel = os.path.relpath(p, w)
+            if not rel.startswith("tensorboard") and name != "train.lock":
+                with open(p, "rb") as f:
+                    out[rel] = f.read()
+    return out
+
+
+def failing_restore(monkeypatch, error: BaseException):
+    """Every read of a checkpoint through orbax's manager raises ``error``, as a flaky disk or store would."""
+
+    def restore(self, step, *args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(ocp.CheckpointManager, "restore", restore)
+
+
+@pytest.mark.parametrize(
+    "error, cause",
+    [
+        (OSError(errno.EIO, "Input/output error"), "Input/output error"),
+        (MemoryError("cannot allocate 1.2 GiB"), "MemoryError"),
+        (ValueError("UNAVAILABLE: the object store answered 503"), "UNAVAILABLE"),
+    ],
+)
+def test_a_transient_error_stops_the_run_and_moves_nothing(
+    run, small_text, data_dir, monkeypatch, capsys, error, cause
+):
+    before = snapshot(run)
+    failing_restore(monkeypatch, error)
+    assert run_in_process(train_args(run, small_text, data_dir, **{**SETTINGS, "train.num_steps": 6})) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert "checkpoint step 4" in err and cause in err and "nothing was moved" in err, err
+    assert snapshot(run) == before  # every checkpoint, metrics.jsonl and config.json as they were
+    assert not (run / checkpoint.DAMAGED_DIR).exists()
+
+
+def test_a_transient_error_in_evaluation_moves_nothing_and_does_not_fall_back(run, monkeypatch):
+    from qkvjax.evaluate import restore_params
+
+    before = snapshot(run)
+    failing_restore(monkeypatch, OSError(errno.EIO, "Input/output error"))
+    with pytest.raises(checkpoint.CheckpointReadError, match=r"checkpoint step 4 .*Input/output error"):
+        restore_params(str(run))
+    assert snapshot(run) == before
+
+
+def test_without_an_inventory_only_undecodable_bytes_count_as_damage(run, monkeypatch):
+    """A step saved by a process killed before it wrote the inventory: the failure itself must show damage."""
+    os.remove(run / "checkpoints" / "4" / checkpoint.INVENTORY)
+    mngr = checkpoint.manager(str(run), read_only=True)
+    config_file = next((run / "checkpoints" / "4" / "config").glob("*"))
+    original = config_file.read_bytes()
+    config_file.write_bytes(b"\x00not json" + original[9:])
+    with pytest.raises(checkpoint.CorruptCheckpointError, match=r"checkpoint step 4 .*corrupted.*config"):
+        checkpoint.restore_config(mngr, 4)  # a config that cannot be read is an error, never a skipped check
+    config_file.write_bytes(original)
+    assert checkpoint.restore_config(mngr, 4)["train"]["num_steps"] == 4
+    failing_restore(monkeypatch, OSError(errno.EIO, "Input/output error"))
+    with pytest.raises(checkpoint.CheckpointReadError, match="nothing was moved"):
+        checkpoint.restore_config(mngr, 4)
+    mngr.close()
+    assert checkpoint.is_damage(FileNotFoundError(errno.ENOENT, "gone"))
+    assert not checkpoint.is_damage(OSError(errno.EIO, "Input/output error"))
+    assert not checkpoint.is_damage(MemoryError())
+
+
+def test_a_mesh_the_saved_layout_cannot_take_is_not_damage(run):
+    """A restore onto shardings that cannot hold the arrays (an axis of 8 over dimensions of 3, 5, ...) fails, is
+    reported as a read error, and moves nothing."""
+    from qkvjax.evaluate import checkpoint_config
+    from qkvjax.models.lm import DecoderLM
+    from qkvjax.train.state import abstract_state, make_optimizer
+
+    before = snapshot(run)
+    mngr = checkpoint.manager(str(run), read_only=True)
+    config = checkpoint_config(mngr, 4)
+    abstract = nn.meta.unbox(abstract_state(DecoderLM(config.model), config, make_optimizer(config.train)))
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+
+    def misfit(a):
+        spec = [None] * a.ndim
+        for i, n in enumerate(a.shape):
+            if n % 8:
+                spec[i] = "x"
+                break
+        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=jax.NamedSharding(mesh, jax.P(*spec)))
+
+    target = jax.tree.map(misfit, abstract)
+    assert any(n % 8 for a in jax.tree.leaves(abstract) for n in a.shape)
+    with pytest.raises(checkpoint.CheckpointReadError, match=r"checkpoint step 4 .*not evidence of damage"):
+        checkpoint.restore(mngr, 4, target)
+    mngr.close()
+    assert snapshot(run) == before
+
+
+def garble_every_step(w):
+    for step in os.listdir(w / "checkpoints"):
+        chunks = w / "checkpoints" / step / "state" / "ocdbt.process_0" / "d"
+        victim = chunks / sorted(os.listdir(chunks))[0]
+        victim.write_bytes(bytes(255 - b for b in victim.read_bytes()))
+
+
+def test_every_checkpoint_damaged_refuses_to_start_afresh_and_keeps_the_metrics(run, small_text, data_dir, capsys):
+    metrics_before = (run / "metrics.jsonl").read_bytes()
+    garble_every_step(run)
+    args = train_args(run, small_text, data_dir, **{**SETTINGS, "train.num_steps": 6})
+    assert run_in_process(args) == 2
+    err = capsys.readouterr().err
+    assert "no checkpoint that restores" in err and "--overwrite" in err, err
+    moved = sorted(os.listdir(run / checkpoint.DAMAGED_DIR))
+    assert [m.split("-")[0] for m in moved] == ["2", "4"]  # moved aside, never deleted
+    assert (run / "metrics.jsonl").read_bytes() == metrics_before  # not truncated
+    assert run_in_process(args) == 2  # and a second attempt refuses too (nothing left to fall back to)
+    assert "no checkpoint that restores" in capsys.readouterr().err
+    assert (run / "metrics.jsonl").read_bytes() == metrics_before
+    assert run_in_process(args + ["--overwrite"]) == 0  # the one way to start again
+    assert not (run / checkpoint.DAMAGED_DIR).exists()
+    steps = [r["step"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if not r.get("eval")]
+    assert steps[0] == 1 and steps[-1] == 6
+
+
+def test_one_damaged_step_falls_back_and_keeps_the_metrics_up_to_the_restored_step(run, small_text, data_dir):
+    chunks = run / "checkpoints" / "4" / "state" / "ocdbt.process_0" / "d"
+    victim = chunks / sorted(os.listdir(chunks))[0]
+    victim.write_bytes(np.zeros(victim.stat().st_size, np.uint8).tobytes())
+    assert run_in_process(train_args(run, small_text, data_dir, **{**SETTINGS, "train.num_steps": 6})) == 0
+    assert [m.split("-")[0] for m in os.listdir(run / checkpoint.DAMAGED_DIR)] == ["4"]
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps[0] == 1 and steps[-1] == 6 and sorted(set(steps)) == list(range(1, 7))
