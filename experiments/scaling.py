@@ -1,0 +1,480 @@
+"""The tying penalty across model sizes, each trained on 10 tokens per parameter at its scheme's own learning rate,
+on Tiny Shakespeare and a second corpus; resumable.
+
+    python experiments/scaling.py --out experiments/results/scaling_cpu [--stages a,b,...] [--token-scale F]
+        [--sizes 48,96,160] [--seeds 0,1,2] [--corpus FILE] [--second-corpus FILE] [--plan-only]
+
+Protocol (``size_config``): a GPT-2-style byte-level decoder, 4 layers, 4 heads of width D/4, MLP 4D, context 128,
+batch 16, learned positions; AdamW (weight decay 0.1, b2 0.99), 5% warmup, cosine to 10%. A size is its width D
+(default 48, 96, 160: 0.13M, 0.48M and 1.29M parameters for ``separate``, a 10x span; 160 rather than 192
+keeps a large run near 25 minutes on a 2-core CPU instead of 45). Every run at a size sees the
+same number of tokens, ``--tokens-per-param`` (10) x ``separate``'s parameters at that size x ``--token-scale``,
+so tied schemes, having fewer parameters, see slightly more than 10 per parameter. The final loss is the mean
+next-byte cross-entropy over the whole validation split.
+
+Variants (``VARIANTS``: data, not branches): the tying schemes of the registry plus ``gqa`` (``separate`` with N/2
+KV heads: ``shared_kv``'s cache). Stages, in this order (``--stages`` picks; each skips what is finished):
+
+  lr-small   every variant at the smallest size, seed 0, at LR_GRID; a rate at the grid's edge that wins is
+             followed by the next factor of 2 beyond it (twice at most)
+  lr-middle  the same at the middle size
+  small      the other seeds at the smallest size, each variant at its own best rate (seed 0 is the sweep's run)
+  middle     the same at the middle size
+  corpus2    every variant at the middle size on the second corpus, at the middle size's rates, every seed
+  large      LARGE_VARIANTS at the largest size at the middle size's rates (no sweep there: 30-45 min a run)
+
+Every finished run appends one fsynced row to ``runs.csv`` and its curve to ``curves.csv``; a rerun skips finished
+runs and resumes a killed one from its checkpoint. The plan and an estimated wall time (from tokens/s measured by
+finished runs of each size, else by a short probe of the train step) are printed before anything trains, and a
+line with the time left before each run. ``experiments/scaling_report.py`` writes the tables and plots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import hashlib
+import json
+import math
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from experiments.compare_schemes import _append, _csv_list, read_csv
+from qkvjax.models.lm import kv_cache_bytes_per_token, param_count
+from qkvjax.train.config import AttentionConfig, Config, DataConfig, ModelConfig, TrainConfig
+from qkvjax.train.loop import Interrupted
+from qkvjax.workdir import training_clock
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_CORPUS = REPO.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
+SECOND_CORPUS = REPO / "experiments" / "corpora" / "python_docs.txt"
+
+NUM_HEADS, NUM_LAYERS, CONTEXT, BATCH = 4, 4, 128, 16
+DEFAULT_SIZES = (48, 96, 160)
+LR_GRID = (1e-3, 2e-3, 4e-3, 8e-3)
+MAX_EXTENSIONS = 2
+SHARED_LR = 2e-3  # the one rate the 0.8-epoch comparison used for every scheme: the ranking is also read at it
+# Each variant: the attention config's fields (num_kv_heads as a fraction of N). A name is a label, never a branch.
+VARIANTS = {
+    "separate": {"scheme": "separate"},
+    "shared_kv": {"scheme": "shared_kv"},
+    "gqa": {"scheme": "separate", "kv_heads_fraction": 0.5},
+    "shared_qk": {"scheme": "shared_qk"},
+    "shared_qkv": {"scheme": "shared_qkv"},
+    "reformer_qk": {"scheme": "reformer_qk"},
+    "bilinear": {"scheme": "bilinear"},
+}
+LARGE_VARIANTS = ("separate", "shared_kv", "gqa", "shared_qk", "shared_qkv")
+STAGES = ("lr-small", "lr-middle", "small", "middle", "corpus2", "large")
+RUN_COLUMNS = (
+    "stage", "corpus", "size", "variant", "scheme", "num_kv_heads", "seed", "learning_rate", "params",
+    "kv_cache_bytes_per_token", "tokens", "tokens_per_param", "epochs", "steps", "final_val_loss",
+    "best_eval_loss", "last_eval_loss", "bits_per_byte", "tokens_per_s", "wall_s", "run", "finished_at",
+)  # fmt: skip
+CURVE_COLUMNS = ("run", "step", "tokens", "wall_s", "train_loss", "val_loss")
+PROTOCOL_FILE = "protocol.json"
+OVERHEAD_S = 25.0  # per run: compiling, the final evaluation over the whole split, checkpoints
+
+
+def size_config(d_model: int, variant: str, learning_rate: float, seed: int, tokens: int, data: DataConfig,
+                layers: int = NUM_LAYERS, context: int = CONTEXT) -> Config:  # fmt: skip
+    """The model and training of one run: width ``d_model``, ``tokens`` training tokens."""
+    spec = dict(VARIANTS[variant])
+    fraction = spec.pop("kv_heads_fraction", None)
+    kv_heads = None if fraction is None else max(1, round(NUM_HEADS * fraction))
+    attention = AttentionConfig(num_heads=NUM_HEADS, head_dim=d_model // NUM_HEADS, num_kv_heads=kv_heads, **spec)
+    steps = max(1, math.ceil(tokens / (BATCH * context)))
+    every = max(1, steps // 10)
+    return Config(
+        model=ModelConfig(attention=attention, d_model=d_model, num_layers=layers, max_len=context),
+        data=data,
+        train=TrainConfig(
+            batch_size=BATCH,
+            num_steps=steps,
+            learning_rate=learning_rate,
+            min_lr_ratio=0.1,
+            warmup_steps=max(1, steps // 20),
+            weight_decay=0.1,
+            b2=0.99,
+            log_every=max(1, steps // 50),
+            eval_every=every,
+            eval_batches=8,
+            checkpoint_every=every,
+            max_to_keep=1,
+        ),  # fmt: skip
+        seed=seed,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    stage: str
+    corpus: str  # a short name: the corpus file's stem
+    size: int
+    variant: str
+    learning_rate: float
+    seed: int
+    config: Config
+
+    @property
+    def name(self) -> str:
+        return f"{self.corpus}-d{self.size}-{self.variant}-lr{self.learning_rate:g}-seed{self.seed}"
+
+
+class Sweep:
+    """The protocol's settings, the results so far, and the runs each stage still needs."""
+
+    def __init__(self, args):
+        self.args, self.out = args, Path(args.out)
+        self.sizes = sorted(args.sizes)
+        self.corpora = {"primary": _corpus(args.corpus or args.source_path or str(SHARED_CORPUS), args)}
+        second = args.second_corpus or (str(SECOND_CORPUS) if SECOND_CORPUS.is_file() else None)
+        self.corpora["second"] = _corpus(second, args) if second else None
+        self.rows = read_csv(self.out / "runs.csv")
+
+    def tokens(self, size: int) -> int:
+        reference = size_config(size, "separate", 1e-3, 0, 1, self.corpora["primary"][1], self.args.layers,
+                                self.args.context)  # fmt: skip
+        return max(1, round(self.args.tokens_per_param * param_count(reference.model) * self.args.token_scale))
+
+    def run(self, stage, corpus, size, variant, lr, seed) -> Run:
+        name, data = self.corpora[corpus]
+        config = size_config(size, variant, lr, seed, self.tokens(size), data, self.args.layers, self.args.context)
+        return Run(stage, name, size, variant, lr, seed, config)
+
+    def done(self, run: Run) -> dict | None:
+        for r in self.rows:
+            if r["run"] == run.name:
+                return r
+        return None
+
+    def best_lr(self, size: int, variant: str) -> float | None:
+        """The rate whose seed-0 sweep run at ``size`` on the primary corpus reached the lowest final loss."""
+        corpus = self.corpora["primary"][0]
+        tried = [r for r in self.rows if r["stage"].startswith("lr-") and r["corpus"] == corpus
+                 and int(r["size"]) == size and r["variant"] == variant]  # fmt: skip
+        return float(min(tried, key=lambda r: float(r["final_val_loss"]))["learning_rate"]) if tried else None
+
+    def lr_runs(self, stage: str, size: int) -> list[Run]:
+        """The sweep's runs at ``size`` still to train: the grid, then one step past a winning edge."""
+        out = []
+        for variant in self.args.variants:
+            rates = set(LR_GRID)
+            done = {float(r["learning_rate"]) for r in self.rows if r["stage"] == stage and r["variant"] == variant
+                    and int(r["size"]) == size and r["corpus"] == self.corpora["primary"][0]}  # fmt: skip
+            if rates <= done:  # the grid is finished: extend past an edge that wins
+                best = self.best_lr(size, variant)
+                if best == min(done) and math.log2(min(LR_GRID) / best) < MAX_EXTENSIONS:
+                    rates.add(best / 2)
+                elif best == max(done) and math.log2(best / max(LR_GRID)) < MAX_EXTENSIONS:
+                    rates.add(best * 2)
+            out += [self.run(stage, "primary", size, variant, lr, 0) for lr in sorted(rates - done)]
+        return out
+
+    def stage_runs(self, stage: str) -> list[Run]:
+        """What ``stage`` still has to train, as far as it can be planned now (rates come from the sweeps)."""
+        small, middle, large = self.sizes[0], self.sizes[len(self.sizes) // 2], self.sizes[-1]
+        if stage in ("lr-small", "lr-middle"):
+            return self.lr_runs(stage, small if stage == "lr-small" else middle)
+        size, corpus, variants = {
+            "small": (small, "primary", self.args.variants),
+            "middle": (middle, "primary", self.args.variants),
+            "corpus2": (middle, "second", self.args.variants),
+            "large": (large, "primary", [v for v in self.args.variants if v in LARGE_VARIANTS]),
+        }[stage]
+        if corpus == "second" and self.corpora["second"] is None:
+            return []
+        out = []
+        # Seed-major: a partial stage has every variant for the first seeds. Seed 0 at the best rate is the sweep's
+        # own run, found done by its name.
+        for seed in self.args.seeds:
+            for variant in variants:
+                lr = self.best_lr(small if stage == "small" else middle, variant)
+                run = self.run(stage, corpus, size, variant, lr if lr is not None else SHARED_LR, seed)
+                if lr is None:
+                    run = dataclasses.replace(run, learning_rate=float("nan"))  # planned; its rate is not known yet
+                if not self.done(run):
+                    out.append(run)
+        return out
+
+
+def _corpus(path: str, args) -> tuple[str, DataConfig]:
+    """(short name, data config) of a corpus file; Tiny Shakespeare goes through its TFDS builder."""
+    path = os.path.abspath(path)
+    if not os.path.isfile(path):
+        raise ValueError(f"corpus {path} does not exist; allowed: a UTF-8 text file (--corpus / --second-corpus)")
+    data_dir = os.path.abspath(os.path.expanduser(args.data_dir))
+    if Path(path) == SHARED_CORPUS and not args.corpus:
+        return "shakespeare", DataConfig(dataset="tiny_shakespeare", source_path=path, data_dir=data_dir)
+    return Path(path).stem, DataConfig(dataset="text_file", source_path=path, data_dir=data_dir)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Budget: measured tokens/s per size (finished runs, else a probe of the train step), then the runs' sum.
+
+
+def probe_tokens_per_s(config: Config, steps: int = 4) -> float:
+    """Tokens/s of ``config``'s jitted train step on random bytes, after one compiling step."""
+    import jax
+    import numpy as np
+
+    from qkvjax.models.lm import DecoderLM
+    from qkvjax.train.state import create_state, make_optimizer
+    from qkvjax.train.step import make_train_step
+
+    model, tx = DecoderLM(config.model), make_optimizer(config.train)
+    state = create_state(model, config, tx, None)
+    step = jax.jit(make_train_step(model, tx, 1), donate_argnums=0)
+    rng = np.random.default_rng(0)
+    shape = (config.train.batch_size, config.seq_len)
+    batch = {k: jax.numpy.asarray(rng.integers(0, 256, shape, dtype=np.int32)) for k in ("inputs", "targets")}
+    state, metrics = step(state, batch)
+    jax.block_until_ready(metrics)
+    start = time.perf_counter()
+    for _ in range(steps):
+        state, metrics = step(state, batch)
+    jax.block_until_ready(metrics)
+    return steps * config.train.batch_size * config.seq_len / (time.perf_counter() - start)
+
+
+def speeds(sweep: Sweep) -> dict[int, float]:
+    """Tokens/s per size: the median of finished runs, else a probe (kept in ``probe.json`` for reruns)."""
+    cache_file = sweep.out / "probe.json"
+    cache = json.loads(cache_file.read_text()) if cache_file.exists() else {}
+    out = {}
+    for size in sweep.sizes:
+        measured = [float(r["tokens_per_s"]) for r in sweep.rows if int(r["size"]) == size and r["tokens_per_s"]]
+        if measured:
+            out[size] = statistics.median(measured)
+            continue
+        key = f"d{size}-L{sweep.args.layers}-T{sweep.args.context}"
+        if key not in cache:
+            cache[key] = probe_tokens_per_s(sweep.run("lr-small", "primary", size, "separate", 1e-3, 0).config)
+            cache_file.write_text(json.dumps(cache, indent=2) + "\n")
+        out[size] = cache[key]
+    return out
+
+
+def estimate_s(run: Run, tokens_per_s: dict[int, float]) -> float:
+    c = run.config
+    return c.train.num_steps * c.train.batch_size * c.seq_len / tokens_per_s[run.size] + OVERHEAD_S
+
+
+# ------------------------------------------------------------------------------------------------------------
+
+
+def check_protocol(sweep: Sweep) -> None:
+    """A results folder holds one protocol: sizes may be added, seeds too, but not another model or budget."""
+    a = sweep.args
+    protocol = {"layers": a.layers, "context": a.context, "heads": NUM_HEADS, "batch": BATCH,
+                "tokens_per_param": a.tokens_per_param, "token_scale": a.token_scale,
+                "primary": sweep.corpora["primary"][0], "lr_grid": list(LR_GRID)}  # fmt: skip
+    path = sweep.out / PROTOCOL_FILE
+    if path.exists():
+        old = json.loads(path.read_text())["protocol"]
+        if old != protocol:
+            changed = ", ".join(f"{k}: {old.get(k)!r} -> {v!r}" for k, v in protocol.items() if old.get(k) != v)
+            raise ValueError(f"{sweep.out} holds a sweep of another protocol ({changed}); use another --out")
+        return
+    import jax
+
+    sweep.out.mkdir(parents=True, exist_ok=True)
+    corpora = {}
+    for name, data in filter(None, sweep.corpora.values()):
+        with open(data.source_path, "rb") as f:
+            corpora[name] = {"path": data.source_path, "sha256": hashlib.sha256(f.read()).hexdigest()}
+    record = {
+        "protocol": protocol,
+        "corpora": corpora,
+        "command": "python " + shlex.join(["experiments/scaling.py", *sys.argv[1:]]),
+        "machine": f"{platform.node()} ({platform.machine()}, {os.cpu_count()} cores, "
+        f"jax {jax.__version__} on {jax.devices()[0].device_kind})",
+        "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }
+    path.write_text(json.dumps(record, indent=2) + "\n")
+
+
+def train_split_bytes(data: DataConfig) -> int:
+    from qkvjax.data.builders import load_splits
+
+    return len(load_splits(data.dataset, data.source_path, data.data_dir)["train"])
+
+
+def finish_row(run: Run, workdir: Path, result: dict, train_bytes: int) -> tuple[dict, list[dict]]:
+    """The run's row for runs.csv and its curve; ``epochs`` is tokens seen over the training split's bytes."""
+    from qkvjax.workdir import read_metrics
+
+    train_records, eval_records = read_metrics(str(workdir))
+    c = run.config
+    tokens_per_step = c.train.batch_size * c.seq_len
+    clock = training_clock(train_records, tokens_per_step)
+    val = {r["step"]: r["loss"] for r in eval_records}
+    curve = [{"run": run.name, "step": r["step"], "tokens": r["step"] * tokens_per_step, "wall_s": round(w, 3),
+              "train_loss": r["loss"], "val_loss": val.get(r["step"], "")}
+             for r, w in zip(train_records, clock, strict=True)]  # fmt: skip
+    measured = sorted(r["tokens_per_s"] for r in train_records if r.get("tokens_per_s"))
+    tokens = c.train.num_steps * tokens_per_step
+    params = param_count(c.model)
+    evals = [r["loss"] for r in eval_records if r.get("loss") is not None]
+    row = {
+        "stage": run.stage, "corpus": run.corpus, "size": run.size, "variant": run.variant,
+        "scheme": c.model.attention.scheme, "num_kv_heads": c.model.attention.kv_heads, "seed": run.seed,
+        "learning_rate": run.learning_rate, "params": params,
+        "kv_cache_bytes_per_token": kv_cache_bytes_per_token(c.model), "tokens": tokens,
+        "tokens_per_param": round(tokens / params, 2), "epochs": round(tokens / train_bytes, 3),
+        "steps": c.train.num_steps,
+        "final_val_loss": result["loss"], "best_eval_loss": min(evals) if evals else "",
+        "last_eval_loss": evals[-1] if evals else "", "bits_per_byte": result["bits_per_byte"],
+        "tokens_per_s": round(measured[len(measured) // 2], 1) if measured else "",
+        "wall_s": curve[-1]["wall_s"] if curve else "", "run": run.name,
+        "finished_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }  # fmt: skip
+    return row, curve
+
+
+def _hms(seconds: float) -> str:
+    return f"{seconds / 3600:.1f} h" if seconds >= 5400 else f"{seconds / 60:.0f} min"
+
+
+def print_plan(sweep: Sweep, stages, rates: dict[int, float]) -> float:
+    total = 0.0
+    print("tokens/s per size (measured): " + ", ".join(f"d{s}: {v:,.0f}" for s, v in rates.items()))
+    for stage in stages:
+        runs = sweep.stage_runs(stage)
+        seconds = sum(estimate_s(r, rates) for r in runs)
+        total += seconds
+        sizes = sorted({r.size for r in runs})
+        tokens = sorted({r.config.train.num_steps * r.config.train.batch_size * r.config.seq_len for r in runs})
+        print(f"  {stage:9s} {len(runs):3d} runs to go (sizes {sizes}, {tokens[-1] if tokens else 0:,} tokens "
+              f"each at most): ~{_hms(seconds)}" + (" (rates chosen when the sweeps finish)" if any(
+                  math.isnan(r.learning_rate) for r in runs) else ""))  # fmt: skip
+    if sweep.corpora["second"] is None and "corpus2" in stages:
+        print(f"  corpus2: no second corpus ({SECOND_CORPUS} absent): build it with experiments/build_corpus.py")
+    print(f"estimated wall time of what is left: ~{_hms(total)}", flush=True)
+    return total
+
+
+def main_sweep(args) -> Path:
+    from qkvjax.evaluate import evaluate
+    from qkvjax.perf import measure_peak_flops
+    from qkvjax.train.loop import train
+
+    sweep = Sweep(args)
+    stages = args.stages
+    check_protocol(sweep)
+    rates = speeds(sweep)
+    left = print_plan(sweep, stages, rates)
+    if args.plan_only:
+        return sweep.out
+    peak, started, split_bytes = None, time.monotonic(), {}
+    for stage in stages:
+        while True:  # a sweep stage grows as edges win; others are planned once their rates exist
+            runs = [r for r in sweep.stage_runs(stage) if not math.isnan(r.learning_rate)]
+            if not runs:
+                break
+            run = runs[0]
+            eta = estimate_s(run, rates)
+            rest = _hms(max(left - (time.monotonic() - started), eta))
+            print(f"--- {stage} [{len(runs)} left in stage] {run.name}: {run.config.train.num_steps} steps, "
+                  f"~{_hms(eta)}; sweep ~{rest} left", flush=True)  # fmt: skip
+            peak = peak or measure_peak_flops(run.config.model.attention.dtype)
+            config = dataclasses.replace(run.config, train=dataclasses.replace(run.config.train, peak_flops=peak))
+            workdir = sweep.out / "runs" / run.name
+            train(config, str(workdir))
+            result = evaluate(str(workdir), split="validation")
+            data = run.config.data
+            split_bytes.setdefault(data.source_path, train_split_bytes(data))
+            row, curve = finish_row(run, workdir, result, split_bytes[data.source_path])
+            _drop_curve(sweep.out / "curves.csv", run)
+            _append(sweep.out / "curves.csv", CURVE_COLUMNS, curve)
+            _append(sweep.out / "runs.csv", RUN_COLUMNS, [row])
+            sweep.rows.append({k: str(v) for k, v in row.items()})
+    print(f"sweep finished: {len(sweep.rows)} runs in {sweep.out / 'runs.csv'}")
+    return sweep.out
+
+
+def _drop_curve(path: Path, run: Run) -> None:
+    """Drops the curve rows of a run killed between its curve and its row (the file rewritten atomically)."""
+    rows = read_csv(path)
+    keep = [r for r in rows if r["run"] != run.name]
+    if len(keep) != len(rows):
+        tmp = path.with_suffix(".tmp")
+        tmp.unlink(missing_ok=True)
+        _append(tmp, CURVE_COLUMNS, keep)
+        os.replace(tmp, path)
+
+
+def _positive(kind):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}; allowed: a number > 0") from None
+        if not value > 0 or not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{text!r}; allowed: a finite number > 0")
+        return value
+
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="results folder: runs.csv, curves.csv, protocol.json, runs/")
+    p.add_argument("--stages", type=_csv_list(str), default=list(STAGES), help="default: " + ",".join(STAGES))
+    p.add_argument("--sizes", type=_csv_list(int), default=list(DEFAULT_SIZES), help="d_model of each size")
+    p.add_argument("--variants", type=_csv_list(str), default=list(VARIANTS), help="default: " + ",".join(VARIANTS))
+    p.add_argument("--seeds", type=_csv_list(int), default=[0, 1, 2], help="default: 0,1,2")
+    p.add_argument("--token-scale", type=_positive(float), default=1.0, help="x every run's token budget (1)")
+    p.add_argument("--tokens-per-param", type=_positive(float), default=10.0, help="default: 10")
+    p.add_argument("--layers", type=_positive(int), default=NUM_LAYERS, help=f"default: {NUM_LAYERS}")
+    p.add_argument("--context", type=_positive(int), default=CONTEXT, help=f"default: {CONTEXT}")
+    p.add_argument("--corpus", default=None, help="any UTF-8 text instead of Tiny Shakespeare")
+    p.add_argument("--second-corpus", default=None, help=f"default: {SECOND_CORPUS} (build_corpus.py)")
+    p.add_argument("--source-path", default=None, help="local Tiny Shakespeare (default: ../shared's copy)")
+    p.add_argument("--data-dir", default="~/tensorflow_datasets", help="TFDS data_dir")
+    p.add_argument("--plan-only", action="store_true", help="print the plan and the estimate, train nothing")
+    return p
+
+
+def check_args(args) -> None:
+    """Everything refused before a file is written or a probe compiles."""
+    for name, values, allowed in (("stage", args.stages, STAGES), ("variant", args.variants, VARIANTS)):
+        for value in values:
+            if value not in allowed:
+                raise ValueError(f"unknown {name} {value!r}; allowed: {','.join(allowed)}")
+    if not args.stages or not args.variants or not args.seeds:
+        raise ValueError("--stages, --variants and --seeds each need at least one value")
+    if len(args.sizes) != 3 or len(set(args.sizes)) != 3:
+        raise ValueError(f"--sizes={args.sizes}; allowed: three distinct widths (small, middle, large)")
+    for size in args.sizes:
+        if size < NUM_HEADS or size % NUM_HEADS:
+            raise ValueError(f"--sizes: {size}; allowed: a multiple of {NUM_HEADS} (the heads), at least {NUM_HEADS}")
+    if len(set(args.seeds)) != len(args.seeds) or min(args.seeds) < 0:
+        raise ValueError(f"--seeds={args.seeds}; allowed: distinct integers >= 0")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        check_args(args)
+        main_sweep(args)
+    except Interrupted as e:  # the run in progress saved its checkpoint; no row for it: rerun to continue
+        print(f"scaling: {e}", file=sys.stderr)
+        return e.exit_code
+    except ValueError as e:
+        print(f"scaling: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
