@@ -51,7 +51,10 @@ def build(source_dir: Path, out: Path, provenance: dict) -> dict:
     with open(tmp, "wb") as f:
         for p in files:
             text = p.read_bytes()
-            text.decode("utf-8")  # refuse a document that is not UTF-8 (with its name) rather than train on it
+            try:
+                text.decode("utf-8")
+            except UnicodeDecodeError as e:  # refuse it, naming it, rather than train on it
+                raise ValueError(f"{p} is not UTF-8 ({e.reason} at byte {e.start}); allowed: UTF-8 text") from None
             f.write(text.rstrip(b"\n") + b"\n\n")
     tmp.replace(out)
     manifest = {**provenance, "files": len(files), "bytes": out.stat().st_size, "sha256": sha256_file(out)}
@@ -89,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
                     raise ValueError(f"--deb={deb}: no such file")
                 provenance = {"package": PACKAGE, "version": VERSION, "deb_sha256": sha256_file(deb)}
                 manifest = build(unpack(deb, Path(tmp) / "x"), args.out, provenance)
-    except (ValueError, UnicodeDecodeError, subprocess.CalledProcessError) as e:
+    except (ValueError, subprocess.CalledProcessError) as e:
         print(f"build_corpus: error: {e}", file=sys.stderr)
         return 2
     print(json.dumps(manifest, indent=2))

@@ -158,7 +158,10 @@ class Sweep:
         return None
 
     def best_lr(self, size: int, variant: str) -> float | None:
-        """The rate whose seed-0 sweep run at ``size`` on the primary corpus reached the lowest final loss."""
+        """The rate whose seed-0 sweep run at ``size`` on the primary corpus reached the lowest final loss (or the
+        one ``--learning-rate`` fixes for every run)."""
+        if self.args.learning_rate is not None:
+            return self.args.learning_rate
         corpus = self.corpora["primary"][0]
         tried = [r for r in self.rows if r["stage"].startswith("lr-") and r["corpus"] == corpus
                  and int(r["size"]) == size and r["variant"] == variant]  # fmt: skip
@@ -184,6 +187,8 @@ class Sweep:
         """What ``stage`` still has to train, as far as it can be planned now (rates come from the sweeps)."""
         small, middle, large = self.sizes[0], self.sizes[len(self.sizes) // 2], self.sizes[-1]
         if stage in ("lr-small", "lr-middle"):
+            if self.args.learning_rate is not None:  # one fixed rate: nothing to sweep
+                return []
             return self.lr_runs(stage, small if stage == "lr-small" else middle)
         size, corpus, variants = {
             "small": (small, "primary", self.args.variants),
@@ -277,12 +282,13 @@ def check_protocol(sweep: Sweep) -> None:
     a = sweep.args
     protocol = {"layers": a.layers, "context": a.context, "heads": NUM_HEADS, "batch": BATCH,
                 "tokens_per_param": a.tokens_per_param, "token_scale": a.token_scale,
-                "primary": sweep.corpora["primary"][0], "lr_grid": list(LR_GRID)}  # fmt: skip
+                "primary": sweep.corpora["primary"][0], "lr_grid": list(LR_GRID),
+                "learning_rate": a.learning_rate}  # fmt: skip
     path = sweep.out / PROTOCOL_FILE
     if path.exists():
-        old = json.loads(path.read_text())["protocol"]
-        if old != protocol:
-            changed = ", ".join(f"{k}: {old.get(k)!r} -> {v!r}" for k, v in protocol.items() if old.get(k) != v)
+        old = json.loads(path.read_text())["protocol"]  # a field added since then reads as None (its default)
+        changed = ", ".join(f"{k}: {old.get(k)!r} -> {v!r}" for k, v in protocol.items() if old.get(k) != v)
+        if changed:
             raise ValueError(f"{sweep.out} holds a sweep of another protocol ({changed}); use another --out")
         return
     import jax
@@ -435,6 +441,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seeds", type=_csv_list(int), default=[0, 1, 2], help="default: 0,1,2")
     p.add_argument("--token-scale", type=_positive(float), default=1.0, help="x every run's token budget (1)")
     p.add_argument("--tokens-per-param", type=_positive(float), default=10.0, help="default: 10")
+    p.add_argument("--learning-rate", type=_positive(float), default=None, help="one rate for every run: no sweep")
     p.add_argument("--layers", type=_positive(int), default=NUM_LAYERS, help=f"default: {NUM_LAYERS}")
     p.add_argument("--context", type=_positive(int), default=CONTEXT, help=f"default: {CONTEXT}")
     p.add_argument("--corpus", default=None, help="any UTF-8 text instead of Tiny Shakespeare")

@@ -1,0 +1,140 @@
+"""The scaling sweep (experiments/scaling.py) and the second corpus's builder (experiments/build_corpus.py)."""
+
+import csv
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import pytest
+
+from experiments import build_corpus, scaling
+from qkvjax.models.lm import DecoderLM, param_count
+from qkvjax.train.config import DataConfig
+from tests.helpers import REPO, xla_flags
+
+STRICT_DTYPE_PROMOTION = False  # optax
+
+
+@pytest.mark.parametrize("variant", list(scaling.VARIANTS))
+def test_size_presets_count_the_parameters_the_model_has(variant):
+    """The accounting (param_count, which the budget's 10 tokens per parameter uses) against the parameters
+    flax actually creates, at every default size; and the span the docstring promises."""
+    for size in scaling.DEFAULT_SIZES:
+        config = scaling.size_config(size, variant, 1e-3, 0, 1, DataConfig())
+        shapes = jax.eval_shape(DecoderLM(config.model).init, jax.random.PRNGKey(0), jax.numpy.zeros((1, 5), "int32"))
+        created = sum(x.size for x in jax.tree.leaves(shapes))
+        assert param_count(config.model) == created, (variant, size)
+        assert config.model.attention.head_dim * config.model.attention.num_heads == size
+    counts = [
+        param_count(scaling.size_config(s, "separate", 1e-3, 0, 1, DataConfig()).model) for s in scaling.DEFAULT_SIZES
+    ]
+    assert counts[-1] / counts[0] >= 8  # the issue's span
+    gqa = scaling.size_config(96, "gqa", 1e-3, 0, 1, DataConfig()).model
+    shared_kv = scaling.size_config(96, "shared_kv", 1e-3, 0, 1, DataConfig()).model
+    from qkvjax.models.lm import kv_cache_bytes_per_token
+
+    assert kv_cache_bytes_per_token(gqa) == kv_cache_bytes_per_token(shared_kv)  # GQA at shared_kv's cache
+
+
+def _sweep_command(out, corpus, data_dir):
+    return [
+        sys.executable, "experiments/scaling.py", "--out", str(out), "--corpus", corpus, "--data-dir", data_dir,
+        "--sizes", "8,12,16", "--layers", "1", "--context", "16", "--variants", "separate,shared_kv",
+        "--seeds", "0", "--learning-rate", "3e-3", "--stages", "small,middle,large", "--tokens-per-param", "1",
+        "--token-scale", "0.6",
+    ]  # fmt: skip
+
+
+def _rows(out):
+    with open(out / "runs.csv", newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_the_sweep_end_to_end_survives_a_sigkill_and_resumes(tmp_path, small_text, data_dir):
+    """3 sizes x 2 schemes x 1 seed at a tiny budget; SIGKILL while the second run has a checkpoint; the rerun
+    keeps the finished row, resumes the killed run from its checkpoint and finishes the rest."""
+    out = tmp_path / "sweep"
+    env = {**os.environ, "XLA_FLAGS": xla_flags(1), "PYTHONUNBUFFERED": "1"}
+    command = _sweep_command(out, small_text, data_dir)
+    proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    second = out / "runs" / "small-d8-shared_kv-lr0.003-seed0" / "checkpoints"
+    deadline = time.monotonic() + 240
+    try:
+        while time.monotonic() < deadline and proc.poll() is None:
+            if (out / "runs.csv").exists() and second.is_dir() and any(p.name.isdigit() for p in second.iterdir()):
+                break
+            time.sleep(0.02)
+        assert proc.poll() is None, proc.stdout.read()
+        proc.send_signal(signal.SIGKILL)
+        first_output = proc.communicate(timeout=60)[0]
+    finally:
+        proc.kill()
+    assert "estimated wall time of what is left" in first_output and "tokens/s per size" in first_output
+    before = _rows(out)
+    assert len(before) == 1 and before[0]["variant"] == "separate"
+    rerun = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    assert "resumed from checkpoint step" in rerun.stdout
+    rows = _rows(out)
+    assert rows[0] == before[0]  # the finished row kept as it was
+    assert sorted((int(r["size"]), r["variant"]) for r in rows) == [
+        (s, v) for s in (8, 12, 16) for v in ("separate", "shared_kv")
+    ]
+    assert len({r["run"] for r in rows}) == 6
+    for r in rows:
+        assert float(r["tokens"]) >= 0.6 * float(r["params"]) * 0.99 and float(r["final_val_loss"]) > 0
+        assert float(r["epochs"]) > 0 and r["corpus"] == "small"
+    with open(out / "curves.csv", newline="") as f:
+        curves = list(csv.DictReader(f))
+    assert {c["run"] for c in curves} == {r["run"] for r in rows}
+    steps = [int(c["step"]) for c in curves if c["run"] == "small-d8-shared_kv-lr0.003-seed0"]
+    assert steps == sorted(set(steps))  # the killed run's curve once, without duplicates
+
+
+@pytest.mark.parametrize(
+    "flag, value, match",
+    [
+        ("--token-scale", "0", "allowed: a finite number > 0"),
+        ("--token-scale", "nan", "allowed: a finite number > 0"),
+        ("--token-scale", "-1", "allowed: a finite number > 0"),
+        ("--sizes", "8,8,16", "three distinct widths"),
+        ("--sizes", "8,10,16", "10; allowed: a multiple of 4"),
+        ("--sizes", "8,16", "three distinct widths"),
+        ("--stages", "lr-huge", "unknown stage 'lr-huge'"),
+    ],
+)
+def test_bad_arguments_are_refused_before_anything_is_written(tmp_path, capsys, flag, value, match):
+    out = tmp_path / "never"
+    with pytest.raises(SystemExit) as e:
+        code = scaling.main(["--out", str(out), flag, value])
+        raise SystemExit(code)
+    assert e.value.code == 2
+    assert match in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_the_corpus_builder_gives_a_known_sha256(tmp_path, capsys):
+    source = tmp_path / "src"
+    (source / "library").mkdir(parents=True)
+    (source / "library" / "os.rst.txt").write_text("The os module.\n\n", encoding="utf-8")
+    (source / "zen.rst.txt").write_text("A tutorial — with a dash.\n", encoding="utf-8")
+    (source / "skipped.html").write_text("<p>not a source</p>")
+    out = tmp_path / "corpus.txt"
+    assert build_corpus.main(["--source-dir", str(source), "--out", str(out)]) == 0
+    # in the order of the sha256 of the relative paths (153... before 871...), not alphabetical
+    expected = "A tutorial — with a dash.\n\nThe os module.\n\n".encode()
+    assert out.read_bytes() == expected
+    assert hashlib.sha256(expected).hexdigest() == KNOWN_SHA256
+    assert f'"sha256": "{KNOWN_SHA256}"' in (tmp_path / "corpus.txt.json").read_text()
+    assert build_corpus.main(["--source-dir", str(source), "--out", str(tmp_path / "again.txt")]) == 0
+    assert (tmp_path / "again.txt").read_bytes() == expected  # reproducible
+    (source / "bad.rst.txt").write_bytes(b"\xff\xfe not utf-8")
+    assert build_corpus.main(["--source-dir", str(source), "--out", str(tmp_path / "bad.txt")]) == 2
+    assert "bad.rst.txt is not UTF-8" in capsys.readouterr().err
+
+
+KNOWN_SHA256 = "88410188a7f30c6d528dde9805a1107a3d2327d441e298af179243b1433efd11"
