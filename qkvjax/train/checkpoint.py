@@ -27,8 +27,8 @@ from qkvjax.workdir import path as workdir_path
 ITEMS = ("state", "data", "config")
 
 
-# TensorStore's bindings leak every dict key and value they return as JSON; orbax calls two such functions per
-# save. The leak is undone where it is detected (see tensorstore_leak.py).
+# TensorStore's bindings leak every dict key and value they return as JSON, which orbax's throughput probe hits on
+# every save; while qkvjax's own saves and restores are in flight the probe is skipped (see tensorstore_leak.py).
 tensorstore_leak.install()
 
 
@@ -76,7 +76,8 @@ def restore_config(mngr: ocp.CheckpointManager, step: int) -> dict:
     where = epath.Path(mngr.directory)
     check_intact(where, step)
     try:
-        return mngr.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
+        with tensorstore_leak.window(mngr):
+            return mngr.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
     except Exception as e:
         raise _read_failure(e, where, step, "its saved config") from e
 
@@ -156,6 +157,8 @@ def finish(mngr: ocp.CheckpointManager) -> None:
         mngr.wait_until_finished()
     except Exception as e:
         raise (_disk_full(mngr, e) or e) from e
+    finally:
+        tensorstore_leak.close_windows(mngr)
     if jax.process_index() != 0:
         return
     _remove_leftovers(mngr)
@@ -235,6 +238,7 @@ def damaged_files(step_dir) -> list[str]:
 def save(mngr: ocp.CheckpointManager, step: int, state, data_state: dict, config_dict: dict) -> None:
     """Starts an async save of the step (returns once the arrays are copied off the devices)."""
     finish(mngr)  # orbax would wait for the previous save here anyway
+    tensorstore_leak.open_window(mngr)  # until finish(): the async save runs on orbax's threads
     try:
         _save(mngr, step, state, data_state, config_dict)
     except Exception as e:
@@ -354,12 +358,15 @@ def restore(mngr: ocp.CheckpointManager, step: int, target_state):
     tree = getattr(metadata, "tree", metadata)
     check_structure(tree, target_state, step, where)
     try:
-        restored = mngr.restore(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(target_state), data=ocp.args.JsonRestore(), config=ocp.args.JsonRestore()
-            ),
-        )
+        with tensorstore_leak.window(mngr):
+            restored = mngr.restore(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(target_state),
+                    data=ocp.args.JsonRestore(),
+                    config=ocp.args.JsonRestore(),
+                ),
+            )
     except Exception as e:
         raise _read_failure(e, where, step, "its state") from e
     return restored["state"], restored["data"], restored["config"]
