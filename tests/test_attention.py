@@ -30,6 +30,22 @@ def valid(scheme, num_kv_heads, **kw):
 
 # Latent schemes (MLA) have a module and a float64 reference of their own: tests/test_latent.py.
 VALID = [(s, kv) for s in SCHEMES for kv in KV_CHOICES if valid(s, kv) and not SCHEMES[s].latent]
+
+
+def test_the_valid_combinations_are_exactly_the_expected_ones():
+    """VALID is derived by catching ValueError, so a regression refusing a valid pair would shrink every test
+    below silently: the set is pinned here. Schemes whose queries share a projection with keys or values need
+    K = N; the others take any K dividing N."""
+    any_k = {"separate", "shared_kv", "bilinear"}
+    k_is_n = {"shared_qk", "reformer_qk", "shared_qv", "shared_qkv"}
+    assert {s for s in SCHEMES if not SCHEMES[s].latent} == any_k | k_is_n  # a new scheme: add it here
+    expected = {(s, kv) for s in any_k for kv in KV_CHOICES} | {(s, None) for s in k_is_n}
+    assert set(VALID) == expected
+    for s in k_is_n:
+        with pytest.raises(ValueError, match=s):
+            config(s, K)
+
+
 PLAIN_PARTITIONS = [
     s
     for s, sc in SCHEMES.items()

@@ -68,12 +68,12 @@ def test_a_killed_peer_stops_the_other_process_within_the_timeout_and_both_resum
         procs[1].kill()  # the peer dies mid-run
         killed_at = time.time()
         try:
-            out, _ = procs[0].communicate(timeout=timeout_s + 50)
+            out, _ = procs[0].communicate(timeout=timeout_s + 20)
         except subprocess.TimeoutExpired:
-            raise AssertionError(f"process 0 still runs {timeout_s + 50}s after its peer died") from None
+            raise AssertionError(f"process 0 still runs {timeout_s + 20}s after its peer died") from None
         waited = time.time() - killed_at
         assert procs[0].returncode != 0, out[-3000:]
-        assert waited < timeout_s + 50
+        assert waited < timeout_s + 20, waited
     finally:
         for p in procs:
             p.kill()

@@ -5,6 +5,7 @@ import os
 import re
 import shutil
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,7 +17,7 @@ from qkvjax.convert import convert
 from qkvjax.evaluate import evaluate
 from qkvjax.models.lm import param_count
 from qkvjax.sample import generate
-from tests.helpers import REPO, metrics, run_in_new_process, run_in_process, train_args
+from tests.helpers import REPO, exported_params, flat, metrics, run_in_new_process, run_in_process, train_args
 
 pytestmark = pytest.mark.xdist_group("restore")  # one worker builds the module's fixture once
 
@@ -95,7 +96,13 @@ def test_sample_cli_streams_and_greedy_is_deterministic(run, capsys):
         outs.append(captured.out)
         assert "tokens/s" in captured.err and "KV cache" in captured.err
     assert outs[0] == outs[1] and outs[0].startswith("the ")
-    assert run_in_process(["sample", f"--workdir={run}", "--prompt=a", "--num-tokens=5", "--seed=1"]) == 0
+    seeded = []
+    for seed in (1, 1, 2):
+        args = ["sample", f"--workdir={run}", "--prompt=a", "--num-tokens=30", f"--seed={seed}", "--temperature=1"]
+        assert run_in_process(args) == 0
+        seeded.append(capsys.readouterr().out)
+    assert seeded[0] == seeded[1]  # same seed, same text
+    assert seeded[0] != seeded[2]  # another seed, another text (30 draws over 256 bytes)
 
 
 def test_info_lists_checkpoints_parameters_and_metrics(run, capsys):
@@ -109,11 +116,18 @@ def test_info_lists_checkpoints_parameters_and_metrics(run, capsys):
     assert info["last_train_metrics"]["step"] == 4 and info["last_eval_metrics"]["eval"]
 
 
-def test_python_load_gives_a_model_ready_to_apply(run):
+def test_python_load_gives_the_trained_model_ready_to_apply(run):
     model, params, config = qkvjax.load(str(run))
     logits = model.apply({"params": params}, jnp.zeros((2, config.seq_len), jnp.int32))
     assert logits.shape == (2, config.seq_len, 256)
     assert sum(p.size for p in jax.tree.leaves(params)) == param_count(config.model)
+    trained = flat(exported_params(run, 4))  # what the training loop wrote at its last step
+    loaded = flat(params)
+    assert loaded.keys() == trained.keys()
+    for name, value in trained.items():
+        np.testing.assert_array_equal(loaded[name], value, err_msg=name)
+    fresh = flat(nn.meta.unbox(model.init(jax.random.PRNGKey(config.seed), jnp.zeros((1, 5), jnp.int32))["params"]))
+    assert any(not np.array_equal(fresh[k], trained[k]) for k in trained)  # training moved them
 
 
 def test_convert_to_bilinear_is_exact_and_to_gqa_pools_heads(run, tmp_path):
@@ -126,12 +140,24 @@ def test_convert_to_bilinear_is_exact_and_to_gqa_pools_heads(run, tmp_path):
     assert config_b.model.attention.scheme == "bilinear"
     np.testing.assert_allclose(model_b.apply({"params": params_b}, tokens), before, rtol=1e-4, atol=1e-4)
 
+    n = config.model.attention.num_heads
+    same_cfg, same = convert(config.model, params, num_kv_heads=n)  # K = N: nothing pooled, exactly the model
+    np.testing.assert_array_equal(DecoderLM(same_cfg).apply({"params": same}, tokens), before)
     gqa_cfg, gqa = convert(config.model, params, num_kv_heads=1)
     w_k = params["block_0"]["attention"]["w_k"]
     np.testing.assert_allclose(gqa["block_0"]["attention"]["w_k"][:, 0], w_k.mean(axis=1), rtol=1e-6)
     assert gqa_cfg.attention.kv_heads == 1
     logits = DecoderLM(gqa_cfg).apply({"params": gqa}, tokens)
-    assert np.isfinite(np.asarray(logits)).all()
+    # The expectation, built independently: the original model with every head's K and V kernels replaced by
+    # the mean over its group (here all N heads) gives the same logits as the one pooled head shared by all.
+    pooled = jax.tree.map(lambda x: x, params)
+    for name, block in pooled.items():
+        if name.startswith("block_"):
+            for key in ("w_k", "w_v"):
+                w = np.asarray(block["attention"][key])
+                block["attention"][key] = np.repeat(w.mean(axis=1, keepdims=True), n, axis=1)
+    np.testing.assert_allclose(logits, model.apply({"params": pooled}, tokens), rtol=2e-5, atol=2e-5)
+    assert not np.allclose(logits, before, atol=1e-3)  # pooling four trained heads into one changes the model
     with pytest.raises(ValueError, match=r"no conversion from 'separate' to 'shared_kv'"):
         convert(config.model, params, to="shared_kv")
 

@@ -2,6 +2,7 @@
 damaged checkpoints, leftovers of killed saves, and inputs that used to end in raw tracebacks."""
 
 import contextlib
+import errno
 import io
 import json
 import os
@@ -197,6 +198,31 @@ def test_disk_full_gives_one_clear_line_and_keeps_the_last_checkpoint(small_disk
     assert evaluate(str(w))["step"] == int(match.group(1))  # that checkpoint restores
     left = [p for tmp in (w / "checkpoints").glob("*.orbax-checkpoint-tmp*") for p in tmp.rglob("*")]
     assert not left, left  # the partial save gave its space back
+
+
+def test_disk_full_injected_without_a_mount(tmp_path, small_text, data_dir, monkeypatch, capsys):
+    """The same handling where no tmpfs can be mounted (no root): orbax's save raises ENOSPC from the fourth
+    checkpoint on, as it does when the disk fills while it writes."""
+    import orbax.checkpoint as ocp
+
+    real_save, saves = ocp.CheckpointManager.save, []
+
+    def save(self, step, *args, **kwargs):
+        saves.append(step)
+        if len(saves) >= 4:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(self, step, *args, **kwargs)
+
+    monkeypatch.setattr(ocp.CheckpointManager, "save", save)
+    w = tmp_path / "w"
+    args = train_args(w, small_text, data_dir, **{"train.num_steps": 8, "train.checkpoint_every": 1,
+                                                   "train.max_to_keep": 8})  # fmt: skip
+    assert run_in_process(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert re.search(r"disk full while writing a checkpoint to .*the last complete checkpoint is step 3", err[0]), err
+    monkeypatch.undo()
+    assert evaluate(str(w))["step"] == 3  # that checkpoint restores
 
 
 def test_a_relative_source_path_is_stored_absolute(tmp_path, small_text, data_dir, monkeypatch):
