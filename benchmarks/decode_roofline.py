@@ -27,7 +27,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+if __package__ in (None, ""):  # run as a script: make the repository (or this folder) importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench import bench_decode, bench_decode_on_device  # noqa: E402
 

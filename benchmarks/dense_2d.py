@@ -18,8 +18,9 @@ from pathlib import Path
 import jax.numpy as jnp
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))
+if __package__ in (None, ""):  # run as a script: make the repository and this folder importable
+    sys.path.insert(0, str(REPO))
+    sys.path.insert(0, str(REPO / "benchmarks"))
 
 import bench  # noqa: E402
 

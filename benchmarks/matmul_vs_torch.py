@@ -25,7 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+if __package__ in (None, ""):  # run as a script: make the repository (or this folder) importable
+    sys.path.insert(0, str(REPO))
 
 from qkvjax.train.config import apply_overrides, load_config_file  # noqa: E402
 

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import jax
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+if __package__ in (None, ""):  # run as a script: make the repository (or this folder) importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench import parse_set, prepare_train, timing_config  # noqa: E402
 

@@ -27,7 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+if __package__ in (None, ""):  # run as a script: make the repository (or this folder) importable
+    sys.path.insert(0, str(REPO))
 
 from qkvjax.models.lm import ModelConfig  # noqa: E402
 from qkvjax.train.config import Config, TrainConfig, apply_overrides, load_config_file  # noqa: E402

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import sys
@@ -207,20 +208,28 @@ def _compare(args: argparse.Namespace) -> int:
     return 0
 
 
-def _quiet_dependencies() -> None:
+@contextlib.contextmanager
+def _quiet_dependencies():
     """Warnings and errors logged by dependencies that do not concern the user (orbax's read-only manager and
-    its background threads, TFDS's builder notes) and TFDS's progress bars are off unless --verbose."""
+    its background threads, TFDS's builder notes) and TFDS's progress bars are off unless --verbose, for this
+    command only: what was set before (by a program calling ``main``, or a test) is restored afterwards."""
     import logging
 
     from absl import logging as absl_logging
+    from tensorflow_datasets.core.utils import tqdm_utils
 
+    verbosity, level, bars = absl_logging.get_verbosity(), logging.getLogger("absl").level, tqdm_utils._active
     # orbax logs each failure of its background save threads (with a traceback) through absl before the error
     # reaches the training loop, which reports it in one line: those logs are only shown with --verbose.
     absl_logging.set_verbosity(absl_logging.FATAL)
     logging.getLogger("absl").setLevel(logging.CRITICAL)
-    import tensorflow_datasets as tfds
-
-    tfds.disable_progress_bar()
+    tqdm_utils.display_progress_bar(False)
+    try:
+        yield
+    finally:
+        absl_logging.set_verbosity(verbosity)
+        logging.getLogger("absl").setLevel(level)
+        tqdm_utils.display_progress_bar(bars)
 
 
 def split_overrides(argv: list[str]) -> tuple[list[str], dict[str, str]]:
@@ -415,20 +424,20 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(rest)
     if overrides and not getattr(args, "takes_overrides", False):
         raise SystemExit(f"qkvjax {args.command}: --config.* overrides are not taken here")
-    if not args.verbose:
-        _quiet_dependencies()
     _compilation_cache(args.compilation_cache)
     from qkvjax.train.loop import Interrupted
 
     try:
-        if getattr(args, "takes_overrides", False):
-            return args.func(args, overrides)
-        return args.func(args)
+        with contextlib.nullcontext() if args.verbose else _quiet_dependencies():
+            if getattr(args, "takes_overrides", False):
+                return args.func(args, overrides)
+            return args.func(args)
     except Interrupted as e:  # saved and stopped: not a success, so a scheduler or a script reruns it
         print(f"qkvjax {args.command}: {e}", file=sys.stderr)
         return e.exit_code
     except (ValueError, OSError) as e:  # bad input, a damaged or full disk: one line (--verbose: the traceback)
         if args.verbose:
+            e.__suppress_context__ = False  # an error raised "from None" still shows what caused it
             raise
         print(f"qkvjax {args.command}: error: {e}", file=sys.stderr)
         return 2

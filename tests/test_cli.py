@@ -17,3 +17,51 @@ def test_the_persistent_compilation_cache_is_on_by_default_and_can_be_moved_or_t
         assert jax.config.jax_compilation_cache_dir == str(tmp_path / ".cache" / "qkvjax" / "jax")
     finally:
         jax.config.update("jax_compilation_cache_dir", before)
+
+
+def test_the_cli_restores_the_logging_it_quiets(tmp_path):
+    """A program (or a test) that calls main() keeps its own absl verbosity, absl logger level and TFDS progress
+    bars: the CLI quiets them for its command only."""
+    import logging
+
+    from absl import logging as absl_logging
+    from tensorflow_datasets.core.utils import tqdm_utils
+
+    absl_logging.set_verbosity(absl_logging.INFO)
+    logging.getLogger("absl").setLevel(logging.INFO)
+    tqdm_utils.display_progress_bar(True)
+    try:
+        assert run_in_process(["schemes"]) == 0
+        assert run_in_process(["info", f"--workdir={tmp_path}"]) == 2  # an error path too
+        assert absl_logging.get_verbosity() == absl_logging.INFO
+        assert logging.getLogger("absl").level == logging.INFO
+        assert tqdm_utils._active is True
+    finally:
+        absl_logging.set_verbosity(absl_logging.WARNING)
+        logging.getLogger("absl").setLevel(logging.NOTSET)
+
+
+def test_verbose_shows_the_cause_of_an_error_raised_from_none(tmp_path, capsys):
+    import pytest
+
+    config = tmp_path / "broken.py"
+    config.write_text("raise RuntimeError('the real cause')\n")
+    args = ["train", f"--config={config}", f"--workdir={tmp_path / 'w'}"]
+    assert run_in_process(args) == 2
+    assert "could not be run as Python" in capsys.readouterr().err  # one line without --verbose
+    with pytest.raises(ValueError, match="could not be run as Python") as e:
+        run_in_process(["--verbose", *args])
+    assert isinstance(e.value.__context__, RuntimeError) and not e.value.__suppress_context__
+
+
+def test_importing_the_scripts_leaves_sys_path_alone():
+    import importlib
+    import sys
+
+    before = list(sys.path)
+    for name in ("benchmarks.torch_reference", "tests.faults.kill_trials"):  # the two the tests import
+        try:
+            importlib.import_module(name)
+        except ImportError as e:  # an optional extra (torch): the import still ran the module's top
+            assert "torch" in str(e), e
+    assert sys.path == before

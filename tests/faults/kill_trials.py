@@ -27,7 +27,8 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
+if __package__ in (None, ""):  # run as a script: make the repository (or this folder) importable
+    sys.path.insert(0, str(REPO))
 # The trainers and this process (which reads their exported parameters) see the same 8 CPU devices.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")

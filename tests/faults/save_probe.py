@@ -21,7 +21,8 @@ import tempfile
 import tracemalloc
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+if __package__ in (None, ""):  # run as a script: make the repository (or this folder) importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import jax.numpy as jnp  # noqa: E402
 import orbax.checkpoint as ocp  # noqa: E402
