@@ -34,10 +34,19 @@ METRICS_FILE = "metrics.jsonl"
 DAMAGED_DIR = "checkpoints_damaged"  # steps moved aside on evidence of damage (never deleted)
 
 
+REMOTE_SCHEMES = ("gs",)  # orbax writes checkpoints to local paths and Cloud Storage only (s3:// fails in it)
+
+
 def path(workdir) -> epath.Path:
-    """``workdir`` as an ``epath.Path``: a local path made absolute (``~`` expanded), a URI kept as given."""
+    """``workdir`` as an ``epath.Path``: a local path made absolute (``~`` expanded), a ``gs://`` URI as given."""
     text = os.fspath(workdir)
     if is_remote(text):
+        scheme = text.split("://", 1)[0]
+        if scheme not in REMOTE_SCHEMES:
+            raise ValueError(
+                f"workdir {text!r}: orbax's checkpoints cannot be written to {scheme}://; allowed: a local folder "
+                "or gs://BUCKET/PATH"
+            )
         return epath.Path(text)
     return epath.Path(os.path.abspath(os.path.expanduser(text)))
 

@@ -146,6 +146,8 @@ def test_a_damaged_newest_checkpoint_is_moved_aside_and_training_falls_back(tmp_
          r"is not a Python file"),
         (["train", f"--config={TINY}", "--workdir={file}"], r"is a file; pass a folder"),
         (["schemes", "--num-heads", "0"], r"num_heads=0; allowed: an integer >= 1"),
+        (["train", f"--config={TINY}", "--workdir=s3://bucket/run"], r"cannot be written to s3://; allowed: .*gs://"),
+        (["info", "--workdir=s3://bucket/run"], r"cannot be written to s3://"),
         (["train", f"--config={TINY}", "--workdir={w}", "--config.train.max_to_keep=0"], r"train.max_to_keep=0"),
     ],
 )  # fmt: skip

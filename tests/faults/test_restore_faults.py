@@ -173,3 +173,34 @@ def test_one_damaged_step_falls_back_and_keeps_the_metrics_up_to_the_restored_st
     assert [m.split("-")[0] for m in os.listdir(run / checkpoint.DAMAGED_DIR)] == ["4"]
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps[0] == 1 and steps[-1] == 6 and sorted(set(steps)) == list(range(1, 7))
+
+
+def test_a_resume_is_bit_exact_at_xla_default_optimisation_level(tmp_path, small_text, data_dir):
+    """The suite compiles at XLA's backend optimisation level 0 (tests/conftest.py); the kill trials' bit-exact
+    resumes are checked there too. Here once at the default level, as users run: train 6 steps; drop the step-6
+    checkpoint so the newest is step 3, as after a kill; rerun: the final parameters equal the first run's."""
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO, exported_params, flat
+
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu"}
+    w = tmp_path / "w"
+    args = train_args(w, small_text, data_dir, **{"train.num_steps": 6, "train.checkpoint_every": 3,
+                                                   "train.eval_every": 100, "train.max_to_keep": 2})  # fmt: skip
+
+    def train():
+        done = subprocess.run([sys.executable, "-m", "qkvjax.cli", *args], env=env, cwd=REPO, capture_output=True,
+                              text=True, timeout=300)  # fmt: skip
+        assert done.returncode == 0, done.stdout + done.stderr
+        return done.stdout
+
+    train()
+    first = flat(exported_params(w, 6))
+    shutil.rmtree(w / "checkpoints" / "6")
+    shutil.rmtree(w / "params" / "6")
+    assert "resumed from checkpoint step 3" in train()
+    again = flat(exported_params(w, 6))
+    assert first.keys() == again.keys()
+    for name in first:
+        np.testing.assert_array_equal(first[name], again[name], err_msg=name)
