@@ -264,7 +264,31 @@ def _compilation_cache(where: str | None) -> None:
         jax.config.update("jax_compilation_cache_dir", os.path.expanduser("~/.cache/qkvjax/jax"))
 
 
-def build_parser() -> argparse.ArgumentParser:
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's help shows its default, once (not again where the help already names it); an epilog
+    that is laid out already (the config field list) is kept as written."""
+
+    def _get_help_string(self, action):
+        if "default" in (action.help or "").lower() or action.required or action.default in (None, False):
+            return action.help  # said already, or nothing to say (a flag off, an option with no value)
+        return super()._get_help_string(action)
+
+    def _fill_text(self, text, width, indent):
+        if "\n" in text:
+            return "".join(indent + line for line in text.splitlines(keepends=True))
+        return super()._fill_text(text, width, indent)
+
+
+def _config_fields_epilog(preset) -> str:
+    from qkvjax.train.config import format_fields
+
+    where = "the --config file's values" if preset is not None else "their defaults (with --config FILE: its values)"
+    head = f"config fields: override any with --config.SECTION.FIELD=VALUE; shown with {where}\n\n"
+    return head + format_fields(preset, width=100)
+
+
+def build_parser(preset=None) -> argparse.ArgumentParser:
+    """The CLI; ``preset`` (a Config) gives ``train --help``'s field list its values."""
     from qkvjax import __version__
 
     parser = argparse.ArgumentParser(prog="qkvjax", description=__doc__)
@@ -282,7 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     # Every option's help shows its default.
     add_parser = sub.add_parser
-    sub.add_parser = lambda *a, **kw: add_parser(*a, formatter_class=argparse.ArgumentDefaultsHelpFormatter, **kw)
+    sub.add_parser = lambda *a, **kw: add_parser(*a, formatter_class=_HelpFormatter, **kw)
 
     p = sub.add_parser("schemes", help="parameters, FLOPs and KV-cache bytes of every tying scheme")
     p.add_argument("--d-model", type=int, default=768, help="D, the model width")
@@ -308,6 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="train (or resume) a language model",
         description="Train a decoder LM; rerun the same command on the same workdir to resume. "
         "Override any config field with --config.a.b=value (e.g. --config.model.attention.scheme=shared_kv).",
+        epilog=_config_fields_epilog(preset),
     )
     p.add_argument(
         "--config",
@@ -418,10 +443,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _help_preset(rest: list[str], overrides: dict[str, str]):
+    """For ``train --config FILE --help``: the config the field list shows (None when it cannot be loaded)."""
+    if rest[:1] != ["train"] or not {"-h", "--help"} & set(rest):
+        return None
+    path = next((a.split("=", 1)[1] for a in rest if a.startswith("--config=")), None)
+    if path is None and "--config" in rest[:-1]:
+        path = rest[rest.index("--config") + 1]
+    from qkvjax.train.config import apply_overrides, load_config_file
+
+    try:
+        return apply_overrides(load_config_file(path), overrides) if path else None
+    except ValueError:
+        return None
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     rest, overrides = split_overrides(argv)
-    args = build_parser().parse_args(rest)
+    args = build_parser(_help_preset(rest, overrides)).parse_args(rest)
     if overrides and not getattr(args, "takes_overrides", False):
         raise SystemExit(f"qkvjax {args.command}: --config.* overrides are not taken here")
     _compilation_cache(args.compilation_cache)

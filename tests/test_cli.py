@@ -65,3 +65,46 @@ def test_importing_the_scripts_leaves_sys_path_alone():
         except ImportError as e:  # an optional extra (torch): the import still ran the module's top
             assert "torch" in str(e), e
     assert sys.path == before
+
+
+def _leaf_fields(cls, prefix=""):
+    import dataclasses
+    import typing
+
+    out = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        sub = next(
+            (t for t in (typing.get_args(hints[f.name]) or (hints[f.name],)) if dataclasses.is_dataclass(t)), None
+        )
+        out += _leaf_fields(sub, f"{prefix}{f.name}.") if sub else [prefix + f.name]
+    return out
+
+
+def test_train_help_lists_every_config_field_with_type_default_and_meaning(capsys):
+    import pytest
+
+    from qkvjax.train.config import Config, describe_fields
+    from tests.helpers import TINY
+
+    rows = describe_fields()
+    assert sorted(r["field"] for r in rows) == sorted(_leaf_fields(Config))  # cannot drift from the dataclasses
+    assert all(r["meaning"] and r["type"] for r in rows), [r["field"] for r in rows if not r["meaning"]]
+    with pytest.raises(SystemExit):
+        run_in_process(["train", "--help"])
+    text = capsys.readouterr().out
+    for row in rows:
+        assert f"--config.{row['field']}  {row['type']}" in text, row
+    assert "--config.model.d_model  int, default 384" in text
+    assert "bool (true/yes/1/false/no/0)" in text  # the accepted spellings
+    with pytest.raises(SystemExit):
+        run_in_process(["train", f"--config={TINY}", "--config.train.num_steps=7", "--help"])
+    text = capsys.readouterr().out
+    assert "--config.model.d_model  int, default 32" in text and "--config.train.num_steps  int, default 7" in text
+
+
+def test_a_config_typo_suggests_the_closest_field(tmp_path, capsys):
+    from tests.helpers import TINY
+
+    assert run_in_process(["train", f"--config={TINY}", f"--workdir={tmp_path}", "--config.train.num_step=3"]) == 2
+    assert "has no field 'num_step'; did you mean 'num_steps'?" in capsys.readouterr().err

@@ -73,7 +73,7 @@ def test_the_command_line_sets_a_pattern():
         ("separate, shared_qk[kv_from=0], separate*2", r"layer 1 .*'shared_qk' makes keys or values from the query"),
         ("separate, [kv=3]*3", r"layer 1 of pattern .*num_kv_heads=3 does not divide num_heads=4"),
         ("[colour=red]", r"unknown option 'colour'; allowed: kv_from, kv,"),
-        ("[qk_norm=maybe]", r"layer 0 of pattern .*qk_norm='maybe'; allowed: true or false"),
+        ("[qk_norm=maybe]", r"layer 0 of pattern .*qk_norm: 'maybe' is not a boolean; allowed: true, yes, 1, false"),
         ("(separate*4", r"'\(' is never closed"),
         ("separate*0", r"'\*' needs a count >= 1"),
     ],

@@ -258,14 +258,17 @@ def test_every_cli_option_is_documented_with_its_default(capsys):
         with pytest.raises(SystemExit):
             sp.parse_args(["--help"])
         text = " ".join(capsys.readouterr().out.split())
+        formatter = sp._get_formatter()
         for action in sp._actions:
-            if (
-                action.option_strings
-                and action.dest != "help"
-                and action.default is not None
-                and action.required is False
-            ):
-                assert f"(default: {action.default})" in text, (name, action.option_strings)
+            if not action.option_strings or action.dest == "help":
+                continue
+            shown = " ".join((formatter._get_help_string(action) % {"default": action.default}).split())
+            assert shown in text, (name, action.option_strings)
+            assert shown.lower().count("default") <= 1, (name, shown)  # never "(default: x) (default: x)"
+            if action.default not in (None, False) and not action.required:
+                assert "default" in shown.lower(), (name, action.option_strings)  # a value is always named
+                if "(default: " in shown:
+                    assert f"(default: {action.default})" in shown, (name, shown)
     with pytest.raises(SystemExit):
         parser.parse_args(["--version"])
     assert capsys.readouterr().out.strip() == f"qkvjax {qkvjax.__version__}"

@@ -32,6 +32,7 @@ import typing
 
 from qkvjax.attention.config import AttentionConfig
 from qkvjax.attention.schemes import SCHEMES
+from qkvjax.parse import parse_bool
 
 ALIASES = {"kv": "num_kv_heads"}
 INHERITED = (
@@ -152,9 +153,10 @@ def _typed(fields: dict[str, str]) -> dict:
         if type(None) in kinds and raw.lower() == "none":
             out[key] = None
         elif bool in kinds:
-            if raw.lower() not in ("true", "false"):
-                raise ValueError(f"{key}={raw!r}; allowed: true or false")
-            out[key] = raw.lower() == "true"
+            try:
+                out[key] = parse_bool(raw)
+            except ValueError as e:
+                raise ValueError(f"{key}: {e}") from None
         elif int in kinds:
             try:
                 out[key] = int(raw)

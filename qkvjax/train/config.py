@@ -4,6 +4,7 @@ overridden from the command line with ``--config.a.b=value`` (ml_collections sty
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import importlib.util
 import json
 import math
@@ -14,13 +15,21 @@ from typing import Any
 
 from qkvjax.attention import AttentionConfig
 from qkvjax.models.lm import ModelConfig
+from qkvjax.parse import BOOLEAN_SPELLINGS, parse_bool
 
 PARALLELISMS = ("jit", "pmap")
 
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    """Where the text comes from. ``seq_len`` None means the model's ``max_len``."""
+    """Where the text comes from.
+
+    Attributes:
+      dataset: 'tiny_shakespeare' (the TFDS catalog's split) or 'text_file' (any UTF-8 file, split 90/5/5).
+      source_path: a local copy of the corpus (required for 'text_file'); None downloads Tiny Shakespeare.
+      data_dir: where TFDS keeps the prepared datasets.
+      seq_len: the training window in bytes; None means the model's ``max_len``.
+    """
 
     dataset: str = "tiny_shakespeare"
     source_path: str | None = None
@@ -44,6 +53,26 @@ class TrainConfig:
     W^Q (W^K)^T (see ``qkvjax.analyze``) to every evaluation record. A step whose loss or gradient norm is not
     finite is never applied; it stops the run (named, nothing saved after it) unless ``skip_nonfinite``, which
     skips such batches and counts them in ``skipped_steps``.
+
+    Attributes:
+      batch_size: sequences per step, over all devices.
+      num_steps: optimiser steps of the whole run (the cosine schedule's length).
+      learning_rate: the peak learning rate, reached after the warmup.
+      min_lr_ratio: the cosine decay's floor, as a fraction of the peak.
+      warmup_steps: linear warmup from 0 to the peak.
+      weight_decay: AdamW's decoupled weight decay (on every parameter of two or more dimensions).
+      b1: Adam's first-moment decay.
+      b2: Adam's second-moment decay.
+      grad_clip: the global gradient norm is clipped to this.
+      grad_accum_steps: micro-batches per step (the batch is split; gradients averaged).
+      log_every: steps between training records in metrics.jsonl and the progress line.
+      eval_every: steps between evaluations on the validation split.
+      eval_batches: batches per evaluation; None evaluates the whole split.
+      checkpoint_every: steps between checkpoints (one is also saved at the end and on SIGTERM/Ctrl-C).
+      max_to_keep: checkpoints kept (the oldest are deleted).
+      peak_flops: FLOP/s that MFU is measured against; None measures a matmul at start.
+      log_weight_similarity: add W^Q (W^K)^T statistics per layer to every evaluation record.
+      skip_nonfinite: skip a batch whose loss or gradient is not finite instead of stopping.
     """
 
     batch_size: int = 64
@@ -92,7 +121,13 @@ class TrainConfig:
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    """Device mesh sizes on the axes (data, fsdp, tensor); one of them may be -1 to take the remaining devices."""
+    """Device mesh sizes on the axes (data, fsdp, tensor); one of them may be -1 to take the remaining devices.
+
+    Attributes:
+      data: data-parallel replicas (batch split).
+      fsdp: parameter and optimizer-state shards over the model width (and the batch).
+      tensor: shards over heads and the MLP width.
+    """
 
     data: int = -1
     fsdp: int = 1
@@ -106,6 +141,17 @@ class MeshConfig:
 
 @dataclasses.dataclass(frozen=True)
 class Config:
+    """A training run.
+
+    Attributes:
+      model: the model (its ``attention`` section is the attention layer).
+      data: the corpus.
+      train: optimisation and the loop's cadence.
+      mesh: the device mesh (with ``parallelism='jit'``).
+      parallelism: 'jit' (sharded on the mesh) or 'pmap' (data parallel).
+      seed: initialisation, data order and dropout.
+    """
+
     model: ModelConfig
     data: DataConfig = DataConfig()
     train: TrainConfig = TrainConfig()
@@ -185,7 +231,11 @@ def apply_overrides(config: Config, overrides: dict[str, str]) -> Config:
         for depth, key in enumerate(keys):
             names = {f.name for f in dataclasses.fields(cls)}
             if key not in names:
-                raise ValueError(f"--config.{dotted}: {cls.__name__} has no field {key!r}; allowed: {sorted(names)}")
+                close = difflib.get_close_matches(key, names, n=1)
+                hint = f"did you mean {close[0]!r}? " if close else ""
+                raise ValueError(
+                    f"--config.{dotted}: {cls.__name__} has no field {key!r}; {hint}allowed: {sorted(names)}"
+                )
             hint = typing.get_type_hints(cls)[key]
             sub = _dataclass_of(hint)
             if depth < len(keys) - 1:
@@ -197,6 +247,69 @@ def apply_overrides(config: Config, overrides: dict[str, str]) -> Config:
             else:
                 node[key] = _parse(raw, hint, dotted)
     return from_dict(type(config), data)
+
+
+def field_meanings(cls) -> dict[str, str]:
+    """{field: one-line meaning} from the ``Attributes:`` section of a config dataclass's docstring (the one place
+    the fields are documented), continuation lines joined."""
+    out, name = {}, None
+    lines = (cls.__doc__ or "").splitlines()
+    start = next((i for i, line in enumerate(lines) if line.strip() == "Attributes:"), len(lines))
+    for line in lines[start + 1 :]:
+        if not line.strip():
+            break
+        head, sep, text = line.strip().partition(": ")
+        if sep and line.startswith("      ") and not line.startswith("        ") and head.isidentifier():
+            name, out[head] = head, text.strip()
+        elif name is not None:
+            out[name] += " " + line.strip()
+    return out
+
+
+def describe_fields(config=None) -> list[dict[str, str]]:
+    """Every settable field of a run's config as ``--config.<dotted>``: its type, its value (in ``config``, else
+    the dataclass default, or "required") and its meaning, section by section (top-level fields first)."""
+    rows = []
+
+    def walk(cls, obj, prefix: str) -> None:
+        hints, meanings = typing.get_type_hints(cls), field_meanings(cls)
+        fields = dataclasses.fields(cls)
+        sections = [f for f in fields if _dataclass_of(hints[f.name]) is not None]
+        for f in fields:
+            if f in sections:
+                continue
+            hint = hints[f.name]
+            options = typing.get_args(hint) or (hint,)
+            kind = " or ".join("None" if t is type(None) else t.__name__ for t in options)
+            if bool in options:
+                kind += " (" + "/".join(BOOLEAN_SPELLINGS[True] + BOOLEAN_SPELLINGS[False]) + ")"
+            if obj is not None:
+                value = repr(getattr(obj, f.name))
+            else:
+                value = "required" if f.default is dataclasses.MISSING else repr(f.default)
+            rows.append({"field": prefix + f.name, "type": kind, "default": value, "meaning": meanings.get(f.name, "")})
+        for f in sections:
+            sub = None if obj is None else getattr(obj, f.name)
+            walk(_dataclass_of(hints[f.name]), sub, f"{prefix}{f.name}.")
+
+    walk(Config, config, "")
+    return rows
+
+
+def format_fields(config: Config | None = None, width: int = 120) -> str:
+    """The field list as text: one line per field (type, value), its meaning wrapped below it."""
+    import textwrap
+
+    lines, section = [], None
+    for row in describe_fields(config):
+        here = row["field"].rpartition(".")[0] or "run"
+        if here != section:
+            section = here
+            lines.append(f"\n[{section}]")
+        value = "required" if row["default"] == "required" else f"default {row['default']}"
+        lines.append(f"  --config.{row['field']}  {row['type']}, {value}")
+        lines += textwrap.wrap(row["meaning"], width, initial_indent="      ", subsequent_indent="      ")
+    return "\n".join(lines).lstrip("\n")
 
 
 def _dataclass_of(hint):
@@ -213,11 +326,7 @@ def _parse(raw: str, hint, name: str):
     for t in options:
         try:
             if t is bool:
-                if raw.lower() in ("true", "1", "yes"):
-                    return True
-                if raw.lower() in ("false", "0", "no"):
-                    return False
-                raise ValueError
+                return parse_bool(raw)
             if t in (int, float, str):
                 return t(raw)
         except ValueError:
