@@ -224,3 +224,40 @@ def test_a_pattern_trains_restores_and_samples_several_prompts(tmp_path, small_t
         assert alone.startswith(prompt) and len(alone.encode()) >= len(prompt) + 1
         expected += f"{'' if i == 0 else chr(10)}=== prompt {i} ===\n{alone}\n"
     assert out.out == expected  # each row of the batch decodes as it does alone
+
+
+def test_the_readme_patterns_fit_the_presets_the_first_hour_trains():
+    """Each pattern in the README's block expands on shakespeare_char (6 layers, 6 heads); the CLA2 ones, which
+    only repeat to fill, on tiny (2 layers, 4 heads) too; and '*' that cannot fill says so."""
+    import re
+
+    from qkvjax.train.config import load_config_file
+    from tests.helpers import REPO, TINY
+
+    text = (REPO / "README.md").read_text()
+    block = text.split("<!-- patterns:")[1].split("```bash")[1].split("```")[0]
+    patterns = re.findall(r'--config\.model\.layers="([^"]+)"', block)
+    assert len(patterns) == 4
+    shakespeare_char = str(REPO / "experiments" / "configs" / "shakespeare_char.py")
+    presets = {
+        name: load_config_file(path).model for name, path in (("shakespeare_char", shakespeare_char), ("tiny", TINY))
+    }
+    for pattern in patterns:
+        layers = expand(pattern, presets["shakespeare_char"].attention, presets["shakespeare_char"].num_layers)
+        assert len(layers) == 6
+        if "kv_from=-1])*" in pattern:
+            assert len(expand(pattern, presets["tiny"].attention, presets["tiny"].num_layers)) == 2
+    with pytest.raises(ValueError, match=r"cannot fill the 0 layer\(s\) the rest leaves of num_layers=2"):
+        expand(patterns[0], presets["tiny"].attention, 2)
+
+
+@pytest.mark.parametrize(
+    "pattern, layers, match",
+    [
+        ("separate*, shared_kv*", 4, "only one item may end in '\\*' without a count"),
+        ("(separate*, shared_kv)*2", 4, "without a count only at the top level"),
+    ],
+)
+def test_fill_errors_name_the_pattern(pattern, layers, match):
+    with pytest.raises(ValueError, match=match):
+        expand(pattern, AttentionConfig(num_heads=4, head_dim=3), layers)

@@ -3,7 +3,7 @@
 A model may give every layer the same :class:`AttentionConfig` or a *layer pattern*, a short text a person can
 type on the command line (``--config.model.layers=...``) that expands to one :class:`LayerAttention` per layer::
 
-    pattern := item ("," item)*           item  := atom ["*" COUNT]
+    pattern := item ("," item)*           item  := atom ["*" [COUNT]]
     atom    := entry | "(" pattern ")"    entry := [SCHEME] ["[" option ("," option)* "]"]
     option  := FIELD ["=" VALUE]          (FIELD alone means FIELD=true)
 
@@ -16,6 +16,8 @@ entry sets them; chains resolve to the layer that produces the K/V. Examples, 12
 
     separate*4, shared_kv*8         layers 0-3 separate, 4-11 K = V
     (separate, [kv_from=-1])*6      CLA2: K/V shared by pairs of adjacent layers
+    (separate, [kv_from=-1])*       the same on any even number of layers: '*' without a count repeats its atom to
+                                    fill the layers the rest of the pattern leaves (one such item per pattern)
     [qk_norm,v_norm]*5, shared_kv[kv=1,qk_norm,v_norm], [qk_norm,v_norm]*2,
         [qk_norm,v_norm,kv_from=7]*3, [qk_norm,v_norm,kv_from=5]
                                     Gemma-4-like: local layers and a K = V global layer with QK-norm, the last
@@ -67,6 +69,19 @@ def expand(pattern: str, base: AttentionConfig, num_layers: int) -> tuple[LayerA
     entries, pos = _items(tokens, 0, pattern)
     if pos != len(tokens):
         raise ValueError(f"layer pattern {pattern!r}: unexpected {tokens[pos]!r}")
+    fills = [i for i, e in enumerate(entries) if isinstance(e, _Fill)]
+    if len(fills) > 1:
+        raise ValueError(f"layer pattern {pattern!r}: only one item may end in '*' without a count")
+    if fills:
+        atom, fixed = entries[fills[0]].atom, len(entries) - 1
+        times, left = divmod(num_layers - fixed, len(atom))
+        if times < 1 or left:
+            raise ValueError(
+                f"layer pattern {pattern!r}: its '*' item of {len(atom)} layer(s) cannot fill the {num_layers - fixed} "
+                f"layer(s) the rest leaves of num_layers={num_layers}; allowed: a num_layers that leaves a multiple "
+                f"of {len(atom)}, or '*N'"
+            )
+        entries = entries[: fills[0]] + atom * times + entries[fills[0] + 1 :]
     if len(entries) == 1:
         entries = entries * num_layers
     if len(entries) != num_layers:
@@ -92,14 +107,21 @@ def expand(pattern: str, base: AttentionConfig, num_layers: int) -> tuple[LayerA
     return tuple(layers)
 
 
-def _items(tokens: list[str], pos: int, pattern: str) -> tuple[list, int]:
+@dataclasses.dataclass(frozen=True)
+class _Fill:
+    """An atom followed by '*' without a count: repeated to fill the layers the rest of the pattern leaves."""
+
+    atom: list
+
+
+def _items(tokens: list[str], pos: int, pattern: str, depth: int = 0) -> tuple[list, int]:
     out = []
     while pos < len(tokens) and tokens[pos] != ")":
         if tokens[pos] == ",":
             pos += 1
             continue
         if tokens[pos] == "(":
-            atom, pos = _items(tokens, pos + 1, pattern)
+            atom, pos = _items(tokens, pos + 1, pattern, depth + 1)
             if pos >= len(tokens):
                 raise ValueError(f"layer pattern {pattern!r}: '(' is never closed")
             pos += 1
@@ -119,9 +141,14 @@ def _items(tokens: list[str], pos: int, pattern: str) -> tuple[list, int]:
             atom = [(scheme, options)]
         if pos < len(tokens) and tokens[pos] == "*":
             count = tokens[pos + 1] if pos + 1 < len(tokens) else ""
-            if not count.isdigit() or int(count) < 1:
-                raise ValueError(f"layer pattern {pattern!r}: '*' needs a count >= 1, got {count!r}")
-            atom, pos = atom * int(count), pos + 2
+            if count in ("", ",", ")"):  # no count: fill the stack (resolved by expand)
+                if depth:
+                    raise ValueError(f"layer pattern {pattern!r}: '*' without a count only at the top level")
+                atom, pos = [_Fill(atom)], pos + 1
+            elif not count.isdigit() or int(count) < 1:
+                raise ValueError(f"layer pattern {pattern!r}: '*' needs a count >= 1 (or none, to fill), got {count!r}")
+            else:
+                atom, pos = atom * int(count), pos + 2
         out.extend(atom)
         if pos < len(tokens) and tokens[pos] not in (",", ")"):
             raise ValueError(f"layer pattern {pattern!r}: expected ',' between entries, got {tokens[pos]!r}")
