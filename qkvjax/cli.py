@@ -97,10 +97,12 @@ def _eval(args: argparse.Namespace) -> int:
 
 def _sample(args: argparse.Namespace) -> int:
     from qkvjax.evaluate import restore_params
-    from qkvjax.sample import byte_streamer, encode, generate_batch
+    from qkvjax.sample import byte_streamer, check_request, encode, generate_batch
 
     prompts = [encode(p) for p in args.prompt]  # refuse an empty prompt before restoring anything
     model, params, config, step = restore_params(args.workdir, args.step)
+    top_k = None if args.top_k == 0 else args.top_k
+    check_request(model, prompts, args.num_tokens, args.temperature, top_k)  # before the prompt is echoed
     stream = len(prompts) == 1
     streamer = byte_streamer(lambda s: (sys.stdout.write(s), sys.stdout.flush()))
     if stream:
@@ -111,7 +113,7 @@ def _sample(args: argparse.Namespace) -> int:
         prompts,
         args.num_tokens,
         temperature=args.temperature,
-        top_k=None if args.top_k == 0 else args.top_k,
+        top_k=top_k,
         seed=args.seed,
         on_token=streamer if stream else None,
     )

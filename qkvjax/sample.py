@@ -34,7 +34,7 @@ def pick(logits: jax.Array, key: jax.Array, temperature: float, top_k: int | Non
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
-def _check(model: DecoderLM, prompts: list[np.ndarray], num_tokens: int, temperature: float, top_k) -> None:
+def check_request(model: DecoderLM, prompts: list[np.ndarray], num_tokens: int, temperature: float, top_k) -> None:
     max_len = model.config.max_len
     if not prompts:
         raise ValueError("no prompts; pass at least one")
@@ -78,7 +78,7 @@ def generate_batch(
     Returns the new tokens (B, num_tokens) and timing statistics.
     """
     prompts = [np.asarray(p, np.int32) for p in prompts]
-    _check(model, prompts, num_tokens, temperature, top_k)
+    check_request(model, prompts, num_tokens, temperature, top_k)
     if on_token is not None and len(prompts) > 1:
         raise ValueError("on_token streams one prompt; pass one prompt, or no on_token for several")
     b = len(prompts)

@@ -189,6 +189,8 @@ def test_convert_to_mla_reports_errors_and_uptrains_from_its_config_json(run, tm
             r"exceeds the model's context length max_len=32; ask for at most 29",
         ),
         (["sample", "--workdir={run}", "--prompt=abc", "--temperature=nan"], r"temperature=nan; allowed: a finite"),
+        (["sample", "--workdir={run}", "--prompt=hi", "--temperature=-1"], r"temperature=-1.0; allowed: a finite"),
+        (["sample", "--workdir={run}", "--prompt=hi", "--top-k=-2"], r"top_k=-2; allowed"),
         (["sample", "--workdir={run}", "--prompt=" + "x" * 40], r"the prompt has 40 tokens.*at most 31 tokens"),
         (["eval", "--workdir={run}", "--output={empty}/no/such/folder/r.json"], r"folder .* does not exist"),
     ],
@@ -196,7 +198,9 @@ def test_convert_to_mla_reports_errors_and_uptrains_from_its_config_json(run, tm
 def test_clear_errors(args, match, run, tmp_path, capsys):
     args = [a.format(run=run, empty=tmp_path) for a in args]
     assert run_in_process(args) == 2
-    assert re.search(match, capsys.readouterr().err)
+    captured = capsys.readouterr()
+    assert re.search(match, captured.err)
+    assert captured.out == ""  # nothing (not the prompt) printed before the error
 
 
 def test_corrupted_checkpoint_names_the_step_and_the_file(run, tmp_path):

@@ -48,7 +48,7 @@ def check_workdir(workdir, config: Config, overwrite: bool) -> None:
     new = _flatten(to_dict(config))
     diff = sorted(k for k in set(old) | set(new) if k not in RESUMABLE_CHANGES and old.get(k) != new.get(k))
     if old and diff and not overwrite:
-        details = ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in diff[:8])
+        details = _differences(diff, old, new)
         raise ValueError(
             f"workdir {workdir} holds a run of another config ({details}); use another --workdir, or pass "
             "--overwrite to delete that run and start again"
@@ -85,10 +85,15 @@ def check_resume(saved: dict | None, config: Config, step: int, overwrite: bool)
     old, new = _flatten(saved), _flatten(to_dict(config))
     diff = sorted(k for k in set(old) | set(new) if k not in RESUMABLE_CHANGES and k in old and old[k] != new.get(k))
     if diff and not overwrite:
-        details = ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in diff[:8])
         raise ValueError(
-            f"checkpoint step {step} was trained with another config ({details}); use another --workdir, or pass "
-            "--overwrite to delete that run and start again"
+            f"checkpoint step {step} was trained with another config ({_differences(diff, old, new)}); use another "
+            "--workdir, or pass --overwrite to delete that run and start again"
+        )
+    if step > config.train.num_steps and not overwrite:
+        raise ValueError(
+            f"the run is already at checkpoint step {step}, past train.num_steps={config.train.num_steps}: nothing "
+            f"to train, and nothing was changed; pass a train.num_steps above {step} to train further, or "
+            "--overwrite to start again"
         )
     if old.get("train.num_steps") != config.train.num_steps:
         before = learning_rate_schedule(from_dict(TrainConfig, saved["train"]))(step)
@@ -98,6 +103,12 @@ def check_resume(saved: dict | None, config: Config, step: int, overwrite: bool)
             f"is recomputed for the new length, so the learning rate at step {step} moves from {float(before):.3g} "
             f"to {float(after):.3g}"
         )
+
+
+def _differences(keys: list[str], old: dict, new: dict, shown: int = 8) -> str:
+    """``a: x -> y`` for the first ``shown`` keys, then how many more (every one is in the two config.json files)."""
+    text = ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in keys[:shown])
+    return text + (f", and {len(keys) - shown} more: {', '.join(keys[shown:])}" if len(keys) > shown else "")
 
 
 def _say(line: str) -> None:

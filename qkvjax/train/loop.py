@@ -218,6 +218,7 @@ def train(config: Config, workdir: str, *, overwrite: bool = False) -> dict:
     if workdir.exists() and not workdir.is_dir():
         raise ValueError(f"--workdir={workdir} is a file; pass a folder (it is created if missing)")
     lock = WorkdirLock(workdir)
+    created = not workdir.exists()
     if jax.process_index() == 0:
         workdir.mkdir(parents=True, exist_ok=True)
         lock.acquire()
@@ -225,6 +226,10 @@ def train(config: Config, workdir: str, *, overwrite: bool = False) -> dict:
         return _train(config, workdir, overwrite, lock)
     finally:
         lock.release()
+        # A start that failed before writing anything (bad data, a config the data cannot take) leaves no empty
+        # folder behind; a folder that held anything before, or now holds a checkpoint or a log, stays.
+        if created and jax.process_index() == 0 and workdir.is_dir() and not any(workdir.iterdir()):
+            workdir.rmdir()
 
 
 class Interrupted(Exception):

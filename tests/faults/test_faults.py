@@ -92,7 +92,49 @@ def test_bad_data_is_refused_before_training(tmp_path, corpus, data_dir, capsys)
     args = train_args(tmp_path / "s", str(short), data_dir, **{"data.seq_len": 8})
     assert run_in_process(args) == 2
     assert "the validation split has 1 bytes; evaluation needs at least 2" in capsys.readouterr().err
-    assert not (tmp_path / "s" / "checkpoints").exists()
+    assert not (tmp_path / "v").exists() and not (tmp_path / "s").exists()  # no half-made workdir left behind
+
+
+@pytest.mark.parametrize("source", ["missing", "not_utf8", "folder"])
+def test_a_data_error_leaves_no_workdir_behind(tmp_path, data_dir, capsys, source):
+    path = {"missing": tmp_path / "nope.txt", "not_utf8": tmp_path / "latin1.txt", "folder": tmp_path}[source]
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9 ".encode("latin-1") * 50)
+    args = train_args(tmp_path / "w", str(path), data_dir, **{"data.dataset": "text_file"})
+    assert run_in_process(args) == 2
+    assert "data.source_path" in capsys.readouterr().err
+    assert not (tmp_path / "w").exists()
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / "notes.txt").write_text("mine")
+    assert run_in_process(train_args(kept, str(path), data_dir, **{"data.dataset": "text_file"})) == 2
+    assert (kept / "notes.txt").read_text() == "mine" and sorted(os.listdir(kept)) == ["notes.txt"]
+
+
+def test_every_config_difference_is_named_or_counted(tmp_path, small_text, data_dir, capsys):
+    w = tmp_path / "w"
+    assert run_in_process(train_args(w, small_text, data_dir, **{"train.num_steps": 2})) == 0
+    changes = {"train.learning_rate": 0.01, "train.b1": 0.8, "train.b2": 0.9, "train.weight_decay": 0.2,
+               "train.grad_clip": 0.5, "train.warmup_steps": 3, "train.min_lr_ratio": 0.2, "seed": 4,
+               "train.batch_size": 16, "model.dropout_rate": 0.1}  # fmt: skip
+    assert run_in_process(train_args(w, small_text, data_dir, **{"train.num_steps": 2, **changes})) == 2
+    err = capsys.readouterr().err
+    assert "and 2 more:" in err, err
+    for key in changes:
+        assert key in err, key
+
+
+def test_lowering_num_steps_below_the_newest_checkpoint_changes_nothing(tmp_path, small_text, data_dir, capsys):
+    w = tmp_path / "w"
+    assert (
+        run_in_process(train_args(w, small_text, data_dir, **{"train.num_steps": 4, "train.checkpoint_every": 2})) == 0
+    )
+    before = {p: p.read_bytes() for p in w.rglob("*") if p.is_file() and "tensorboard" not in p.parts}
+    capsys.readouterr()
+    assert run_in_process(train_args(w, small_text, data_dir, **{"train.num_steps": 3})) == 2
+    err = capsys.readouterr().err
+    assert "already at checkpoint step 4, past train.num_steps=3" in err and "nothing was changed" in err, err
+    after = {p: p.read_bytes() for p in w.rglob("*") if p.is_file() and "tensorboard" not in p.parts}
+    assert after == before  # config.json, metrics.jsonl and every checkpoint as they were
 
 
 def test_a_split_cut_inside_a_multibyte_character_trains(tmp_path, data_dir):
