@@ -206,16 +206,18 @@ def plot_report(report: dict, path: str) -> None:
         for j, m in enumerate(MEASURES):
             if r.get(m) is not None:
                 values[i, j] = r[m] / (max_rank if m == "effective_rank" else 1)
-    fig, ax = plt.subplots(figsize=(8.5, 1.2 + 0.42 * len(rows)))
+    fig, ax = plt.subplots(figsize=(10, 1.4 + 0.55 * len(rows)))
     im = ax.imshow(values, cmap="viridis", vmin=-0.2 if np.nanmin(values) < 0 else 0, vmax=1, aspect="auto")
     for i, (_, r) in enumerate(rows):
         for j, m in enumerate(MEASURES):
-            text = "n/a" if r.get(m) is None else f"{r[m]:.2f}" if m != "effective_rank" else f"{r[m]:.1f}"
+            # each cell shows the number its colour encodes (effective rank as its fraction of the maximum)
+            text = "n/a" if r.get(m) is None else f"{values[i, j]:.2f}"
             shade = values[i, j]
-            ax.text(j, i, text, ha="center", va="center", fontsize=8,
+            ax.text(j, i, text, ha="center", va="center", fontsize=10,
                     color="white" if not math.isfinite(shade) or shade < 0.6 else "black")  # fmt: skip
     ax.axhline(len(report["layers"]) - 0.5, color="white", lw=3)
-    ax.set_xticks(range(len(MEASURES)), [m if m != "effective_rank" else "eff. rank / max" for m in MEASURES])
+    labels = [m if m != "effective_rank" else f"eff. rank / {max_rank:g}" for m in MEASURES]
+    ax.set_xticks(range(len(MEASURES)), labels, fontsize=9)
     ax.set_yticks(range(len(rows)), [label for label, _ in rows])
     ax.set_title(f"W^Q, W^K, W^V similarity: {report['source']}", fontsize=9)
     fig.colorbar(im, ax=ax, fraction=0.03)

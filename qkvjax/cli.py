@@ -186,6 +186,7 @@ def _analyze(args: argparse.Namespace) -> int:
             f.write("\n")
     if args.plot:
         plot_report(report, args.plot)
+        print(f"wrote {os.path.abspath(args.plot)}", file=sys.stderr)
     return 0
 
 
@@ -207,6 +208,7 @@ def _compare(args: argparse.Namespace) -> int:
             f.write("\n")
     if args.plot:
         plot(rows, args.plot)
+        print(f"wrote {os.path.abspath(args.plot)}", file=sys.stderr)
     return 0
 
 
@@ -429,7 +431,11 @@ def build_parser(preset=None) -> argparse.ArgumentParser:
     p.add_argument("--num-heads", type=int, default=None, help="N (default: from config.json beside the file)")
     p.add_argument("--num-kv-heads", type=int, default=None, help="K for llama (default: config.json, else N)")
     p.add_argument("--json", default=None, help="write the report as JSON here")
-    p.add_argument("--plot", default=None, help="write a heat map (layers x measures, controls below) as PNG here")
+    p.add_argument(
+        "--plot",
+        default=None,
+        help="write a heat map (layers x measures, controls below) as PNG here, e.g. WORKDIR/analyze.png",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the random control (default 0)")
     p.add_argument("--random-seeds", type=int, default=3, help="random draws averaged in the control (default 3)")
     p.set_defaults(func=_analyze)
@@ -439,7 +445,9 @@ def build_parser(preset=None) -> argparse.ArgumentParser:
         help="several runs side by side: scheme, params, KV cache, losses, speed; validation curves as PNG",
     )
     p.add_argument("workdirs", nargs="+", metavar="DIR", help="workdirs of training runs")
-    p.add_argument("--plot", default=None, help="write the validation curves (against step and time) as PNG here")
+    p.add_argument(
+        "--plot", default=None, help="write the loss curves (against step and time) as PNG here, e.g. runs/compare.png"
+    )
     p.add_argument("--json", default=None, help="write the rows (and curves) as JSON here")
     p.set_defaults(func=_compare)
     return parser

@@ -58,6 +58,11 @@ def summarize(workdir: str) -> dict:
             for r in evals
             if r.get("loss") is not None
         ],
+        "train_curve": [
+            {"step": r["step"], "wall_s": at_step.get(r["step"]), "train_loss": r["loss"]}
+            for r in train
+            if r.get("loss") is not None
+        ],
     }
 
 
@@ -82,25 +87,37 @@ def format_table(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], path: str) -> None:
-    """Validation loss against step and against training wall-clock, one line per run."""
+    """Loss against step and against training wall-clock, one colour per run: training loss as a thin line, each
+    evaluation as a marked point. The legend gives each run's last validation loss and its difference from the
+    first run's, and the title the span of the y-axis, so a small gap is read as the number it is."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for r in rows:
-        curve = r["curve"]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
+    first = rows[0]["last_val_loss"] if rows else None
+    for i, r in enumerate(rows):
+        color = f"C{i % 10}"
+        last = r["last_val_loss"]
         label = f"{r['run']} ({r['scheme']}, K={r['kv_heads']})"
-        axes[0].plot([c["step"] for c in curve], [c["val_loss"] for c in curve], marker="o", ms=3, label=label)
-        timed = [c for c in curve if c["wall_s"] is not None]
-        axes[1].plot([c["wall_s"] for c in timed], [c["val_loss"] for c in timed], marker="o", ms=3, label=label)
+        if last is not None:
+            label += f": val {last:.3f}" + (f" ({last - first:+.3f})" if i and first is not None else "")
+        for ax, x in zip(axes, ("step", "wall_s"), strict=True):
+            train = [c for c in r["train_curve"] if c[x] is not None]
+            ax.plot([c[x] for c in train], [c["train_loss"] for c in train], color=color, lw=0.8, alpha=0.45)
+            val = [c for c in r["curve"] if c[x] is not None]
+            ax.plot([c[x] for c in val], [c["val_loss"] for c in val], color=color, marker="o", ms=5, lw=1.6,
+                    label=label)  # fmt: skip
+    low, high = axes[0].get_ylim()
     for ax, xlabel in zip(axes, ("step", "training wall-clock (s)"), strict=True):
         ax.set_xlabel(xlabel)
-        ax.set_ylabel("validation loss (nats/byte)")
+        ax.set_ylabel("loss (nats/byte)")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle("qkvjax compare: validation loss", fontsize=11)
+    axes[0].legend(fontsize=8, title="validation (points), training (thin line)", title_fontsize=8)
+    fig.suptitle(
+        f"qkvjax compare: loss of {len(rows)} run(s); the y-axis spans {high - low:.2f} nats/byte", fontsize=11
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -52,7 +52,7 @@ def test_first_hour_commands_run_as_written(clone):
     assert _out(rows, 'qkvjax sample --workdir runs/shakespeare_char --prompt "ROMEO:"').startswith("ROMEO:")
     table = _out(rows, "qkvjax compare")
     assert "shakespeare_char" in table and "shared_kv" in table
-    assert (clone / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (clone / "runs" / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     config = json.loads((clone / "runs" / "my_text" / "config.json").read_text())
     assert config["data"]["dataset"] == "text_file" and config["data"]["source_path"] == str(clone / "README.md")
     assert (clone / "runs" / "my_text" / "params" / "60").is_dir()

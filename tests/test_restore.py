@@ -235,7 +235,9 @@ def test_compare_puts_runs_side_by_side(run, tmp_path, small_text, data_dir, cap
     capsys.readouterr()
     out_json, out_png = tmp_path / "c.json", tmp_path / "c.png"
     assert run_in_process(["compare", str(run), str(other), f"--json={out_json}", f"--plot={out_png}"]) == 0
-    table = capsys.readouterr().out.splitlines()
+    captured = capsys.readouterr()
+    assert f"wrote {out_png}" in captured.err  # says where the picture went
+    table = captured.out.splitlines()
     assert table[0].split()[:3] == ["run", "scheme", "K"] and len(table) == 3
     rows = json.loads(out_json.read_text())
     first, second = rows
@@ -246,6 +248,7 @@ def test_compare_puts_runs_side_by_side(run, tmp_path, small_text, data_dir, cap
     assert first["params"] == param_count(qkvjax.load(str(run))[2].model)
     assert first["best_val_loss"] == min(r["loss"] for r in metrics(run, evals=True))
     assert [c["step"] for c in first["curve"]] == [2, 4]
+    assert [c["step"] for c in first["train_curve"]] == [r["step"] for r in metrics(run)]  # the training loss too
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
