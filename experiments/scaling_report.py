@@ -1,0 +1,271 @@
+"""Tables and plots of the scaling sweep (experiments/scaling.py) from its runs.csv; works on a partial sweep.
+
+    python experiments/scaling_report.py experiments/results/scaling_cpu
+
+Writes ``summary.md`` (the learning-rate sweeps, each size's final losses with the difference to ``separate``
+paired by seed and its 95% t interval, in nats/byte and as relative per-byte perplexity exp(delta) - 1, the
+ranking at one shared rate against each scheme's own, epochs and overfitting, the conversion to per-token units)
+and ``delta_vs_params.png`` (the difference against parameters, log axis, one line per scheme, with a fitted
+trend in log parameters where three sizes are in) and ``frontier.png`` (final loss against training compute).
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import statistics
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from experiments.report import _read, t_quantile
+
+BYTES_PER_TOKEN = (3.5, 4.5)  # GPT-2-style BPE on English prose: the range used to convert to per-token units
+SHARED_LR = 2e-3
+
+
+def best_rates(rows: list[dict]) -> dict[tuple, float]:
+    """(corpus, size, variant) -> the rate of the lowest seed-0 final loss among the sweep's runs."""
+    sweep = collections.defaultdict(list)
+    for r in rows:
+        if r["stage"].startswith("lr-"):
+            sweep[r["corpus"], int(r["size"]), r["variant"]].append(r)
+    return {k: float(min(v, key=lambda r: float(r["final_val_loss"]))["learning_rate"]) for k, v in sweep.items()}
+
+
+def finals(rows: list[dict]) -> dict[tuple, dict[int, dict]]:
+    """(corpus, size, variant) -> {seed: row} of the runs at the rate the protocol chose for that cell: the size's
+    own sweep, else the middle size's (larger sizes and the second corpus), read off each row's rate."""
+    out = collections.defaultdict(dict)
+    for r in rows:
+        if r["stage"].startswith("lr-") and r["seed"] != "0":
+            continue
+        out[r["corpus"], int(r["size"]), r["variant"]].setdefault(int(r["seed"]), []).append(r)
+    best = best_rates(rows)
+    chosen = {}
+    for key, by_seed in out.items():
+        corpus, size, variant = key
+        rates = {
+            float(r["learning_rate"]) for runs in by_seed.values() for r in runs if not r["stage"].startswith("lr-")
+        }
+        rate = best.get(key) or (min(rates) if len(rates) == 1 else None)
+        if rate is None:
+            continue
+        picked = {s: r for s, runs in by_seed.items() for r in runs if math.isclose(float(r["learning_rate"]), rate)}
+        if picked:
+            chosen[key] = picked
+    return chosen
+
+
+def paired(cells: dict, corpus: str, size: int, variant: str) -> dict | None:
+    """Mean, std and the difference to separate (paired by seed) with its 95% t interval."""
+    runs, ref = cells.get((corpus, size, variant), {}), cells.get((corpus, size, "separate"), {})
+    if not runs:
+        return None
+    losses = [float(r["final_val_loss"]) for r in runs.values()]
+    first = next(iter(runs.values()))
+    out = {
+        "variant": variant, "params": int(first["params"]), "lr": float(first["learning_rate"]), "n": len(losses),
+        "mean": statistics.fmean(losses), "std": statistics.stdev(losses) if len(losses) > 1 else float("nan"),
+        "epochs": float(first["epochs"]), "tokens": int(first["tokens"]),
+        "kv": int(first["kv_cache_bytes_per_token"]),
+    }  # fmt: skip
+    if ref:
+        out["ref_params"] = int(next(iter(ref.values()))["params"])  # the size's x position on plots
+    diffs = [float(runs[s]["final_val_loss"]) - float(ref[s]["final_val_loss"]) for s in runs if s in ref]
+    if variant != "separate" and diffs:
+        out["delta"], out["delta_n"] = statistics.fmean(diffs), len(diffs)
+        if len(diffs) > 1:
+            half = t_quantile(len(diffs) - 1) * statistics.stdev(diffs) / math.sqrt(len(diffs))
+            out["ci"] = (out["delta"] - half, out["delta"] + half)
+    return out
+
+
+def _fmt_delta(e: dict) -> str:
+    if "delta" not in e:
+        return "—"
+    text = f"{e['delta']:+.3f}"
+    if "ci" in e:
+        lo, hi = e["ci"]
+        text += f" [{lo:+.3f}, {hi:+.3f}]"
+        if lo <= 0 <= hi:
+            text += " (interval holds 0)"
+    else:
+        text += f" (n={e['delta_n']}, no interval)"
+    ppl = math.expm1(e["delta"]) * 100
+    return text + f"; ppl/byte {ppl:+.1f}%"
+
+
+def trend(points: list[tuple[float, float]]) -> tuple[float, float] | None:
+    """Least-squares slope of delta against log10(params) and its standard error (None below three points)."""
+    if len(points) < 3:
+        return None
+    xs, ys = [math.log10(p) for p, _ in points], [d for _, d in points]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
+    resid = [y - (my + slope * (x - mx)) for x, y in zip(xs, ys, strict=True)]
+    se = math.sqrt(sum(r * r for r in resid) / (len(xs) - 2) / sxx) if len(xs) > 2 else float("nan")
+    return slope, se
+
+
+def summary_markdown(rows: list[dict]) -> str:
+    cells = finals(rows)
+    best = best_rates(rows)
+    lines = [f"# Scaling sweep: {len(rows)} finished runs", ""]
+    sweep = collections.defaultdict(dict)
+    for r in rows:
+        if r["stage"].startswith("lr-"):
+            sweep[r["corpus"], int(r["size"]), r["variant"]][float(r["learning_rate"])] = float(r["final_val_loss"])
+    if sweep:
+        lines += ["## Learning-rate sweeps (seed 0, final validation loss, nats/byte; best in bold)", ""]
+        rates = sorted({lr for v in sweep.values() for lr in v})
+        lines += ["| corpus | d | variant | " + " | ".join(f"{lr:g}" for lr in rates) + " |",
+                  "|---|---|---|" + "---|" * len(rates)]  # fmt: skip
+        for (corpus, size, variant), by_lr in sorted(sweep.items()):
+            cols = []
+            for lr in rates:
+                if lr not in by_lr:
+                    cols.append("")
+                else:
+                    v = f"{by_lr[lr]:.3f}"
+                    cols.append(f"**{v}**" if math.isclose(lr, best[corpus, size, variant]) else v)
+            lines.append(f"| {corpus} | {size} | {variant} | " + " | ".join(cols) + " |")
+        lines.append("")
+    by_size = sorted({(c, s) for c, s, _ in cells})
+    points = collections.defaultdict(list)
+    for corpus, size in by_size:
+        entries = [e for v in VARIANT_ORDER if (e := paired(cells, corpus, size, v))]
+        lines += [f"## {corpus}, d_model {size}: final validation loss at each scheme's rate", "",
+                  "| variant | params | KV B/tok | lr | seeds | loss mean ± std | Δ vs separate [95%]; per-byte "
+                  "perplexity | tokens | epochs |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        for e in entries:
+            lines.append(
+                f"| {e['variant']} | {e['params']:,} | {e['kv']:,} | {e['lr']:g} | {e['n']} | {e['mean']:.3f} ± "
+                f"{e['std']:.3f} | {_fmt_delta(e)} | {e['tokens']:,} | {e['epochs']:.2f} |"
+            )
+            if "delta" in e and corpus == "shakespeare":
+                points[e["variant"]].append((e["ref_params"], e["delta"], e.get("ci")))
+        lines.append("")
+    shared = _shared_rate_ranking(rows, best)
+    if shared:
+        lines += ["## One shared rate (2e-3) against each scheme's own (seed 0, Δ vs separate at the same rule)", "",
+                  "| corpus | d | variant | Δ at 2e-3 | Δ at own rates |", "|---|---|---|---|---|"]  # fmt: skip
+        lines += [f"| {c} | {s} | {v} | {a:+.3f} | {b:+.3f} |" for c, s, v, a, b in shared]
+        lines.append("")
+    over = [r for r in rows if r["best_eval_loss"] and float(r["last_eval_loss"]) > float(r["best_eval_loss"]) + 0.01]
+    lines += ["## Overfitting", "",
+              f"{len(over)} of {len(rows)} runs end more than 0.01 nats/byte above their best evaluation"
+              + (": " + ", ".join(r["run"] for r in over) if over else ".")]  # fmt: skip
+    slopes = [(v, t) for v in VARIANT_ORDER if (t := trend([(p, d) for p, d, _ in points.get(v, [])]))]
+    if slopes:
+        lines += ["", "## Trend of Δ with size (slope per decade of parameters ± standard error, 3 sizes)", ""]
+        lines += [f"- {v}: {s:+.3f} ± {se:.3f} nats/byte per 10x parameters" for v, (s, se) in slopes]
+    lines += ["", "## Per-token units", "",
+              f"A difference of Δ nats/byte is Δ x b nats per token for b bytes per token; at b = {BYTES_PER_TOKEN[0]}"
+              f"-{BYTES_PER_TOKEN[1]} (GPT-2-style BPE on English) per-token perplexity changes by exp(Δ b) - 1, e.g. "
+              f"Δ = 0.01 is +{math.expm1(0.01 * BYTES_PER_TOKEN[0]) * 100:.1f}% to "
+              f"+{math.expm1(0.01 * BYTES_PER_TOKEN[1]) * 100:.1f}%."]  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+VARIANT_ORDER = ("separate", "gqa", "shared_kv", "bilinear", "shared_qk", "reformer_qk", "shared_qkv")
+
+
+def _shared_rate_ranking(rows: list[dict], best: dict) -> list[tuple]:
+    sweep = {(r["corpus"], int(r["size"]), r["variant"], float(r["learning_rate"])): float(r["final_val_loss"])
+             for r in rows if r["stage"].startswith("lr-")}  # fmt: skip
+    out = []
+    for (corpus, size, variant), lr in sorted(best.items()):
+        ref = best.get((corpus, size, "separate"))
+        keys = [(corpus, size, variant, SHARED_LR), (corpus, size, "separate", SHARED_LR)]
+        if variant == "separate" or ref is None or any(k not in sweep for k in keys):
+            continue
+        at_shared = sweep[keys[0]] - sweep[keys[1]]
+        at_own = sweep[corpus, size, variant, lr] - sweep[corpus, size, "separate", ref]
+        out.append((corpus, size, variant, at_shared, at_own))
+    return out
+
+
+def plot(rows: list[dict], out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = finals(rows)
+    written = []
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    for i, variant in enumerate(v for v in VARIANT_ORDER if v != "separate"):
+        entries = [paired(cells, c, s, v) for c, s, v in cells if c == "shakespeare" and v == variant]
+        pts = sorted((e["ref_params"], e["delta"], e.get("ci")) for e in entries if e and "delta" in e)
+        if not pts:
+            continue
+        color = f"C{i}"
+        xs, ys = [p for p, _, _ in pts], [d for _, d, _ in pts]
+        err = [[d - ci[0] if ci else 0 for _, d, ci in pts], [ci[1] - d if ci else 0 for _, d, ci in pts]]
+        ax.errorbar(xs, ys, yerr=err, marker="o", ms=5, capsize=3, color=color, label=variant)
+        fit = trend([(p, d) for p, d, _ in pts])
+        if fit:
+            mx, my = statistics.fmean(math.log10(x) for x in xs), statistics.fmean(ys)
+            grid = [min(xs) * (max(xs) / min(xs)) ** (k / 20) for k in range(21)]
+            ax.plot(grid, [my + fit[0] * (math.log10(g) - mx) for g in grid], color=color, ls="--", lw=0.8)
+    ax.axhline(0, color="black", lw=0.8)
+    ax.set_xscale("log")
+    ax.set_xlabel("parameters (separate's at each size; log)")
+    ax.set_ylabel("Δ final validation loss vs separate (nats/byte)")
+    ax.set_title("Tying penalty against model size (Tiny Shakespeare, mean of seeds, 95% t intervals)", fontsize=9)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    written.append(out / "delta_vs_params.png")
+    fig.savefig(written[-1], dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    for i, variant in enumerate(VARIANT_ORDER):
+        runs = [r for (c, _, v), by_seed in cells.items() if c == "shakespeare" and v == variant
+                for r in by_seed.values()]  # fmt: skip
+        pts = [(6 * int(r["params"]) * int(r["tokens"]), float(r["final_val_loss"])) for r in runs]
+        if pts:
+            ax.scatter(*zip(*pts, strict=True), s=18, color=f"C{i}", label=variant, alpha=0.8)
+    ax.set_xscale("log")
+    ax.set_xlabel("training compute, 6 x params x tokens (FLOPs; log)")
+    ax.set_ylabel("final validation loss (nats/byte)")
+    ax.set_title("Loss against compute (Tiny Shakespeare, every seed)", fontsize=9)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    written.append(out / "frontier.png")
+    fig.savefig(written[-1], dpi=120)
+    plt.close(fig)
+    return written
+
+
+def write_report(out: Path | str) -> Path:
+    out = Path(out)
+    rows = _read(out / "runs.csv")
+    if not rows:
+        raise ValueError(f"{out / 'runs.csv'} has no finished runs yet")
+    (out / "summary.md").write_text(summary_markdown(rows))
+    plot(rows, out)
+    return out / "summary.md"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python experiments/scaling_report.py RESULTS_DIR", file=sys.stderr)
+        return 2
+    try:
+        print(write_report(argv[0]))
+    except ValueError as e:
+        print(f"scaling_report: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
