@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import jax.numpy as jnp
 
+from qkvjax.attention.cache import cache_shapes
 from qkvjax.attention.config import AttentionConfig
 from qkvjax.attention.layers import LayerAttention, expand
 from qkvjax.attention.schemes import SCHEMES
@@ -37,20 +38,6 @@ class AttentionCost:
     @property
     def flops_per_token(self) -> int:
         return self.projection_flops + self.score_flops + self.output_flops
-
-
-def cache_shapes(config: AttentionConfig, d_model: int, length: int) -> dict[str, tuple[int, ...]]:
-    """What one layer's decode cache holds per row, by name, for ``length`` positions: each K/V group's
-    (heads, S, width) tensor, ``"x"`` (S, D) for a bilinear key side, or a latent scheme's ``"latent"`` (S, R)
-    and ``"k_rope"`` (S, H_r). The decode caches are built from this, and the accounting counts it."""
-    scheme = config.tying
-    if scheme.latent:
-        rope = {"k_rope": (length, config.rope_dim)} if config.rope_dim else {}
-        return {"latent": (length, config.latent_dim)} | rope
-    shapes = {
-        g: (scheme.heads(g, config.num_heads, config.kv_heads), length, config.width(g)) for g in scheme.kv_groups
-    }
-    return shapes | ({"x": (length, d_model)} if scheme.bilinear else {})
 
 
 def attention_cost(config: AttentionConfig, d_model: int, seq_len: int, kv_shared: bool = False) -> AttentionCost:

@@ -28,8 +28,10 @@ import jax.numpy as jnp
 from jax import Array
 
 from qkvjax import axes
-from qkvjax.attention import core
-from qkvjax.attention.module import KV, AttentionModule, _check_inputs, _kernel_init, _write
+from qkvjax.attention import core, kernels
+from qkvjax.attention.base import AttentionModule, Call
+from qkvjax.attention.cache import FRESH, KV, write
+from qkvjax.attention.module import positions
 
 
 class LatentAttention(AttentionModule):
@@ -39,98 +41,67 @@ class LatentAttention(AttentionModule):
     start) and ``return_kv``. flax's ``decode=True`` variables and cross-layer ``kv=`` are not supported."""
 
     @nn.compact
-    def __call__(
-        self,
-        inputs_q: Array,
-        inputs_kv: Array | None = None,
-        *,
-        mask: Array | None = None,
-        causal: bool = False,
-        positions: Array | None = None,
-        decode: bool = False,
-        deterministic: bool = True,
-        kv: KV | None = None,
-        cache: KV | None = None,
-        return_kv: bool = False,
-    ):
+    def forward(self, call: Call):
         cfg = self.config
-        if decode or kv is not None:
+        if call.decode or call.kv is not None:
             raise ValueError(
                 f"scheme {cfg.scheme!r} decodes with the functional cache only (cache=, DecodeCache) and reads no "
                 "other layer's K/V; decode=True and kv= are not supported"
             )
         n, kh, h, hv, r, hr = cfg.num_heads, cfg.kv_heads, cfg.head_dim, cfg.value_dim, cfg.latent_dim, cfg.rope_dim
-        self_attention = inputs_kv is None
-        x_kv_in = inputs_q if self_attention else inputs_kv
-        _check_inputs(cfg, inputs_q, x_kv_in, mask, positions, False, self_attention, None, cache)
-        b, t, d = inputs_q.shape
+        b, t, d = call.shape
         dtype = jnp.dtype(cfg.dtype)
         heads, kv_heads, hd, lat = axes.HEADS, axes.KV_HEADS, axes.HEAD_DIM, axes.LATENT
-
-        def param(name, shape, names, in_axis, out_axis):
-            return self._param(name, shape, names, _kernel_init(in_axis, out_axis)).astype(dtype)
 
         def norm(x, name, width):
             if not cfg.latent_norm:
                 return x
             return core.rms_norm(x, self._param(name, (width,), (lat,), nn.initializers.ones))
 
-        x_q, x_kv = inputs_q.astype(dtype), x_kv_in.astype(dtype)
+        # 1. project: queries (optionally through a low-rank path), the latent, and the rotary parts
+        x_q, x_kv = call.x_q.astype(dtype), call.x_kv.astype(dtype)
         if cfg.q_rank is None:
             q_in, q_axis, up = x_q, axes.EMBED, ""
         else:
-            w_q_down = param("w_q_down", (d, cfg.q_rank), (axes.EMBED, lat), 0, 1)
+            w_q_down = self._kernel("w_q_down", (d, cfg.q_rank), (axes.EMBED, lat), 0, 1)
             q_in = norm(jnp.einsum("BTD,DR->BTR", x_q, w_q_down), "q_norm_scale", cfg.q_rank)
             q_axis, up = lat, "_up"
         # C below is the query path's input width: D, or Rq with low-rank queries
-        w_q = param(f"w_q{up}", (q_in.shape[-1], n, h), (q_axis, heads, hd), 0, (1, 2))
+        w_q = self._kernel(f"w_q{up}", (q_in.shape[-1], n, h), (q_axis, heads, hd), 0, (1, 2))
         q = jnp.einsum("BTC,CNH->BTNH", q_in, w_q)
-        w_kv_down = param("w_kv_down", (d, r), (axes.EMBED, lat), 0, 1)
-        w_k_up = param("w_k_up", (r, kh, h), (lat, kv_heads, hd), 0, (1, 2))
-        w_v_up = param("w_v_up", (r, kh, hv), (lat, kv_heads, hd), 0, (1, 2))
-        w_o = param("w_o", (n, hv, d), (heads, hd, axes.EMBED), (0, 1), 2)
+        w_kv_down = self._kernel("w_kv_down", (d, r), (axes.EMBED, lat), 0, 1)
+        w_k_up = self._kernel("w_k_up", (r, kh, h), (lat, kv_heads, hd), 0, (1, 2))
+        w_v_up = self._kernel("w_v_up", (r, kh, hv), (lat, kv_heads, hd), 0, (1, 2))
+        w_o = self._kernel("w_o", (n, hv, d), (heads, hd, axes.EMBED), (0, 1), 2)
         fresh = {"latent": norm(jnp.einsum("BSD,DR->BSR", x_kv, w_kv_down), "kv_norm_scale", r)}
 
-        if cache is not None:  # row b's new positions start at its cache length
-            index_q = cache.start[:, None] + jnp.arange(t)[None]
-        else:
-            index_q = jnp.arange(t)[None]
-        q_pos = index_q if positions is None else positions
+        # 2. positions: only the decoupled rotary parts are rotated (a rotation between W^UQ and W^UK would stop
+        # them from being absorbed), the key part once, when made
+        own = KV.fresh(fresh) if call.cache is None else call.cache
+        q_pos, k_pos, index_q, _ = positions(own, call, x_kv.shape[1])
         if hr:
-            w_q_rope = param(f"w_q_rope{up}", (q_in.shape[-1], n, hr), (q_axis, heads, hd), 0, (1, 2))
-            w_k_rope = param("w_k_rope", (d, hr), (axes.EMBED, hd), 0, 1)
+            w_q_rope = self._kernel(f"w_q_rope{up}", (q_in.shape[-1], n, hr), (q_axis, heads, hd), 0, (1, 2))
+            w_k_rope = self._kernel("w_k_rope", (d, hr), (axes.EMBED, hd), 0, 1)
             q_rope = core.rotary(
                 jnp.einsum("BTC,CNH->BTNH", q_in, w_q_rope), jnp.broadcast_to(q_pos, (b, t)), cfg.rope_base
             )
-            k_pos = q_pos if self_attention else jnp.arange(x_kv.shape[1])[None]
+            if call.cache is not None:  # the new keys' positions are the queries'
+                k_pos = q_pos
             k_rope = jnp.einsum("BSD,DH->BSH", x_kv, w_k_rope)[:, :, None]  # BSH -> BS1H, one head for all
             fresh["k_rope"] = core.rotary(k_rope, jnp.broadcast_to(k_pos, k_rope.shape[:2]), cfg.rope_base)[:, :, 0]
 
-        if cache is not None:
-            side = KV(_write(cache, fresh, t), cache.start)
-            index_k, causal = jnp.arange(side.tensors["latent"].shape[1])[None], True
-        else:
-            side = KV(fresh)
-            index_k = jnp.arange(x_kv.shape[1])[None]
+        # 3. cache: the latents (and rotated rotary keys) are what a row keeps
+        side = KV.fresh(fresh) if call.cache is None else write(call.cache, fresh, t)
         latent = side.tensors["latent"]
-        full_mask = core.combine_masks(
-            None if mask is None else mask.astype(jnp.bool_), core.causal_mask(index_q, index_k) if causal else None
-        )
-        dropout = cfg.dropout_rate > 0.0 and not deterministic
+        index_k = jnp.arange(latent.shape[1])[None]
+        causal = call.causal or side.is_cache
+        full_mask = core.combine_masks(call.mask, core.causal_mask(index_q, index_k) if causal else None)
+        dropout = cfg.dropout_rate > 0.0 and not call.deterministic
+        dropout_rng = self.make_rng("dropout") if dropout else None
         scale = 1.0 / math.sqrt(h + hr)
 
-        def weights_of(logits):
-            self.sow("intermediates", "attention_logits", logits)  # (B, K, T * G, S), before masking
-            w = core.softmax_weights(
-                logits,
-                None if full_mask is None else core.grouped(full_mask[..., : logits.shape[-1]], kh, cfg.group_size, t),
-                dropout_rate=cfg.dropout_rate if dropout else 0.0,
-                dropout_rng=self.make_rng("dropout") if dropout else None,
-            )
-            self.sow("intermediates", "attention_weights", w)
-            return w
-
-        if cache is not None:  # absorbed: scores and mixing in the latent space, W^UV after mixing
+        # 4. scores and mixing
+        if side.is_cache:  # absorbed: scores and mixing in the latent space, W^UV after mixing
             q_lat = jnp.einsum("BKQH,RKH->BKQR", core.fold_queries(q * scale, kh), w_k_up)
 
             def attend(p: int) -> Array:  # over cache slots 0..p-1
@@ -139,26 +110,35 @@ class LatentAttention(AttentionModule):
                     logits = logits + jnp.einsum(
                         "BKQE,BSE->BKQS", core.fold_queries(q_rope * scale, kh), side.tensors["k_rope"][:, :p]
                     )
-                mixed = jnp.einsum("BKQS,BSR->BKQR", weights_of(logits).astype(dtype), latent[:, :p])
+                self.sow("intermediates", "attention_logits", logits)  # (B, K, T * G, S), before masking
+                grouped = None if full_mask is None else core.grouped(full_mask[..., :p], kh, cfg.group_size, t)
+                weights = core.softmax_weights(
+                    logits, grouped, dropout_rate=cfg.dropout_rate if dropout else 0.0, dropout_rng=dropout_rng
+                )
+                self.sow("intermediates", "attention_weights", weights)
+                mixed = jnp.einsum("BKQS,BSR->BKQR", weights.astype(dtype), latent[:, :p])
                 return core.unfold_queries(jnp.einsum("BKQR,RKH->BKQH", mixed, w_v_up), t)
 
             length = latent.shape[1]
-            if self._prefix_only(side.start, dropout):  # read the cache only as far as rows are filled
+            if cfg.causal_block and not dropout and not self.collecting:  # read only as far as rows are filled
                 out = core.within_prefix(attend, jnp.max(side.start) + t, length, cfg.causal_block)
             else:
                 out = attend(length)
-        else:  # as written: keys and values up-projected from the latents of this call
+        else:  # as written: keys and values up-projected from the latents of this call, then any kernel
             k = jnp.einsum("BSR,RKH->BSKH", latent, w_k_up)
             v = jnp.einsum("BSR,RKH->BSKH", latent, w_v_up)
             if hr:  # BSH -> BSKH: the rotary key part is the same for every head
                 k_rope = jnp.broadcast_to(fresh["k_rope"][:, :, None], k.shape[:3] + (hr,))
                 q, k = jnp.concatenate([q, q_rope], -1), jnp.concatenate([k, k_rope], -1)
-            if cfg.implementation == "chunked" and not dropout:
-                user_mask = None if mask is None else mask.astype(jnp.bool_)
-                out = core.chunked_attention(q, k, v, user_mask, index_q, index_k, causal, cfg.chunk_size)
-            elif not dropout and self._blocked_causal(causal, mask, side.start, t, v.shape[1]):
-                out = core.causal_attention(core.block_logits(q, k), v, cfg.causal_block)
-            else:
-                out = core.mix_values(weights_of(core.qk_logits(q, k)), v, t)
-        y = core.dense(out, w_o, 2)  # BTNH,NHD->BTD
-        return (y, side) if return_kv or cache is not None else y
+            scores = kernels.Scores(
+                q=q, x_q=None, w_qk=None, read=lambda p: (k[:, :p], v[:, :p]), layout=FRESH, length=v.shape[1], t=t,
+                index_q=index_q, index_k=index_k, mask=call.mask, full_mask=full_mask, self_mask=None,
+                causal=causal, rel_table=None, kv_heads=kh, group_size=cfg.group_size, head_dim=h + hr,
+                value_dim=hv, start=None, implementation="chunked" if cfg.implementation == "chunked" else "einsum",
+                chunk_size=cfg.chunk_size, causal_block=cfg.causal_block,
+                dropout_rate=cfg.dropout_rate if dropout else 0.0, dropout_rng=dropout_rng,
+                collecting=self.collecting, sow=lambda name, value: self.sow("intermediates", name, value),
+            )  # fmt: skip
+            out = kernels.mix(scores)
+        y = core.dense(out, w_o, 2)  # 5. output: BTNH,NHD->BTD
+        return (y, side) if call.hand_back else y

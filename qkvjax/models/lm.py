@@ -16,7 +16,7 @@ from jax import Array
 
 from qkvjax import axes
 from qkvjax.attention import KV, Attention, AttentionConfig, LayerAttention, attention_module, core, stack_cost
-from qkvjax.attention.costs import cache_shapes
+from qkvjax.attention.cache import cache_shapes
 from qkvjax.attention.layers import expand, producers
 from qkvjax.models.norm import LayerNorm
 

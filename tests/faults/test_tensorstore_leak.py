@@ -90,3 +90,21 @@ print((counts[1] - counts[0]) / 30)
     assert tensorstore_leak._in_flight == {}  # every window closed
     per_save = (counts[1] - counts[0]) / 30
     assert per_save < 3, f"{per_save:.1f} Python objects kept alive per save (without the remedy: {without:.1f})"
+
+
+def test_inside_a_window_orbax_resolves_each_folder_once_and_every_array_gets_the_same_spec(tmp_path, monkeypatch):
+    build = tensorstore_utils._build_ocdbt_kvstore_tspec
+    original = build.__qkvjax_wrapped__
+    names = ["params.w_q", "opt_state.0.mu.w_q", "step"]
+    expected = [original(str(tmp_path), name) for name in names]
+    calls = []
+    real = ts.KvStore.Spec
+    monkeypatch.setattr(ts.KvStore, "Spec", lambda *a, **k: calls.append(a) or real(*a, **k))
+    assert [build(str(tmp_path), name) for name in names] == expected and len(calls) == 3  # outside: unchanged
+    calls.clear()
+    with tensorstore_leak.window(object()):
+        got = [build(str(tmp_path), name) for name in names]
+        got[0]["path"] = "changed by a caller"  # each array's spec is its own copy
+        assert build(str(tmp_path), names[0]) == expected[0]
+    assert got[1:] == expected[1:] and len(calls) == 1  # one resolution for the folder
+    assert tensorstore_leak._specs == {}  # forgotten when the window closed

@@ -1,0 +1,126 @@
+"""What every module of the zoo shares: one call signature (:class:`Call`), its checks, and parameters made with
+logical axis names."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.linen as nn
+import jax.numpy as jnp
+from jax import Array
+
+from qkvjax.attention.cache import KV
+from qkvjax.attention.config import AttentionConfig
+
+
+def kernel_init(in_axis, out_axis, scale: float = 1.0, batch_axis=()):
+    """Fan-in truncated normal over the input axes (``scale`` / fan_in variance), per batch axis."""
+    return nn.initializers.variance_scaling(
+        scale, "fan_in", "truncated_normal", in_axis=in_axis, out_axis=out_axis, batch_axis=batch_axis
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """One call's arguments (see :meth:`AttentionModule.__call__`), checked, with the key side's inputs resolved."""
+
+    x_q: Array  # (B, T, D)
+    x_kv: Array  # (B, S, D): inputs_kv, or inputs_q for self-attention
+    self_attention: bool
+    mask: Array | None  # boolean, broadcastable to (B, N, T, S)
+    causal: bool
+    positions: Array | None  # (B, T)
+    decode: bool
+    deterministic: bool
+    kv: KV | None
+    cache: KV | None
+    hand_back: bool  # return (y, KV)
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return self.x_q.shape
+
+
+class AttentionModule(nn.Module):
+    """An attention layer of the zoo: its config, logically named parameters, and one call signature whose
+    arguments are checked here and handed to the subclass's ``forward`` as a :class:`Call`."""
+
+    config: AttentionConfig
+
+    def __call__(
+        self,
+        inputs_q: Array,
+        inputs_kv: Array | None = None,
+        *,
+        mask: Array | None = None,
+        causal: bool = False,
+        positions: Array | None = None,
+        decode: bool = False,
+        deterministic: bool = True,
+        kv: KV | None = None,
+        cache: KV | None = None,
+        return_kv: bool = False,
+    ):
+        """inputs_q (B, T, D), inputs_kv (B, S, D) or None for self-attention, mask boolean and broadcastable
+        to (B, N, T, S) with True = may attend, positions (B, T) for rotary embedding. Returns (B, T, D), or
+        ``(y, KV)`` when ``cache`` is given or ``return_kv``."""
+        self_attention = inputs_kv is None
+        x_kv = inputs_q if self_attention else inputs_kv
+        check_inputs(self.config, inputs_q, x_kv, mask, positions, decode, self_attention, kv, cache)
+        call = Call(
+            inputs_q, x_kv, self_attention, None if mask is None else mask.astype(jnp.bool_), causal, positions,
+            decode, deterministic, kv, cache, return_kv or cache is not None,
+        )  # fmt: skip
+        return self.forward(call)
+
+    def forward(self, call: Call):
+        raise NotImplementedError
+
+    def _param(self, name: str, shape, names, init):
+        return self.param(name, nn.with_logical_partitioning(init, names), shape, jnp.dtype(self.config.param_dtype))
+
+    def _kernel(self, name: str, shape, names, in_axis, out_axis, scale: float = 1.0, batch_axis=()) -> Array:
+        """A projection kernel in the compute dtype."""
+        init = kernel_init(in_axis, out_axis, scale, batch_axis)
+        return self._param(name, shape, names, init).astype(jnp.dtype(self.config.dtype))
+
+    @property
+    def collecting(self) -> bool:
+        """Analysis collects the (T, S) logits and weights (``mutable=["intermediates"]``)."""
+        return self.is_mutable_collection("intermediates")
+
+
+def check_inputs(cfg, x_q, x_kv, mask, positions, decode, self_attention, kv, cache) -> None:
+    """Shape errors at trace time, before XLA compiles anything."""
+    if sum(x is not None and x is not False for x in (kv, cache, decode)) > 1:
+        raise ValueError("pass at most one of kv= (another layer's K/V), cache= and decode=True")
+    if kv is not None and (cfg.tying.ties_query_to_kv or cfg.tying.bilinear):
+        raise ValueError(f"scheme {cfg.scheme!r} makes keys or values from the query projection; kv= is not allowed")
+    if (kv is not None and kv.start is not None or cache is not None) and positions is not None:
+        raise ValueError("a cache gives each row's positions (its start); pass positions=None")
+    if cache is not None and not self_attention:
+        raise ValueError("cache= caches self-attention only; pass inputs_kv=None")
+    if x_q.ndim != 3 or x_kv.ndim != 3:
+        raise ValueError(
+            f"Attention inputs must be (B, T, D) and (B, S, D); got inputs_q {x_q.shape}, inputs_kv {x_kv.shape}"
+        )
+    if x_kv.shape[0] != x_q.shape[0] or x_kv.shape[2] != x_q.shape[2]:
+        raise ValueError(
+            f"inputs_kv {x_kv.shape} must share batch and model width with inputs_q {x_q.shape} "
+            "(projections may be tied across the two inputs)"
+        )
+    if decode and not self_attention:
+        raise ValueError("decode=True caches self-attention only; pass inputs_kv=None")
+    if decode and positions is not None:
+        raise ValueError("decode=True takes positions from the cache index; pass positions=None")
+    b, t, _ = x_q.shape
+    if positions is not None and positions.shape != (b, t):
+        raise ValueError(f"positions must have shape (B, T) = {(b, t)}; got {positions.shape}")
+    if mask is not None:
+        want = (b, cfg.num_heads, t, None)  # S is the cache length when decoding
+        ok = mask.ndim == 4 and all(m == 1 or w is None or m == w for m, w in zip(mask.shape, want, strict=True))
+        if not ok or (not decode and mask.shape[3] not in (1, x_kv.shape[1])):
+            raise ValueError(
+                f"mask must be boolean and broadcastable to (B, N, T, S) = {(b, cfg.num_heads, t, x_kv.shape[1])}; "
+                f"got shape {mask.shape}"
+            )

@@ -1,0 +1,119 @@
+"""Keys and values between layers and decode steps: the :class:`KV` a layer hands on, what a decode cache holds
+(:func:`cache_shapes`), how new positions are written into it (:func:`write`), and flax's ``decode=True``
+variables as a thin adapter onto the same cache (:func:`linen_cache`).
+
+A model's container of every layer's cache is :class:`qkvjax.models.lm.DecodeCache`; it is built from
+:func:`cache_shapes` and read and written only through the functions here.
+"""
+
+from __future__ import annotations
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax import Array
+
+from qkvjax.attention import core
+from qkvjax.attention.config import AttentionConfig
+
+FRESH, CACHED = "BSKH", "BKSH"  # the two layouts of a K/V group's tensor
+
+
+@flax.struct.dataclass
+class KV:
+    """The keys and values a layer attends over, as its scheme's K/V groups produced them: ``tensors`` maps each
+    group (``"k"``, ``"v"``, ``"kv"``; ``"x"`` (B, S, D) for a bilinear key side; ``"latent"`` and ``"k_rope"`` for
+    a latent scheme) to an array. A key-only group ``"k"`` holds finished keys (QK-norm and rotary applied); every
+    other group is raw (norms and rotary on read).
+
+    Two layouts, told apart by ``start`` (:attr:`layout`; build them with :meth:`fresh` and :meth:`cached`):
+
+    * fresh (``start`` None): made by this forward pass, (B, S, K, H), at the query positions (``FRESH``);
+    * a decode cache (``start`` (B,) int): (B, K, S, H) over S slots (``CACHED``), where row b's current queries
+      sit at positions start_b + t and every slot before them is filled; slot s is visible to a query at position
+      p when s <= p (so prompts of different lengths decode together, each row at its own position).
+    """
+
+    tensors: dict[str, Array]
+    start: Array | None = None
+
+    @classmethod
+    def fresh(cls, tensors: dict[str, Array]) -> KV:
+        return cls(tensors)
+
+    @classmethod
+    def cached(cls, tensors: dict[str, Array], start: Array) -> KV:
+        return cls(tensors, start)
+
+    @property
+    def is_cache(self) -> bool:
+        return self.start is not None
+
+    @property
+    def layout(self) -> str:
+        """How a K/V group's 4-d tensor is laid out: ``FRESH`` (B, S, K, H) or ``CACHED`` (B, K, S, H)."""
+        return CACHED if self.is_cache else FRESH
+
+    @property
+    def seq_axis(self) -> int:
+        return self.layout.index("S")
+
+
+def cache_shapes(config: AttentionConfig, d_model: int, length: int) -> dict[str, tuple[int, ...]]:
+    """What one layer's decode cache holds per row, by name, for ``length`` positions: each K/V group's
+    (heads, S, width) tensor, ``"x"`` (S, D) for a bilinear key side, or a latent scheme's ``"latent"`` (S, R)
+    and ``"k_rope"`` (S, H_r). The decode caches are built from this, and the accounting counts it."""
+    scheme = config.tying
+    if scheme.latent:
+        rope = {"k_rope": (length, config.rope_dim)} if config.rope_dim else {}
+        return {"latent": (length, config.latent_dim)} | rope
+    shapes = {
+        g: (scheme.heads(g, config.num_heads, config.kv_heads), length, config.width(g)) for g in scheme.kv_groups
+    }
+    return shapes | ({"x": (length, d_model)} if scheme.bilinear else {})
+
+
+def write(cache: KV, new: dict[str, Array], t: int) -> KV:
+    """``cache`` with ``new`` (fresh tensors: (B, T, K, H), or (B, T, D) / (B, T, R) for the per-token ones)
+    written at each row's start; the positions of the ``t`` new tokens, per row, are start_b .. start_b + t - 1."""
+    if set(new) != set(cache.tensors):
+        raise ValueError(f"the cache holds {sorted(cache.tensors)} but this layer makes {sorted(new)}")
+    length = next(iter(cache.tensors.values())).shape[-2]
+    start = cache.start
+    if not isinstance(start, jax.core.Tracer) and int(jnp.max(start)) + t > length:  # under jit the caller checks
+        raise ValueError(
+            f"decoding {t} more position(s) at cache index {int(jnp.max(start))} overflows the cache of {length} "
+            "positions (its length is the input length of the init call with decode=True, or the cache's S)"
+        )
+    return KV.cached({name: core.write_rows(cache.tensors[name], new[name], start) for name in cache.tensors}, start)
+
+
+def prefix(tensor: Array, p: int, layout: str) -> Array:
+    """Key slots 0..p-1 of a K/V group's tensor in ``layout`` (per-token (B, S, C) tensors: axis 1)."""
+    axis = layout.index("S") if tensor.ndim == 4 else 1
+    return jax.lax.slice_in_dim(tensor, 0, p, axis=axis)
+
+
+def linen_cache(module: nn.Module, fresh: KV, batch: int):
+    """flax's ``decode=True`` convention as an adapter onto :func:`write`: variables ``cached_<group>`` (shaped
+    after ``fresh``, BSKH -> BKSH) and ``cache_index`` (one position for the whole batch) in the ``cache``
+    collection. Returns ``(cache, store)``: the cache as a :class:`KV` (None on the initialising call, which
+    only creates the variables) and ``store(updated, t)``, which writes an updated cache back."""
+    initialized = module.has_variable("cache", "cache_index")
+    shapes = {k: v.transpose(0, 2, 1, 3).shape if v.ndim == 4 else v.shape for k, v in fresh.tensors.items()}
+    slots = {
+        name: module.variable("cache", f"cached_{name}", jnp.zeros, shape, fresh.tensors[name].dtype)
+        for name, shape in shapes.items()
+    }
+    index = module.variable("cache", "cache_index", lambda: jnp.array(0, dtype=jnp.int32))
+    if not initialized:
+        return None, lambda updated, t: None
+
+    def store(updated: KV, t: int) -> None:
+        for name, slot in slots.items():
+            slot.value = updated.tensors[name]
+        index.value = index.value + t
+
+    cache = KV.cached({k: slot.value for k, slot in slots.items()}, jnp.broadcast_to(index.value, (batch,)))
+    return cache, store
