@@ -9,8 +9,8 @@ qkvjax's ``checkpoint.save`` or through orbax alone, so growth can be pinned on 
 ``--trace``: also Python's own allocations (tracemalloc) from save 200 to the end, the lines that grew most: tells
 Python objects that pile up from memory held below Python (the allocator, C++ buffers).
 ``QKVJAX_TENSORSTORE_LEAK_FIX=0`` leaves TensorStore's reference leak in place (qkvjax/train/tensorstore_leak.py):
-2026-11-23, 2-core CPU, 1,500 saves: 24.9 KiB per save without the fix, 2.9 with it (``qkvjax``); 25.4 and 2.2
-(``state_only``).
+2026-11-23, 2-core CPU, 1,500 saves: 24.9 KiB per save without the fix, 2.9 with the earlier reference-count fix
+(``qkvjax``); 2026-11-24 (machine shared with a sweep), the fail-safe remedy: 3.7 KiB per save, 25.3 without.
 """
 
 import argparse
