@@ -198,15 +198,17 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
     cells = finals(rows)
     written = []
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
-    for i, variant in enumerate(v for v in VARIANT_ORDER if v != "separate"):
+    for variant in (v for v in VARIANT_ORDER if v != "separate"):
         entries = [paired(cells, c, s, v) for c, s, v in cells if c == "shakespeare" and v == variant]
         pts = sorted((e["ref_params"], e["delta"], e.get("ci")) for e in entries if e and "delta" in e)
         if not pts:
             continue
-        color = f"C{i}"
+        color = f"C{VARIANT_ORDER.index(variant)}"  # one colour per scheme in every plot
         xs, ys = [p for p, _, _ in pts], [d for _, d, _ in pts]
         err = [[d - ci[0] if ci else 0 for _, d, ci in pts], [ci[1] - d if ci else 0 for _, d, ci in pts]]
-        ax.errorbar(xs, ys, yerr=err, marker="o", ms=5, capsize=3, color=color, label=variant)
+        seeds = sorted({e["delta_n"] for e in entries if e and "delta" in e})
+        label = f"{variant} (seeds per point: {'/'.join(map(str, seeds))})"  # 1 seed: no interval drawn
+        ax.errorbar(xs, ys, yerr=err, marker="o", ms=5, capsize=3, color=color, label=label)
         fit = trend([(p, d) for p, d, _ in pts])
         if fit:
             mx, my = statistics.fmean(math.log10(x) for x in xs), statistics.fmean(ys)
@@ -216,7 +218,9 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
     ax.set_xscale("log")
     ax.set_xlabel("parameters (separate's at each size; log)")
     ax.set_ylabel("Δ final validation loss vs separate (nats/byte)")
-    ax.set_title("Tying penalty against model size (Tiny Shakespeare, mean of seeds, 95% t intervals)", fontsize=9)
+    sizes = len({s for c, s, v in cells if c == "shakespeare" and "delta" in (paired(cells, c, s, v) or {})})
+    ax.set_title(f"Tying penalty against model size: Tiny Shakespeare, {sizes} of 3 sizes so far\n"
+                 "mean over seeds; 95% t intervals where a point has 2 or more seeds", fontsize=9)  # fmt: skip
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -225,12 +229,13 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
-    for i, variant in enumerate(VARIANT_ORDER):
+    for variant in VARIANT_ORDER:
         runs = [r for (c, _, v), by_seed in cells.items() if c == "shakespeare" and v == variant
                 for r in by_seed.values()]  # fmt: skip
         pts = [(6 * int(r["params"]) * int(r["tokens"]), float(r["final_val_loss"])) for r in runs]
         if pts:
-            ax.scatter(*zip(*pts, strict=True), s=18, color=f"C{i}", label=variant, alpha=0.8)
+            color = f"C{VARIANT_ORDER.index(variant)}"
+            ax.scatter(*zip(*pts, strict=True), s=18, color=color, label=variant, alpha=0.8)
     ax.set_xscale("log")
     ax.set_xlabel("training compute, 6 x params x tokens (FLOPs; log)")
     ax.set_ylabel("final validation loss (nats/byte)")
