@@ -2,6 +2,7 @@
 
     python experiments/compare_schemes.py --out DIR [--preset cpu|gpu] [--schemes a,b,...] [--seeds 0,1,2]
         [--matchings width,params,kv_cache] [--steps N] [--corpus FILE] [--config FILE]
+        [--row NAME=KEY=VALUE;KEY=VALUE ...]
 
 Matchings (each a column of the results):
   width     the preset's d_model and heads for every scheme; tied schemes have fewer parameters.
@@ -13,6 +14,12 @@ Matchings (each a column of the results):
             it (shared QK/QV need K = N and cache two tensors) are left out of the default sweep and refused when
             named in ``--schemes``. A latent scheme (``mla``, named in ``--schemes``) takes the latent rank R that
             lands on it.
+
+Rows (``--row``, repeatable) are models stated outright rather than matched: a name and ``;``-separated config
+overrides, e.g. ``--row "cla2=model.layers=(separate, [kv_from=-1])*"`` or ``--row "kv_norms=model.attention.
+scheme=shared_kv;model.attention.qk_norm=true;model.attention.v_norm=true"``; they are reported under the matching
+``given`` with the parameters and cache bytes of their own accounting (a row named ``separate``, with no
+overrides, is the reference of the Δ column). With ``--row`` and no ``--schemes``, only the rows run.
 
 Each run trains through the library's own loop (a real workdir under ``DIR/runs/``, real checkpoints), then is
 evaluated on the whole validation split. A finished run appends one row to ``DIR/runs.csv`` and its curve to
@@ -41,12 +48,13 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 from experiments import report
 from qkvjax.attention import SCHEMES, attention_cost
 from qkvjax.models.lm import kv_cache_bytes_per_token, param_count
-from qkvjax.train.config import Config, from_dict, load_config_file, to_dict
+from qkvjax.train.config import Config, apply_overrides, from_dict, load_config_file, to_dict
 from qkvjax.train.loop import Interrupted
 from qkvjax.workdir import training_clock
 
 REPO = Path(__file__).resolve().parents[1]
 MATCHINGS = ("width", "params", "kv_cache")
+GIVEN = "given"  # the matching of --row models: their own config, nothing matched
 # The tying schemes; latent ones (MLA, a low-rank factorisation rather than a tying) run when named in --schemes.
 DEFAULT_SCHEMES = [name for name, scheme in SCHEMES.items() if not scheme.latent]
 PARAMS_TOLERANCE = 0.02
@@ -159,11 +167,12 @@ def plan(
     *,
     strict: bool,
     kv_fraction: float = 0.5,
+    rows: dict[str, dict[str, str]] | None = None,
 ) -> tuple[list[Run], list[str]]:
     """Every run of the sweep, seed-major (so a partial sweep has all schemes for the first seeds), and notes on
     (scheme, matching) pairs left out. With ``strict`` (schemes named by the user) a pair that cannot be matched
-    is an error instead."""
-    if not schemes:
+    is an error instead. ``rows``: name -> config overrides, each run as stated under the matching ``given``."""
+    if not schemes and not rows:
         raise ValueError("--schemes is empty; allowed: a comma-separated subset of " + ",".join(SCHEMES))
     if not seeds:
         raise ValueError("--seeds is empty; give at least one integer seed, e.g. --seeds 0,1,2")
@@ -176,7 +185,12 @@ def plan(
     if len(set(seeds)) != len(seeds):
         raise ValueError(f"--seeds has repeats: {seeds}")
     configs, notes = {}, []
-    for matching in matchings:
+    for name, overrides in (rows or {}).items():
+        try:
+            configs[GIVEN, name] = apply_overrides(base, overrides)
+        except ValueError as e:
+            raise ValueError(f"--row {name}: {e}") from None
+    for matching in matchings if schemes else []:
         for scheme in schemes:
             try:
                 configs[matching, scheme] = matched_config(base, scheme, matching, kv_fraction)
@@ -326,10 +340,13 @@ def sweep(args) -> Path:
 
     out = Path(args.out)
     base = base_config(args)
+    rows = dict(args.row or [])
+    if len(rows) != len(args.row or []):
+        raise ValueError(f"--row names repeat: {[name for name, _ in args.row]}")
+    schemes = args.schemes or ([] if rows else DEFAULT_SCHEMES)
     runs, notes = plan(
-        base, args.schemes or DEFAULT_SCHEMES, args.seeds, args.matchings, strict=bool(args.schemes),
-        kv_fraction=args.kv_fraction,
-    )  # fmt: skip
+        base, schemes, args.seeds, args.matchings, strict=bool(args.schemes), kv_fraction=args.kv_fraction, rows=rows
+    )
     check_protocol(out, base, args)
     for note in notes:
         print(note)
@@ -366,6 +383,20 @@ def _csv_list(kind):
     return parse
 
 
+def _row(text: str) -> tuple[str, dict[str, str]]:
+    """``NAME=KEY=VALUE;KEY=VALUE`` -> (NAME, {KEY: VALUE}); ``NAME=`` is the base config itself."""
+    name, _, rest = text.partition("=")
+    if not name.strip() or not name.replace("_", "").replace("-", "").isalnum():
+        raise argparse.ArgumentTypeError(f"--row {text!r}: NAME=KEY=VALUE;...; allowed names: letters, digits, _ -")
+    overrides = {}
+    for item in (x.strip() for x in rest.split(";") if x.strip()):
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise argparse.ArgumentTypeError(f"--row {name}: {item!r} is not KEY=VALUE (e.g. model.layers=...)")
+        overrides[key.strip().removeprefix("--config.")] = value.strip()
+    return name.strip(), overrides
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="results folder: runs.csv, curves.csv, summary.md, plots, runs/")
@@ -376,6 +407,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=_csv_list(str),
         default=None,
         help="default: every tying scheme (latent ones, such as mla, when named)",
+    )
+    p.add_argument(
+        "--row",
+        type=_row,
+        action="append",
+        metavar="NAME=KEY=VALUE;...",
+        help="a model stated outright (repeatable): config overrides separated by ';', reported under 'given'",
     )
     p.add_argument("--seeds", type=_csv_list(int), default=[0, 1, 2], help="default: 0,1,2")
     p.add_argument("--matchings", type=_csv_list(str), default=list(MATCHINGS), help="default: width,params,kv_cache")

@@ -1,14 +1,16 @@
-"""How much of a trained model's K/V survives a rank-R latent? MHA -> MLA by truncated SVD, against GQA pooling.
+"""How much of a trained model's K/V survives a rank-R latent, K = V, or pooled heads? MHA -> MLA by truncated SVD,
+against GQA pooling and the least-squares K = V retrofit.
 
     python experiments/mla_convert.py --out experiments/results/mla_convert_cpu [--seeds 0,1,2] [--ranks 16,32,64,128]
-        [--kv-heads 2,1] [--uptrain-steps 200] [--config experiments/configs/compare_cpu.py]
+        [--kv-heads 2,1] [--shared-kv] [--uptrain-steps 200] [--config experiments/configs/compare_cpu.py]
 
 For each seed: trains the ``separate`` source run of ``--config`` (or reuses it), then for each conversion —
-``qkvjax convert --to mla --rank R`` and, at the same cache sizes, ``--num-kv-heads K`` (GQA by mean-pooling,
-Ainslie et al. 2023) — writes the converted run, evaluates it on the whole validation split as converted, uptrains
-it for ``--uptrain-steps`` with the run's own optimiser settings (fresh AdamW state, the schedule stretched to the
-new step count) and evaluates again. The control ``none`` is the source itself uptrained the same way (a fresh
-AdamW state too), so it differs from the others by the conversion alone.
+``qkvjax convert --to mla --rank R``, at the same cache sizes ``--num-kv-heads K`` (GQA by mean-pooling,
+Ainslie et al. 2023), and with ``--shared-kv`` ``--to shared_kv`` (keys kept, values least squares through
+them; half the cache, as K = N/2) — writes the converted run, evaluates it on the whole validation split as
+converted, uptrains it for ``--uptrain-steps`` with the run's own optimiser settings (fresh AdamW state, the
+schedule stretched to the new step count) and evaluates again. The control ``none`` is the source itself
+uptrained the same way (a fresh AdamW state too), so it differs from the others by the conversion alone.
 Each finished (seed, conversion) appends a row to ``OUT/results.csv`` (with the relative reconstruction error of
 [W^K, W^V] per layer for MLA); a rerun skips finished rows, so a killed sweep loses one conversion at most.
 """
@@ -82,7 +84,8 @@ def summary(path: Path) -> str:
         rows = list(csv.DictReader(f))
     order = list(dict.fromkeys(r["conversion"] for r in rows))
     lines = [
-        "| conversion | KV cache B/token | rel. error of [W^K, W^V] (mean over layers) | val loss converted | "
+        "| conversion | KV cache B/token | rel. error (layer mean; mla: [W^K, W^V], kv-lsq: W^V W^O) | "
+        "val loss converted | "
         "val loss after uptraining | Δ after uptraining vs none, paired by seed | seeds |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
@@ -129,14 +132,17 @@ def sweep(argv=None) -> int:
     p.add_argument("--seeds", type=_ints, default=[0, 1, 2])
     p.add_argument("--ranks", type=_ints, default=[16, 32, 64, 128])
     p.add_argument("--kv-heads", type=_ints, default=[2, 1], help="GQA conversions at the same cache sizes")
+    p.add_argument("--shared-kv", action="store_true", help="also the least-squares K = V retrofit (--to shared_kv)")
     p.add_argument("--uptrain-steps", type=int, default=200)
     p.add_argument("--corpus", default=str(REPO.parent / "shared/data/tinyshakespeare/input.txt"))
     args = p.parse_args(argv)
     out = Path(args.out)
     (out / "work").mkdir(parents=True, exist_ok=True)
     base = apply_overrides(load_config_file(args.config), {"data.source_path": args.corpus})
-    conversions = [("none", None, None)] + [(f"mla-r{r}", r, None) for r in args.ranks]
-    conversions += [(f"gqa-k{k}", None, k) for k in args.kv_heads]
+    # (name, target scheme, rank, kv heads)
+    conversions = [("none", None, None, None)] + [(f"mla-r{r}", "mla", r, None) for r in args.ranks]
+    conversions += [(f"gqa-k{k}", None, None, k) for k in args.kv_heads]
+    conversions += [("kv-lsq", "shared_kv", None, None)] if args.shared_kv else []
     att = base.model.attention
     full = min(base.model.d_model, att.kv_heads * (att.head_dim + att.value_dim))
     for rank in args.ranks:  # refused here, before anything trains
@@ -156,7 +162,7 @@ def sweep(argv=None) -> int:
         train(config, str(source))  # trains, or finds the run finished (resumes an interrupted one)
         source_loss = evaluate(str(source))["loss"]
         steps = config.train.num_steps + args.uptrain_steps
-        for name, rank, kv_heads in conversions:
+        for name, to, rank, kv_heads in conversions:
             if (str(seed), name) in done:
                 continue
             work = out / "work" / f"{name}-seed{seed}"
@@ -164,8 +170,8 @@ def sweep(argv=None) -> int:
             errors: list[float] = []
             # "none" converts to the same head count, a no-op on the weights: every row then uptrains from a fresh
             # AdamW state, as a converted run must, so the control differs from the others only by the conversion
-            kv_heads = kv_heads or (None if rank else config.model.attention.kv_heads)
-            convert_workdir(str(source), str(work), "mla" if rank else None, kv_heads, rank=rank, errors=errors)
+            kv_heads = kv_heads or (None if to else config.model.attention.kv_heads)
+            convert_workdir(str(source), str(work), to, kv_heads, rank=rank, errors=errors)
             converted = load_config(str(work))
             converted_loss = evaluate(str(work))["loss"]
             train(

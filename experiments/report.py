@@ -27,6 +27,7 @@ MATCHING_TITLES = {
     "width": "same width (tied schemes have fewer parameters)",
     "params": "same parameter count (saved parameters go to the MLP)",
     "kv_cache": "same KV-cache size",
+    "given": "each row's own model (--row NAME=OVERRIDES), its parameters and cache as stated",
 }
 PLOTS = ("curves_step.png", "curves_wall.png", "loss_vs_params.png", "loss_vs_kv_cache.png")
 
@@ -97,7 +98,8 @@ def summary_markdown(out: Path, entries: list[dict], n_runs: int) -> str:
         f"- command: `{protocol.get('command', '?')}`",
         f"- machine: {protocol.get('machine', '?')}; started {protocol.get('started', '?')}; {n_runs} runs finished",
         "- loss: next-byte cross-entropy in nats on the whole validation split, mean ± sample std over seeds;",
-        "  Δ: minus `separate` of the same matching, paired by seed, with a 95% t interval;",
+        "  Δ: minus `separate` of the same matching (under `given`: the row named `separate`), paired by seed,",
+        "  with a 95% t interval;",
         "  *inside spread*: |Δ| ≤ the larger seed std of the two.",
         "- tokens/s and the wall-clock plot are as measured during the sweep, one run after another: anything else",
         "  running on the machine slows some runs and not others, so compare speed with `benchmarks/bench.py`",

@@ -143,15 +143,25 @@ def random_layer(like: LayerWeights, rng: np.random.Generator) -> LayerWeights:
     return LayerWeights(v=draw(like.v), q=draw(like.q), k=draw(like.k), qk_merged=draw(like.qk_merged))
 
 
-def analyze_layers(layers: list[LayerWeights], source: str, seed: int = 0, random_seeds: int = 3) -> dict:
-    """The report: per-layer means over heads (with spreads), the random and the mismatched-heads controls."""
+def _float64(lw: LayerWeights) -> LayerWeights:
+    return LayerWeights(**{f.name: None if (x := getattr(lw, f.name)) is None else np.asarray(x, np.float64)
+                           for f in dataclasses.fields(lw)})  # fmt: skip
+
+
+def analyze_layers(
+    layers: list[LayerWeights],
+    source: str,
+    seed: int = 0,
+    random_seeds: int = 3,
+    initial: list[LayerWeights] | None = None,
+    drift: list[dict] | None = None,
+) -> dict:
+    """The report: per-layer means over heads (with spreads), the random and the mismatched-heads controls, and
+    with ``initial`` the same measures of the run's own initialisation W_0 (a trained run is compared with where
+    it started, not only with fresh random matrices) and ``drift`` (``|W - W_0| / |W_0|`` per kernel and layer)."""
     if not layers:
         raise ValueError(f"{source}: no attention layers found")
-    layers = [
-        LayerWeights(**{f.name: None if (x := getattr(lw, f.name)) is None else np.asarray(x, np.float64)
-                        for f in dataclasses.fields(lw)})
-        for lw in layers
-    ]  # fmt: skip
+    layers = [_float64(lw) for lw in layers]
     per_layer = [head_measures(lw) for lw in layers]
     rng = np.random.default_rng(seed)
     random = [head_measures(random_layer(layers[0], rng)) for _ in range(random_seeds)]
@@ -165,6 +175,10 @@ def analyze_layers(layers: list[LayerWeights], source: str, seed: int = 0, rando
         "mean": _pooled(per_layer),
         "random": {"seeds": random_seeds, **_pooled(random)},
     }
+    if initial is not None:
+        report["initial"] = _pooled([head_measures(_float64(lw)) for lw in initial])
+    if drift is not None:
+        report["drift"] = drift
     if layers[0].num_kv_heads > 1:
         report["mismatched"] = _pooled([head_measures(lw, shift=1) for lw in layers])
     else:  # one KV head: every query head reads the same K and V, so no head is mismatched
@@ -184,10 +198,18 @@ def format_report(report: dict) -> str:
     ]
     rows = [(str(r["layer"]), r) for r in report["layers"]]
     rows += [("all layers", report["mean"]), ("random", report["random"]), ("mismatched", report["mismatched"])]
+    rows += [("initial", report["initial"])] if "initial" in report else []
     for label, r in rows:
         lines.append(f"{label:<11}" + "".join(f"{_fmt(r.get(m), r.get(m + '_std')):>16}" for m in MEASURES))
     lines.append(f"(random: Gaussian matrices of the same shapes, {report['random']['seeds']} draws; mismatched: "
-                 "head n's Q against head n+1's K and V)")  # fmt: skip
+                 "head n's Q against head n+1's K and V" + ("; initial: this run's own W_0" if "initial" in report
+                                                           else "") + ")")  # fmt: skip
+    if report.get("drift"):
+        names = [k for k in report["drift"][0] if k != "layer"]
+        lines.append("relative drift |W - W_0|_F / |W_0|_F:")
+        lines.append(f"{'layer':<11}" + "".join(f"{n:>12}" for n in names))
+        for r in report["drift"]:
+            lines.append(f"{r['layer']:<11}" + "".join(f"{r.get(n, float('nan')):>12.3f}" for n in names))
     return "\n".join(lines)
 
 
@@ -200,6 +222,7 @@ def plot_report(report: dict, path: str) -> None:
 
     rows = [(f"layer {r['layer']}", r) for r in report["layers"]]
     rows += [("random", report["random"]), ("mismatched", report["mismatched"])]
+    rows += [("initial W_0", report["initial"])] if "initial" in report else []
     max_rank = report.get("max_rank") or 1
     values = np.full((len(rows), len(MEASURES)), np.nan)
     for i, (_, r) in enumerate(rows):

@@ -96,15 +96,21 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _sample(args: argparse.Namespace) -> int:
+    from qkvjax.data.tokenizer import check_vocab, load_tokenizer
     from qkvjax.evaluate import restore_params
-    from qkvjax.sample import byte_streamer, check_request, encode, generate_batch
+    from qkvjax.sample import check_request, encode, generate_batch
+    from qkvjax.workdir import load_config
 
-    prompts = [encode(p) for p in args.prompt]  # refuse an empty prompt before restoring anything
+    saved = load_config(args.workdir)
+    tokenizer = load_tokenizer(saved.data.tokenizer, args.workdir)
+    if saved.data.tokenizer is not None:
+        check_vocab(tokenizer, saved.model.vocab_size)
+    prompts = [encode(p, tokenizer) for p in args.prompt]  # refuse an empty prompt before restoring anything
     model, params, config, step = restore_params(args.workdir, args.step)
     top_k = None if args.top_k == 0 else args.top_k
     check_request(model, prompts, args.num_tokens, args.temperature, top_k)  # before the prompt is echoed
     stream = len(prompts) == 1
-    streamer = byte_streamer(lambda s: (sys.stdout.write(s), sys.stdout.flush()))
+    streamer = tokenizer.streamer(lambda s: (sys.stdout.write(s), sys.stdout.flush()), prompts[0])
     if stream:
         sys.stdout.write(args.prompt[0])
     tokens, stats = generate_batch(
@@ -121,7 +127,7 @@ def _sample(args: argparse.Namespace) -> int:
         streamer.flush()
     else:
         for i, (prompt, row) in enumerate(zip(args.prompt, tokens, strict=True)):
-            text = bytes(row.tolist()).decode("utf-8", "replace")
+            text = tokenizer.continuation(prompts[i].tolist(), row.tolist())
             print(f"{'' if i == 0 else chr(10)}=== prompt {i} ===\n{prompt}{text}")
     layout = config.model.attention.scheme + (f", layers {config.model.layers!r}" if config.model.layers else "")
     print(
@@ -145,15 +151,46 @@ def _info(args: argparse.Namespace) -> int:
 
 def _convert(args: argparse.Namespace) -> int:
     from qkvjax.convert import convert_workdir
+    from qkvjax.models.lm import kv_cache_bytes_per_token
+    from qkvjax.workdir import load_config
 
     errors: list[float] = []
     out = convert_workdir(args.workdir, args.out, args.to, args.num_kv_heads, args.step, args.rank, errors)
+    what = (
+        f"rank {args.rank} keeps [W^K, W^V] to a relative error |W - W_R|_F / |W|_F"
+        if args.rank is not None
+        else "K = V keeps the value-output maps W^V W^O to a relative error"
+    )
     for i, error in enumerate(errors):
-        print(f"layer {i}: rank {args.rank} keeps [W^K, W^V] to a relative error |W - W_R|_F / |W|_F = {error:.4f}")
+        print(f"layer {i}: {what} = {error:.4f}")
+    before, after = (kv_cache_bytes_per_token(load_config(w).model) for w in (args.workdir, out))
+    print(f"KV cache: {before:,} -> {after:,} bytes per token ({after / before:.2f}x)")
     print(
         f"converted checkpoint written to {out}; uptrain it with: qkvjax train --config {out}/config.json "
         f"--workdir {out} --config.train.num_steps=N (N above the step it starts from)"
     )
+    return 0
+
+
+def _import(args: argparse.Namespace) -> int:
+    from qkvjax.hf import import_folder
+    from qkvjax.models.lm import param_count
+
+    config = import_folder(args.folder, args.workdir, args.max_len)
+    m = config.model
+    print(
+        f"imported {args.folder}: {m.num_layers} layers, D={m.d_model}, N={m.attention.num_heads}, "
+        f"K={m.attention.kv_heads}, V={m.vocab_size}, {param_count(m):,} parameters, tokenizer "
+        f"{config.data.tokenizer or 'bytes'} -> {args.workdir}"
+    )
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from qkvjax.hf import export_workdir
+
+    fmt = export_workdir(args.workdir, args.folder, args.format, args.step)
+    print(f"exported {args.workdir} as a Hugging Face {fmt} model to {args.folder}")
     return 0
 
 
@@ -174,11 +211,11 @@ def _analyze(args: argparse.Namespace) -> int:
         if folder and not os.path.isdir(folder):
             raise ValueError(f"{flag}={path!r}: folder {folder} does not exist")
     if args.workdir is not None:
-        layers, source = load_workdir(args.workdir, args.step)
+        layers, source, initial, drift = load_workdir(args.workdir, args.step, with_initial=True)
     else:
         layers = load_safetensors(args.safetensors, args.format, args.num_heads, args.num_kv_heads)
-        source = f"{os.path.basename(args.safetensors)} ({args.format})"
-    report = analyze_layers(layers, source, seed=args.seed, random_seeds=args.random_seeds)
+        source, initial, drift = f"{os.path.basename(args.safetensors)} ({args.format})", None, None
+    report = analyze_layers(layers, source, args.seed, args.random_seeds, initial, drift)
     print(format_report(report))
     if args.json:
         with open(args.json, "w") as f:
@@ -439,6 +476,31 @@ def build_parser(preset=None) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the random control (default 0)")
     p.add_argument("--random-seeds", type=int, default=3, help="random draws averaged in the control (default 3)")
     p.set_defaults(func=_analyze)
+
+    p = sub.add_parser(
+        "import",
+        help="a Hugging Face model folder (gpt2, llama, mistral, qwen2) as a workdir",
+        description="Reads config.json and the safetensors weights (sharded or not; no torch) into an ordinary "
+        "workdir: config.json, params/0 and the folder's tokenizer.json. eval, sample, info, analyze and convert "
+        "read it; train --workdir OUT --config OUT/config.json uptrains from it.",
+    )
+    p.add_argument("folder", help="a Hugging Face model folder (config.json + model.safetensors)")
+    p.add_argument("--workdir", required=True, help="a new workdir")
+    p.add_argument("--max-len", type=int, default=None, help="context of a rotary model (default: its config's)")
+    p.set_defaults(func=_import)
+
+    p = sub.add_parser(
+        "export",
+        help="a workdir's model as a Hugging Face folder (gpt2 or llama layout)",
+        description="Writes config.json and model.safetensors that transformers' from_pretrained loads. Tied "
+        "projections are written out per role (the same function, without the tie's savings); schemes the layout "
+        "cannot express (bilinear, reformer_qk, mla, CLA layers, QK-norm) are refused.",
+    )
+    p.add_argument("folder", help="a new folder for the Hugging Face model")
+    p.add_argument("--workdir", required=True, help="the run to export")
+    p.add_argument("--format", default=None, choices=["gpt2", "llama"], help="default: llama if rotary, else gpt2")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step (None: the newest)")
+    p.set_defaults(func=_export)
 
     p = sub.add_parser(
         "compare",

@@ -10,7 +10,14 @@
   ``separate``'s function up to the dropped singular values. The relative error ``|W - W_R|_F / |W|_F`` is reported
   per layer (Eckart-Young: the best rank-R approximation); the result is meant to be uptrained.
 
-Both read the scheme's data (which group makes q, k, v), so they work for every scheme whose groups allow it.
+* ``to_shared_kv`` (least squares, exact when W^V's columns lie in W^K's span): one tensor per kv head plays
+  key and value (K = V). Keys stay exactly as they were (``w_kv = W^K``) and the values become ``x W^K C`` with
+  ``C = argmin_C |W^K C - W^V|_F`` (H x Hv per kv head, ``numpy.linalg.lstsq``), folded into the output projection,
+  ``W^O_n <- C W^O_n``: queries, keys and scores are untouched and only the value-output maps ``W^V W^O_n`` change.
+  The reported relative error is ``sqrt(sum_n |(W^K C - W^V) W^O_n|_F^2 / sum_n |W^V W^O_n|_F^2)``. A value bias
+  ``b_v`` becomes ``b_k C`` plus a constant that attention weights (summing to 1) pass to the output bias.
+
+All read the scheme's data (which group makes q, k, v), so they work for every scheme whose groups allow it.
 """
 
 from __future__ import annotations
@@ -104,6 +111,37 @@ def latent_attention_params(att: dict, cfg: AttentionConfig, rank: int) -> tuple
     return out, error
 
 
+def shared_kv_attention_params(att: dict, cfg: AttentionConfig) -> tuple[dict, float]:
+    """One layer's parameters as ``shared_kv``'s (keys kept, values least-squares through the keys) and the
+    relative error of its value-output maps."""
+    scheme = cfg.tying
+    if scheme.group_of("k") != "k" or scheme.group_of("v") != "v" or scheme.normalize_keys or scheme.mask_self:
+        raise ValueError(f"scheme {cfg.scheme!r} has no separate W^K and W^V to merge; convert a separate/GQA run")
+    if cfg.v_norm or (cfg.use_bias and not cfg.has_output_bias):
+        what = "v_norm=True" if cfg.v_norm else "value biases without an output bias"
+        raise ValueError(f"{what}: the least-squares K = V cannot carry it exactly; convert a model without it")
+    w_k = np.asarray(att["w_k"], np.float64)  # (D, K, H)
+    w_v = np.asarray(att["w_v"], np.float64)  # (D, K, Hv)
+    w_o = np.asarray(att["w_o"], np.float64)  # (N, Hv, D)
+    k, g = cfg.kv_heads, cfg.group_size
+    c = np.stack([np.linalg.lstsq(w_k[:, j], w_v[:, j], rcond=None)[0] for j in range(k)])  # (K, H, Hv)
+    c_n = np.repeat(c, g, axis=0)  # KHV -> NHV: query head n reads kv head n // G
+    residual = np.einsum("DKH,KHV->DKV", w_k, c) - w_v
+    per_head = lambda w: np.repeat(w, g, axis=1)  # noqa: E731 (D, K, .) -> (D, N, .)
+    error = np.sqrt(
+        np.sum(np.einsum("DNV,NVE->NDE", per_head(residual), w_o) ** 2)
+        / np.sum(np.einsum("DNV,NVE->NDE", per_head(w_v), w_o) ** 2)
+    )
+    dtype = att["w_o"].dtype
+    out = {"w_q": att["w_q"], "w_kv": att["w_k"], "w_o": jnp.asarray(np.einsum("NHV,NVD->NHD", c_n, w_o), dtype)}
+    if cfg.use_bias:
+        b_k, b_v = np.asarray(att["b_k"], np.float64), np.asarray(att["b_v"], np.float64)  # (K, H), (K, Hv)
+        shift = b_v - np.einsum("KH,KHV->KV", b_k, c)  # constant in every value: passes through the softmax
+        out |= {"b_q": att["b_q"], "b_kv": att["b_k"]}
+        out["b_o"] = jnp.asarray(np.asarray(att["b_o"]) + np.einsum("NV,NVD->D", np.repeat(shift, g, 0), w_o), dtype)
+    return out, float(error)
+
+
 def latent_config(cfg: AttentionConfig, rank: int) -> AttentionConfig:
     """The ``mla`` config that :func:`latent_attention_params` fills: rank ``rank``, no latent norm, no rotary."""
     return dataclasses.replace(cfg, scheme="mla", kv_rank=rank, latent_norm=False, q_rank=None, rope_head_dim=None)
@@ -117,7 +155,7 @@ def convert(
     rank: int | None = None,
     errors: list | None = None,
 ):
-    """(new ModelConfig, new params) with the scheme ``to`` and/or ``num_kv_heads`` changed; ``rank`` is the latent
+    """(new config, new params) with the scheme ``to`` and/or ``num_kv_heads`` changed; ``rank`` is the latent
     rank of ``to="mla"``, whose relative approximation error per layer is appended to ``errors`` if given."""
     att_cfg = model.attention
     if att_cfg.tying.latent:
@@ -125,7 +163,7 @@ def convert(
                          "(separate, GQA, shared_kv, ...)")  # fmt: skip
     if (rank is not None) != (to is not None and get_scheme(to).latent):
         raise ValueError(f"rank={rank!r} goes with a latent target scheme and only there: --to mla --rank R")
-    if model.layers:
+    if getattr(model, "layers", ""):  # an EncoderConfig (an imported BERT) has one attention config
         raise ValueError(
             f"convert works on runs with one attention config for every layer; this run has the layer pattern "
             f"{model.layers!r} (convert its layers by hand, or train the pattern you want)"
@@ -140,20 +178,24 @@ def convert(
         att_cfg = dataclasses.replace(att_cfg, num_kv_heads=num_kv_heads)
     if to is not None and to != att_cfg.scheme:
         target = get_scheme(to)
-        if not (target.bilinear or target.latent):
+        ties_kv = target.groups == ("q", "kv") and not target.latent  # the partition {q}{k,v}: K = V
+        if not (target.bilinear or target.latent or ties_kv):
             raise ValueError(
                 f"no conversion from {att_cfg.scheme!r} to {to!r}: tying cannot be undone or imposed exactly; "
-                "supported: --to bilinear (exact), --to mla --rank R (truncated SVD) and --num-kv-heads K "
-                "(mean-pooled kv heads)"
+                "supported: --to bilinear (exact), --to shared_kv (least squares), --to mla --rank R (truncated "
+                "SVD) and --num-kv-heads K (mean-pooled kv heads)"
             )
         for layer in _attention_layers(params):
             block = dict(new[layer])
+            error = None
             if target.latent:
                 block["attention"], error = latent_attention_params(block["attention"], att_cfg, rank)
-                if errors is not None:
-                    errors.append(error)
-            else:
+            elif target.bilinear:
                 block["attention"] = bilinear_attention_params(block["attention"], att_cfg)
+            else:
+                block["attention"], error = shared_kv_attention_params(block["attention"], att_cfg)
+            if errors is not None and error is not None:
+                errors.append(error)
             new[layer] = block
         att_cfg = latent_config(att_cfg, rank) if target.latent else dataclasses.replace(att_cfg, scheme=to)
     return dataclasses.replace(model, attention=att_cfg), new
@@ -172,10 +214,11 @@ def convert_workdir(
     data position), so ``qkvjax eval`` / ``sample`` / ``train`` (to uptrain) all work on it. ``errors``: as in
     :func:`convert`."""
     from qkvjax.evaluate import restore_params
+    from qkvjax.hf.folder import TOKENIZER
     from qkvjax.train import checkpoint
     from qkvjax.train.config import to_dict, to_json
     from qkvjax.train.state import TrainState, make_optimizer
-    from qkvjax.workdir import CONFIG_FILE, path, write_text
+    from qkvjax.workdir import CONFIG_FILE, export_params, path, write_text
 
     if to is None and num_kv_heads is None:
         raise ValueError("nothing to convert: pass --to SCHEME and/or --num-kv-heads K")
@@ -185,6 +228,14 @@ def convert_workdir(
     _, params, config, step = restore_params(workdir, step)
     model_cfg, new_params = convert(config.model, params, to, num_kv_heads, rank, errors)
     config = dataclasses.replace(config, model=model_cfg)
+    path(out).mkdir(parents=True, exist_ok=True)
+    tokenizer = path(workdir) / TOKENIZER
+    if tokenizer.exists():  # an imported model's: data.tokenizer names it relative to the workdir
+        (path(out) / TOKENIZER).write_bytes(tokenizer.read_bytes())
+    if not (path(workdir) / "checkpoints").is_dir():  # params only (an imported model): the same out
+        export_params(out, step, new_params)
+        write_text(path(out) / CONFIG_FILE, to_json(config))
+        return out
     tx = make_optimizer(config.train)
     mngr_in = checkpoint.manager(workdir, read_only=True)
     data_state = checkpoint.restore_data_state(mngr_in, step)
@@ -195,7 +246,6 @@ def convert_workdir(
         opt_state=tx.init(new_params),
         rng=jax.random.PRNGKey(config.seed),
     )
-    path(out).mkdir(parents=True, exist_ok=True)
     mngr = checkpoint.manager(out)
     checkpoint.save(mngr, step, state, data_state, to_dict(config))
     checkpoint.close(mngr)

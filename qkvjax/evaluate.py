@@ -11,13 +11,14 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from qkvjax.data.builders import SPLITS, load_splits
+from qkvjax.data.tokenizer import check_vocab, load_tokenizer, tokenize_splits
 from qkvjax.models.lm import DecoderLM
 from qkvjax.train import checkpoint
 from qkvjax.train.config import Config, MeshConfig, from_dict
 from qkvjax.train.mesh import batch_sharding, make_mesh
 from qkvjax.train.state import abstract_state, make_optimizer
 from qkvjax.train.step import make_eval_step, mean_loss
-from qkvjax.workdir import CONFIG_FILE, path
+from qkvjax.workdir import CONFIG_FILE, exported_steps, load_config, path, restore_exported
 
 
 def resolve_step(workdir: str, step: int | None) -> tuple[Config, object, int]:
@@ -55,9 +56,12 @@ def restore_params(workdir: str, step: int | None = None, mesh=None):
     """(model, params, config, step): the params of a checkpoint, replicated over ``mesh`` (default: every
     device, data parallel). The whole train state is restored strictly, so a checkpoint of another model fails
     with the list of differences rather than loading part of it. Without ``step``, a damaged newest checkpoint
-    is skipped (with a warning) for the newest one that restores; any other failure to read stops."""
-    _, mngr, chosen = resolve_step(workdir, step)
+    is skipped (with a warning) for the newest one that restores; any other failure to read stops. A workdir
+    without checkpoints but with params-only copies (``qkvjax import``) restores those."""
     mesh = mesh or make_mesh(MeshConfig(data=-1, fsdp=1, tensor=1))
+    if not (path(workdir) / "checkpoints").is_dir() and exported_steps(workdir):
+        return _restore_exported(workdir, step, mesh)
+    _, mngr, chosen = resolve_step(workdir, step)
     candidates = [chosen] if step is not None else sorted((s for s in mngr.all_steps() if s <= chosen), reverse=True)
     replicated = NamedSharding(mesh, PartitionSpec())
     for candidate in candidates:
@@ -75,6 +79,19 @@ def restore_params(workdir: str, step: int | None = None, mesh=None):
         mngr.close()
         return model, state.params, config, candidate
     raise AssertionError("unreachable")
+
+
+def _restore_exported(workdir: str, step: int | None, mesh):
+    config = load_config(workdir)
+    steps = exported_steps(workdir)
+    if step is not None and step not in steps:
+        raise ValueError(f"params step {step} does not exist in {path(workdir)}/params; available steps: {steps}")
+    step = steps[-1] if step is None else step
+    model = DecoderLM(config.model)
+    abstract = nn.meta.unbox(abstract_state(model, config, make_optimizer(config.train))).params
+    replicated = NamedSharding(mesh, PartitionSpec())
+    target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), abstract)
+    return model, restore_exported(workdir, step, target), config, step
 
 
 def load(workdir: str, step: int | None = None):
@@ -101,6 +118,11 @@ def evaluate(
         source_path or config.data.source_path,
         os.path.expanduser(data_dir or config.data.data_dir),
     )
+    tokenizer = load_tokenizer(config.data.tokenizer, workdir)
+    if config.data.tokenizer is not None:
+        check_vocab(tokenizer, config.model.vocab_size)
+    byte_count = len(splits[split])
+    splits = tokenize_splits({split: splits[split]}, tokenizer)
     n = jax.device_count()
     batch_size = -(-config.train.batch_size // n) * n
     sharding = batch_sharding(mesh)
@@ -119,6 +141,6 @@ def evaluate(
         "split": split,
         "tokens": count,
         "loss": loss,
-        "bits_per_byte": loss / math.log(2),
+        "bits_per_byte": loss / math.log(2) * len(splits[split]) / max(1, byte_count),
         "perplexity": math.exp(loss),
     }

@@ -16,7 +16,7 @@ from qkvjax.evaluate import resolve_step
 from qkvjax.models.lm import DecoderLM, param_count
 from qkvjax.train import checkpoint
 from qkvjax.train.config import to_dict
-from qkvjax.workdir import path, read_metrics
+from qkvjax.workdir import exported_steps, load_config, path, read_metrics
 
 
 def _size(folder: epath.Path) -> int:
@@ -37,10 +37,14 @@ def parameter_breakdown(params) -> dict[str, int]:
 
 def describe(workdir: str) -> dict:
     """A JSON-able summary of a training run's workdir."""
-    config, mngr, latest = resolve_step(workdir, None)
+    if not (path(workdir) / "checkpoints").is_dir() and exported_steps(workdir):  # imported: params only
+        config, folders = load_config(workdir), [path(workdir) / "params" / str(s) for s in exported_steps(workdir)]
+    else:
+        config, mngr, _ = resolve_step(workdir, None)
+        folders = [epath.Path(mngr.directory) / str(step) for step in sorted(mngr.all_steps())]
     checkpoints = []
-    for step in sorted(mngr.all_steps()):
-        folder = epath.Path(mngr.directory) / str(step)
+    for folder in folders:
+        step = int(folder.name)
         checkpoints.append(
             {
                 "step": step,

@@ -3,7 +3,6 @@ tokens, on the device in one call or one call per token when streaming."""
 
 from __future__ import annotations
 
-import codecs
 import functools
 import time
 from collections.abc import Callable
@@ -15,9 +14,13 @@ import numpy as np
 from qkvjax.models.lm import DecodeCache, DecoderLM
 
 
-def encode(text: str) -> np.ndarray:
-    """Byte-level tokens of a prompt; an empty prompt is refused (there is nothing to condition on)."""
-    tokens = np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
+def encode(text: str, tokenizer=None) -> np.ndarray:
+    """Tokens of a prompt (byte-level unless a :mod:`qkvjax.data.tokenizer` is given); an empty prompt is refused
+    (there is nothing to condition on)."""
+    if tokenizer is None:
+        tokens = np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
+    else:
+        tokens = tokenizer.encode(text)
     if tokens.size == 0:
         raise ValueError("the prompt has no tokens; pass a non-empty --prompt")
     return tokens
@@ -147,18 +150,3 @@ def generate(model: DecoderLM, params, prompt: np.ndarray, num_tokens: int, **kw
     tokens, stats = generate_batch(model, params, [prompt], num_tokens, **kw)
     stats["prompt_tokens"] = stats["prompt_tokens"][0]
     return tokens[0], stats
-
-
-class byte_streamer:  # noqa: N801 (used like a function)
-    """Writes bytes as text as soon as they form complete UTF-8 characters; ``flush()`` at the end writes what an
-    unfinished character left (as U+FFFD, like ``bytes.decode(errors="replace")``)."""
-
-    def __init__(self, write: Callable[[str], None]):
-        self.write = write
-        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-
-    def __call__(self, token: int) -> None:
-        self.write(self.decoder.decode(bytes([token])))
-
-    def flush(self) -> None:
-        self.write(self.decoder.decode(b"", final=True))

@@ -113,14 +113,57 @@ def load_safetensors(path: str, fmt: str, num_heads: int | None = None, num_kv_h
     return layers
 
 
-def load_workdir(workdir: str, step: int | None = None):
-    """(LayerWeights of every block, label) of a qkvjax run's checkpoint."""
+def _attention_only(params) -> dict:
+    return {k: {"attention": {kk: np.asarray(vv, np.float64) for kk, vv in v["attention"].items()}}
+            for k, v in params.items() if k.startswith("block_")}  # fmt: skip
+
+
+def _layers(params: dict, spec) -> list:
+    return [layer_from_params(block_attention(params, spec, i), spec[i].config.tying) for i in range(len(spec))]
+
+
+def load_workdir(workdir: str, step: int | None = None, with_initial: bool = False):
+    """(LayerWeights of every block, label) of a qkvjax run's checkpoint; with ``with_initial``, also the run's
+    initialisation W_0 as LayerWeights and the relative drift of every attention kernel (:func:`drift`)."""
     from qkvjax.evaluate import restore_params
 
     _, params, config, step = restore_params(workdir, step)
     spec = config.model.layer_attention
-    params = {k: {"attention": {kk: np.asarray(vv, np.float64) for kk, vv in v["attention"].items()}}
-              for k, v in params.items() if k.startswith("block_")}  # fmt: skip
-    layers = [layer_from_params(block_attention(params, spec, i), spec[i].config.tying) for i in range(len(spec))]
+    params = _attention_only(params)
     label = config.model.attention.scheme + (f", layers {config.model.layers!r}" if config.model.layers else "")
-    return layers, f"{os.path.basename(os.path.abspath(workdir))} step {step} ({label})"
+    out = _layers(params, spec), f"{os.path.basename(os.path.abspath(workdir))} step {step} ({label})"
+    if not with_initial:
+        return out
+    initial = _attention_only(initial_params(workdir, config))
+    return (*out, _layers(initial, spec), drift(params, initial))
+
+
+def initial_params(workdir: str, config):
+    """W_0 of a run: its earliest params-only copy when it has no checkpoints (an imported model), else the
+    initialisation recomputed from the run's seed (``create_state`` draws it from ``PRNGKey(config.seed)``)."""
+    import flax.linen as nn
+    import jax
+
+    from qkvjax.models.lm import DecoderLM
+    from qkvjax.train.state import init_fn, make_optimizer
+    from qkvjax.workdir import exported_steps, path
+
+    if not (path(workdir) / "checkpoints").is_dir() and exported_steps(workdir):
+        from qkvjax.evaluate import restore_params
+
+        return restore_params(workdir, exported_steps(workdir)[0])[1]
+    init = init_fn(DecoderLM(config.model), config, make_optimizer(config.train))
+    return nn.meta.unbox(jax.jit(init)(jax.random.PRNGKey(config.seed)).params)
+
+
+def drift(params: dict, initial: dict) -> list[dict]:
+    """Per layer, ``|W - W_0|_F / |W_0|_F`` of every attention kernel (``w_*``) the layer owns."""
+    rows = []
+    for i in range(len([k for k in params if k.startswith("block_")])):
+        now, then = params[f"block_{i}"]["attention"], initial[f"block_{i}"]["attention"]
+        row = {"layer": i}
+        for name in sorted(k for k in now if k.startswith("w_")):
+            w, w0 = np.asarray(now[name], np.float64), np.asarray(then[name], np.float64)
+            row[name] = float(np.linalg.norm(w - w0) / np.linalg.norm(w0))
+        rows.append(row)
+    return rows

@@ -6,7 +6,8 @@ training loop. Layout::
     WORKDIR/config.json            the run's Config (JSON of the frozen dataclasses)
     WORKDIR/metrics.jsonl          one JSON object per logged step; evaluation records carry "eval": true
     WORKDIR/checkpoints/<step>/    orbax: state, data iterator, config (see qkvjax.train.checkpoint)
-    WORKDIR/params/<step>/         params only, written when a run finishes
+    WORKDIR/params/<step>/         params only, written when a run finishes or by ``qkvjax import`` (step 0)
+    WORKDIR/tokenizer.json         an imported model's tokenizer (``data.tokenizer``)
     WORKDIR/tensorboard/           TensorBoard events, one file per (re)start
     WORKDIR/train.lock             the running trainer's host and pid
 
@@ -97,6 +98,23 @@ def export_params(workdir, step: int, params) -> str:
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(target, params)
     return os.fspath(target)
+
+
+def exported_steps(workdir) -> list[int]:
+    """Steps under ``WORKDIR/params/``, ascending ([] if none)."""
+    folder = path(workdir) / "params"
+    if not folder.is_dir():
+        return []
+    return sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit())
+
+
+def restore_exported(workdir, step: int, target):
+    """The params-only copy of ``step``, laid out as ``target`` (a tree of ``jax.ShapeDtypeStruct`` with shardings):
+    strict, so params of another model fail rather than load in part."""
+    import orbax.checkpoint as ocp
+
+    with ocp.StandardCheckpointer() as ckptr:
+        return ckptr.restore(path(workdir) / "params" / str(step), target)
 
 
 LOCK_FILE = "train.lock"

@@ -11,6 +11,7 @@ from safetensors.numpy import save_file
 
 from qkvjax import Attention, AttentionConfig
 from qkvjax.analyze import (
+    MEASURES,
     LayerWeights,
     analyze_layers,
     form_measures,
@@ -168,9 +169,33 @@ def test_shared_qk_run_is_symmetric_separate_is_not(tmp_path, corpus, data_dir):
         for i, layer in enumerate(runs[scheme]["layers"]):
             assert ev[f"symmetry/layer_{i}"] == pytest.approx(layer["symmetry"], abs=1e-4)
             assert ev[f"qk_cos/layer_{i}"] == pytest.approx(layer["qk_cos"], abs=1e-4)
+        drift = runs[scheme]["drift"]  # two AdamW steps moved every kernel away from the seed's initialisation
+        assert len(drift) == len(runs[scheme]["layers"]) and all(
+            v > 0 for r in drift for k, v in r.items() if k != "layer"
+        )
+        assert set(runs[scheme]["initial"]) >= set(MEASURES)
     assert all(layer["symmetry"] == pytest.approx(1.0, abs=1e-6) for layer in runs["shared_qk"]["layers"])
     assert all(layer["symmetry"] < 0.9 for layer in runs["separate"]["layers"])
     assert set(runs["separate"]) >= {"source", "layers", "random", "mismatched"}
+
+
+def test_an_untrained_run_has_not_drifted_from_its_seed(tmp_path, corpus, data_dir, capsys):
+    """One step at a learning rate of 1e-9 (AdamW moves each weight by about that): the weights are still the
+    initialisation, which analyze recomputes from the run's seed, so the drift is ~1e-9 (another initialisation
+    would give ~1.4) and the measures equal those of W_0."""
+    w = tmp_path / "untrained"
+    overrides = {"train.num_steps": 1, "train.learning_rate": 1e-9}
+    assert run_in_process(train_args(w, corpus, data_dir, **overrides)) == 0
+    out = tmp_path / "r.json"
+    capsys.readouterr()
+    assert run_in_process(["analyze", f"--workdir={w}", f"--json={out}"]) == 0
+    assert "relative drift |W - W_0|_F / |W_0|_F:" in capsys.readouterr().out
+    report = json.loads(out.read_text())
+    assert all(v < 1e-6 for r in report["drift"] for k, v in r.items() if k != "layer")
+    assert set(report["drift"][0]) == {"layer", "w_q", "w_k", "w_v", "w_o"}
+    for m in MEASURES:
+        if report["mean"][m] is not None:
+            assert report["initial"][m] == pytest.approx(report["mean"][m], abs=1e-5)
 
 
 def test_analyze_cli_errors(tmp_path, capsys):

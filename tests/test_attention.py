@@ -37,7 +37,7 @@ def test_the_valid_combinations_are_exactly_the_expected_ones():
     below silently: the set is pinned here. Schemes whose queries share a projection with keys or values need
     K = N; the others take any K dividing N."""
     any_k = {"separate", "shared_kv", "bilinear"}
-    k_is_n = {"shared_qk", "reformer_qk", "shared_qv", "shared_qkv"}
+    k_is_n = {"shared_qk", "reformer_qk", "shared_qk_unit_keys", "shared_qk_self_mask", "shared_qv", "shared_qkv"}
     assert {s for s in SCHEMES if not SCHEMES[s].latent} == any_k | k_is_n  # a new scheme: add it here
     expected = {(s, kv) for s in any_k for kv in KV_CHOICES} | {(s, None) for s in k_is_n}
     assert set(VALID) == expected
@@ -129,6 +129,8 @@ def reference(params, cfg, xq, xkv=None, mask=None, causal=False):
             k = np_rotary(k, np.broadcast_to(np.arange(s), (xq.shape[0], s)))
         logits = np.einsum("btnh,bsnh->bnts", q, np.repeat(k, g, axis=2))
     logits = logits / np.sqrt(cfg.head_dim)
+    if cfg.learned_temperature:
+        logits = logits * np.exp(p["temperature"])[None, :, None, None]
     if cfg.relative_bias:  # b_n(clip(s - t, -R, R))
         r = cfg.relative_bias
         offsets = np.clip(np.arange(s)[None, :] - np.arange(t)[:, None], -r, r) + r
@@ -139,6 +141,35 @@ def reference(params, cfg, xq, xkv=None, mask=None, causal=False):
     v = np.repeat(proj(xkv, "v"), g, axis=2)
     out = np.einsum("bnts,bsnh->btnh", w, v)
     return np.einsum("btnh,nhd->btd", out, p["w_o"]) + p.get("b_o", 0.0)
+
+
+def test_interleaved_rotary_rotates_adjacent_pairs():
+    """rope_layout='interleaved' against a float64 reference rotating features (2i, 2i+1) by pos * base^(-2i/H)."""
+    from qkvjax.attention import core
+
+    x = np.asarray(inputs(31, B, T, N, H), np.float64)
+    pos = np.broadcast_to(np.arange(3, 3 + T), (B, T))
+    ang = pos[:, :, None, None] * 10000.0 ** (-np.arange(H // 2) / (H // 2))
+    even, odd = x[..., 0::2], x[..., 1::2]
+    want = np.empty_like(x)
+    want[..., 0::2] = even * np.cos(ang) - odd * np.sin(ang)
+    want[..., 1::2] = odd * np.cos(ang) + even * np.sin(ang)
+    got = core.rotary(jnp.asarray(x, jnp.float32), jnp.asarray(pos), 10000.0, interleaved=True)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    half = core.rotary(jnp.asarray(x, jnp.float32), jnp.asarray(pos), 10000.0)
+    assert not np.allclose(half, want, atol=1e-3)  # the two layouts differ
+
+
+def test_interleaved_layout_is_the_half_layout_with_features_permuted():
+    """Attention with rope_layout='interleaved' equals the default layout once W^Q's and W^K's head features are
+    permuted (pair (2i, 2i+1) -> (i, i + H/2)): how Hugging Face converts Meta's Llama weights."""
+    perm = np.concatenate([np.arange(0, H, 2), np.arange(1, H, 2)])
+    inter = config("separate", K, rope=True, rope_layout="interleaved", use_bias=True)
+    x = inputs(32, B, T, D)
+    params = init_params(inter, x)
+    half = {k: (v[..., perm] if k in ("w_q", "w_k", "b_q", "b_k") else v) for k, v in params.items()}
+    want = Attention(config("separate", K, rope=True, use_bias=True)).apply({"params": half}, x, causal=True)
+    np.testing.assert_allclose(Attention(inter).apply({"params": params}, x, causal=True), want, rtol=2e-5, atol=2e-5)
 
 
 def padding_mask():
@@ -165,6 +196,37 @@ def test_cross_attention_with_padding_matches_reference(scheme, kv):
     params = init_params(cfg, xq, inputs_kv=xkv)
     y = Attention(cfg).apply({"params": params}, xq, xkv, mask=mask)
     np.testing.assert_allclose(y, reference(params, cfg, xq, xkv, mask=mask), rtol=2e-5, atol=2e-5)
+
+
+REFORMER_PARTS = [s for s, sc in SCHEMES.items() if sc.group_of("q") == "qk"]  # shared QK with and without its parts
+
+
+@pytest.mark.parametrize("scheme", REFORMER_PARTS + ["separate"])
+def test_learned_temperature_matches_reference_self_cross_and_decode(scheme):
+    kv = None if scheme in REFORMER_PARTS else K
+    cfg = config(scheme, kv, learned_temperature=True, use_bias=True, rope=scheme == "shared_qk")
+    x, xkv, mask = inputs(21, B, T, D), inputs(22, B, S, D), padding_mask()
+    params = init_params(cfg, x)  # every leaf random: temperatures far from 1
+    assert params["temperature"].shape == (N,)
+    model = Attention(cfg)
+    full = model.apply({"params": params}, x, causal=True)
+    np.testing.assert_allclose(full, reference(params, cfg, x, causal=True), rtol=2e-5, atol=2e-5)
+    y = model.apply({"params": params}, x, xkv, mask=mask)
+    np.testing.assert_allclose(y, reference(params, cfg, x, xkv, mask=mask), rtol=2e-5, atol=2e-5)
+    cache = model.init(jax.random.key(0), x, decode=True)["cache"]
+    steps = []
+    for start in range(T):
+        out, mutated = model.apply({"params": params, "cache": cache}, x[:, start : start + 1], decode=True,
+                                   mutable=["cache"])  # fmt: skip
+        cache = mutated["cache"]
+        steps.append(out)
+    np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, rtol=2e-5, atol=2e-5)
+    assert attention_cost(cfg, D, T).params == sum(np.size(v) for v in params.values())
+
+
+def test_learned_temperature_is_refused_where_there_are_no_queries_to_scale():
+    with pytest.raises(ValueError, match="learned_temperature=True needs queries to scale; scheme 'bilinear'"):
+        config("bilinear", learned_temperature=True)
 
 
 @pytest.mark.parametrize("cross", [False, True])

@@ -117,6 +117,7 @@ def test_a_killed_sweep_resumes_without_redoing_finished_runs(tmp_path, small_te
         (["--schemes", "shared_qk", "--matchings", "kv_cache"], "'shared_qk' cannot be run at 0.5"),
         (["--matchings", "width,depth"], "unknown matching 'depth'"),
         (["--steps", "0"], "--steps=0"),
+        (["--row", "typo=model.attention.schem=shared_kv"], "--row typo: "),
     ],
 )
 def test_bad_arguments_fail_before_training(tmp_path, small_text, data_dir, capsys, extra, message):
@@ -124,3 +125,35 @@ def test_bad_arguments_fail_before_training(tmp_path, small_text, data_dir, caps
     assert compare_schemes.main(_args(out, small_text, data_dir, *extra)) == 2
     assert message in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_rows_stated_outright_run_as_given_with_their_own_accounting(tmp_path, small_text, data_dir, capsys):
+    """Layer patterns and options per row (CLA, K = V with Gemma's norms): params and cache bytes equal the
+    accounting of each row's own config; a rerun trains nothing."""
+    from qkvjax.train.config import apply_overrides
+
+    out = tmp_path / "rows"
+    rows = {
+        "separate": {},
+        "cla2": {"model.layers": "(separate, [kv_from=-1])*"},
+        "kv_norms": {"model.attention.scheme": "shared_kv", "model.attention.qk_norm": "true",
+                     "model.attention.v_norm": "true"},
+    }  # fmt: skip
+    flags = [x for name, o in rows.items() for x in ("--row", f"{name}=" + ";".join(f"{k}={v}" for k, v in o.items()))]
+    args = _args(out, small_text, data_dir, *flags, "--seeds", "0", "--steps", "2")
+    assert compare_schemes.main(args) == 0
+    got = {r["scheme"]: r for r in _rows(out / "runs.csv")}
+    assert set(got) == set(rows) and {r["matching"] for r in got.values()} == {"given"}
+    base = compare_schemes.base_config(compare_schemes.build_parser().parse_args(_args(out, small_text, data_dir)))
+    for name, overrides in rows.items():
+        config = apply_overrides(base, overrides)
+        assert int(got[name]["params"]) == param_count(config.model), name
+        assert int(got[name]["kv_cache_bytes_per_token"]) == kv_cache_bytes(config), name
+    sep = int(got["separate"]["kv_cache_bytes_per_token"])
+    assert (
+        int(got["cla2"]["kv_cache_bytes_per_token"]) * 2 == sep == int(got["kv_norms"]["kv_cache_bytes_per_token"]) * 2
+    )
+    assert "## given" in (out / "summary.md").read_text()
+    capsys.readouterr()
+    assert compare_schemes.main(args) == 0
+    assert "3 runs in the sweep, 3 already finished, 0 to go" in capsys.readouterr().out

@@ -155,7 +155,7 @@ def test_a_killed_sweep_resumes(tmp_path):
 
 
 def test_encoder_rejects_bad_config():
-    with pytest.raises(ValueError, match="num_classes=0"):
-        EncoderConfig(AttentionConfig(num_heads=2, head_dim=4), vocab_size=10, num_classes=0)
+    with pytest.raises(ValueError, match="num_classes=-1; allowed: 0 \\(no head\\) or an integer >= 1"):
+        EncoderConfig(AttentionConfig(num_heads=2, head_dim=4), vocab_size=10, num_classes=-1)
     with pytest.raises(ValueError, match="max_len=7"):
         encoder().init(jax.random.key(0), jnp.zeros((1, 9), jnp.int32))

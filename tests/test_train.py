@@ -240,3 +240,24 @@ def test_readme_entry_point_refuses_unknown_overrides(tmp_path, small_text, data
         _tiny(small_text, data_dir, **{"model.attention.scheme": "shared_qk", "model.attention.num_kv_heads": 2})
     cfg = _tiny(small_text, data_dir, **{"model.attention.scheme": "shared_kv", "model.attention.num_kv_heads": 2})
     assert cfg.model.attention.scheme == "shared_kv" and cfg.model.attention.kv_heads == 2
+
+
+def test_a_run_written_before_a_config_field_existed_still_resumes(tmp_path):
+    """config.json of an older version lacks fields added since (here the model family and the tokenizer): they
+    read as their defaults, which the run was trained with; a real change of such a field is still refused."""
+    import json
+
+    from qkvjax.train.checks import check_resume, check_workdir
+    from qkvjax.train.config import to_dict
+
+    config = load_config_file(TINY)
+    old = to_dict(config)
+    del old["model"]["family"], old["data"]["tokenizer"], old["model"]["attention"]["learned_temperature"]
+    (tmp_path / "config.json").write_text(json.dumps(old))
+    check_workdir(tmp_path, config, overwrite=False)
+    check_resume(old, config, 0, overwrite=False)
+    changed = apply_overrides(config, {"model.family.norm": "rmsnorm"})
+    with pytest.raises(ValueError, match=r"model\.family\.norm: 'layernorm' -> 'rmsnorm'"):
+        check_workdir(tmp_path, changed, overwrite=False)
+    with pytest.raises(ValueError, match=r"model\.family\.norm"):
+        check_resume(old, changed, 0, overwrite=False)

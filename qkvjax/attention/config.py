@@ -10,6 +10,7 @@ from qkvjax.attention.schemes import SCHEMES, Scheme, get_scheme
 
 DTYPES = ("float32", "bfloat16", "float16")
 IMPLEMENTATIONS = (None, "einsum", "chunked", "xla", "cudnn")
+ROPE_LAYOUTS = ("half", "interleaved")
 
 
 def _canonical_dtype(value, field: str) -> str:
@@ -34,10 +35,14 @@ class AttentionConfig:
       num_kv_heads: K, key/value heads. None means K = N (multi-head); 1 is multi-query (Shazeer 2019);
         otherwise grouped-query (Ainslie et al. 2023) and K must divide N.
       scheme: the tying scheme, a key of ``qkvjax.SCHEMES``.
-      use_bias: biases on every projection.
+      use_bias: biases on the query, key and value projections, and on the output projection unless
+        ``output_bias`` says otherwise.
+      output_bias: a bias on the output projection; None = ``use_bias`` (Qwen2 has q/k/v biases and none here).
       dropout_rate: dropout on the attention weights (needs a ``dropout`` RNG when not deterministic).
       rope: rotary position embedding on queries and keys (Su et al. 2021, arXiv:2104.09864).
       rope_base: the rotary wavelength base.
+      rope_layout: which features rotate together: 'half' (feature i with i + H/2, the ``rotate_half`` layout of
+        Hugging Face's Llama and GPT-NeoX) or 'interleaved' (2i with 2i + 1, as in Su et al. and Meta's Llama).
       dtype: compute dtype; softmax is always taken in float32.
       param_dtype: dtype of the parameters.
       relative_bias: R > 0 adds a learned bias per head and relative offset, b_n(clip(s - t, -R, R)), to every
@@ -45,6 +50,9 @@ class AttentionConfig:
         symmetry s(t, s) = s(s, t) of shared-QK scores; 0 (default) is off.
       qk_norm: RMS-normalise queries and keys over the head dim, each with a learned (H,) scale, before rotary
         (Dehghani et al. 2023, arXiv:2302.05442; Gemma 3 and 4).
+      learned_temperature: a learned per-head scale on the scores, ``score_n * exp(tau_n)`` with ``tau: (N,)``
+        initialised to 0 (applied to the queries). Reformer's unit-length keys cap every score at |q| / sqrt(H);
+        this frees the temperature from the query norm (which weight decay pulls down).
       v_norm: RMS-normalise values over the head dim without a scale (Gemma 4, whose global layers tie K = V
         and normalise the one tensor as keys and as values separately).
       implementation: how plain q.k attention is computed: 'einsum' (this package's grouped einsums, the path
@@ -77,15 +85,18 @@ class AttentionConfig:
     scheme: str = "separate"
     v_head_dim: int | None = None
     use_bias: bool = False
+    output_bias: bool | None = None
     dropout_rate: float = 0.0
     rope: bool = False
     rope_base: float = 10000.0
+    rope_layout: str = "half"
     dtype: str = "float32"
     param_dtype: str = "float32"
     implementation: str | None = None
     relative_bias: int = 0
     qk_norm: bool = False
     v_norm: bool = False
+    learned_temperature: bool = False
     chunk_size: int = 256
     causal_block: int = 64
     kv_rank: int | None = None
@@ -137,11 +148,20 @@ class AttentionConfig:
             raise ValueError(
                 f"scheme {self.scheme!r} has no separate queries and keys to normalise; qk_norm=True is not allowed"
             )
-        for name in ("qk_norm", "v_norm", "rope", "use_bias"):
+        if self.learned_temperature and (scheme.bilinear or scheme.latent):
+            raise ValueError(
+                f"learned_temperature=True needs queries to scale; scheme {self.scheme!r} "
+                f"({'a merged form' if scheme.bilinear else 'a latent scheme'}) does not take it"
+            )
+        for name in ("qk_norm", "v_norm", "rope", "use_bias", "learned_temperature"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"AttentionConfig.{name}={getattr(self, name)!r}; allowed: True or False")
         if self.rope and self.head_dim % 2 and not scheme.latent:  # a latent scheme rotates rope_dim only
             raise ValueError(f"rope=True needs an even head_dim; got head_dim={self.head_dim}")
+        if self.output_bias is not None and not isinstance(self.output_bias, bool):
+            raise ValueError(f"AttentionConfig.output_bias={self.output_bias!r}; allowed: None (= use_bias) or a bool")
+        if self.rope_layout not in ROPE_LAYOUTS:
+            raise ValueError(f"AttentionConfig.rope_layout={self.rope_layout!r}; allowed: {list(ROPE_LAYOUTS)}")
         if self.rope and not 0 < self.rope_base < float("inf"):
             raise ValueError(f"AttentionConfig.rope_base={self.rope_base!r}; allowed: a finite number > 0")
         rb = self.relative_bias
@@ -194,6 +214,7 @@ class AttentionConfig:
             ("qk_norm", "its keys come out of the latent"),
             ("v_norm", "its values come out of the latent"),
             ("use_bias", "biases would stop W^UK from being absorbed"),
+            ("output_bias", "its output projection is absorbed into the value path without a bias"),
             ("relative_bias", "its decode path scores in the latent space"),
         ):
             if getattr(self, name):
@@ -213,6 +234,11 @@ class AttentionConfig:
         if not self.rope:
             return 0
         return max(1, self.head_dim // 2) if self.rope_head_dim is None else self.rope_head_dim
+
+    @property
+    def has_output_bias(self) -> bool:
+        """Whether ``w_o`` has a bias ``b_o``: ``output_bias``, or ``use_bias`` when that is None."""
+        return self.use_bias if self.output_bias is None else self.output_bias
 
     @property
     def kv_heads(self) -> int:

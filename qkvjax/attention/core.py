@@ -44,9 +44,15 @@ def project(x: Array, kernels: Sequence[Array], biases: Sequence[Array] | None =
     return ys
 
 
-def rotary(x: Array, positions: Array, base: float, seq_axis: int = 1) -> Array:
-    """Rotary position embedding (Su et al. 2021), half-split form: x (B, T, N, H) (or (B, K, S, H) with
-    ``seq_axis=2``), positions (B, T)."""
+def rotary(x: Array, positions: Array, base: float, seq_axis: int = 1, interleaved: bool = False) -> Array:
+    """Rotary position embedding (Su et al. 2021): x (B, T, N, H) (or (B, K, S, H) with ``seq_axis=2``), positions
+    (B, T). Feature pair i (frequency ``base^(-i / (H/2))``) is (i, i + H/2) in the half-split form (Hugging Face's
+    ``rotate_half``), or (2i, 2i + 1) when ``interleaved``."""
+    if interleaved:  # (..., H) -> (..., H/2, 2) -> pairs split across halves, rotated, and back
+        h = x.shape[-1]
+        split = jnp.swapaxes(x.reshape(*x.shape[:-1], h // 2, 2), -1, -2).reshape(x.shape)
+        out = rotary(split, positions, base, seq_axis)
+        return jnp.swapaxes(out.reshape(*x.shape[:-1], 2, h // 2), -1, -2).reshape(x.shape)
     half = x.shape[-1] // 2
     inv_freq = base ** (-jnp.arange(half, dtype=jnp.float32) / half)  # (H/2,)
     pos = positions.astype(jnp.float32)

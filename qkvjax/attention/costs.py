@@ -51,7 +51,7 @@ def attention_cost(config: AttentionConfig, d_model: int, seq_len: int, kv_share
         return _latent_cost(config, d_model, seq_len, cache_bytes)
     n, k, h, hv, d = config.num_heads, config.kv_heads, config.head_dim, config.value_dim, d_model
     bias = 1 if config.use_bias else 0
-    params = n * hv * d + bias * d  # w_o, b_o
+    params = n * hv * d + (d if config.has_output_bias else 0)  # w_o, b_o
     proj_flops = 0
     for group in scheme.groups:
         if kv_shared and group in scheme.kv_groups:
@@ -68,6 +68,8 @@ def attention_cost(config: AttentionConfig, d_model: int, seq_len: int, kv_share
     if config.relative_bias:
         params += n * (2 * config.relative_bias + 1)
         score_flops += n * seq_len  # one addition per score
+    if config.learned_temperature:
+        params += n
     if config.qk_norm:  # q_norm_scale, and k_norm_scale unless the layer reads another layer's finished keys
         params += h if kv_shared and scheme.group_of("k") == "k" else 2 * h
     return AttentionCost(

@@ -31,7 +31,7 @@ __all__ = ["KV", "Attention", "AttentionModule"]
 class Projections:
     """One layer's parameters, in the compute dtype: ``kernels[group]`` (D, N or K, H) and ``biases[group]``
     (N or K, H) for each group it projects; ``w_qk`` (N, D, D) of a bilinear form; ``w_o`` (N, Hv, D), ``b_o``
-    (D,); ``norm_scale[role]`` (H,) of QK-norm; ``rel_bias`` (N, 2 R + 1)."""
+    (D,); ``norm_scale[role]`` (H,) of QK-norm; ``rel_bias`` (N, 2 R + 1); ``temperature`` (N,), log scale."""
 
     kernels: dict[str, Array]
     biases: dict[str, Array] | None
@@ -40,6 +40,7 @@ class Projections:
     b_o: Array | None
     norm_scale: dict[str, Array]
     rel_bias: Array | None
+    temperature: Array | None = None
 
 
 def project(x_q: Array, x_kv: Array, p: Projections, scheme: Scheme, call: Call) -> tuple[dict[str, Array], KV]:
@@ -73,6 +74,7 @@ class Finishing:
     config: AttentionConfig
     scheme: Scheme
     norm_scale: dict[str, Array]
+    temperature: Array | None = None
 
     @property
     def keys_at_write(self) -> bool:
@@ -86,7 +88,8 @@ class Finishing:
         if self.scheme.normalize_keys:
             k = core.unit_length(k)
         if cfg.rope:
-            k = core.rotary(k, jnp.broadcast_to(pos, (k.shape[0], k.shape[seq_axis])), cfg.rope_base, seq_axis)
+            pos = jnp.broadcast_to(pos, (k.shape[0], k.shape[seq_axis]))
+            k = core.rotary(k, pos, cfg.rope_base, seq_axis, cfg.rope_layout == "interleaved")
         return k
 
     def queries(self, q: Array, pos: Array) -> Array:
@@ -94,7 +97,10 @@ class Finishing:
         if self.config.qk_norm:
             q = core.rms_norm(q, self.norm_scale["q"])
         if self.config.rope:
-            q = core.rotary(q, jnp.broadcast_to(pos, q.shape[:2]), self.config.rope_base)
+            cfg = self.config
+            q = core.rotary(q, jnp.broadcast_to(pos, q.shape[:2]), cfg.rope_base, 1, cfg.rope_layout == "interleaved")
+        if self.temperature is not None:  # q.k exp(tau_n): the score's scale per head, free of |q|
+            q = (q.astype(jnp.float32) * jnp.exp(self.temperature)[None, None, :, None]).astype(q.dtype)
         return q
 
     def values(self, v: Array) -> Array:
@@ -149,7 +155,7 @@ class Attention(AttentionModule):
         dtype = jnp.dtype(cfg.dtype)
         p = self.projections(call.shape[2], reads_kv=call.kv is not None)
         x_q, x_kv = call.x_q.astype(dtype), call.x_kv.astype(dtype)
-        finish = Finishing(cfg, scheme, p.norm_scale)
+        finish = Finishing(cfg, scheme, p.norm_scale, p.temperature)
 
         queries, fresh = project(x_q, x_kv, p, scheme, call)  # 1. project
         cache, store = linen_cache(self, fresh, b) if call.decode else (call.cache, None)
@@ -215,7 +221,7 @@ class Attention(AttentionModule):
             w_qk = self._kernel("w_qk_merged", (n, d, d), (axes.HEADS, axes.EMBED, None), 1, 2, h / d, 0)
         w_o = self._kernel("w_o", (n, cfg.value_dim, d), (axes.HEADS, axes.HEAD_DIM, axes.EMBED), (0, 1), 2)
         b_o = None
-        if cfg.use_bias:
+        if cfg.has_output_bias:
             b_o = self._param("b_o", (d,), (axes.EMBED,), nn.initializers.zeros).astype(cfg.dtype)
         # a layer reading another layer's finished keys has no key norm of its own
         roles = ("q",) + (() if not scheme.bilinear and scheme.group_of("k") == "k" and reads_kv else ("k",))
@@ -227,4 +233,7 @@ class Attention(AttentionModule):
         if cfg.relative_bias:
             shape = (n, 2 * cfg.relative_bias + 1)
             rel_bias = self._param("rel_bias", shape, (axes.HEADS, None), nn.initializers.zeros)
-        return Projections(kernels_, biases, w_qk, w_o, b_o, norm_scale, rel_bias)
+        temperature = None
+        if cfg.learned_temperature:
+            temperature = self._param("temperature", (n,), (axes.HEADS,), nn.initializers.zeros).astype(jnp.float32)
+        return Projections(kernels_, biases, w_qk, w_o, b_o, norm_scale, rel_bias, temperature)

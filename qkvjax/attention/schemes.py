@@ -122,6 +122,25 @@ register_scheme(
         mask_self=True,
     )
 )
+# Reformer's attention taken apart: each of its two additions to shared QK alone
+register_scheme(
+    Scheme(
+        "shared_qk_unit_keys",
+        ("qk", "v"),
+        "W^Q = W^K with unit-length keys (Reformer without its self-mask)",
+        "Kitaev et al. 2020, in part",
+        normalize_keys=True,
+    )
+)
+register_scheme(
+    Scheme(
+        "shared_qk_self_mask",
+        ("qk", "v"),
+        "W^Q = W^K, no self-attention unless nothing else is allowed (Reformer without unit keys)",
+        "Kitaev et al. 2020, in part",
+        mask_self=True,
+    )
+)
 register_scheme(Scheme("shared_kv", ("q", "kv"), "W^K = W^V: K = V, one cached tensor", "tying"))
 register_scheme(Scheme("shared_qv", ("qv", "k"), "W^Q = W^V", "tying"))
 register_scheme(Scheme("shared_qkv", ("qkv",), "W^Q = W^K = W^V: one matrix for all roles", "tying"))

@@ -1,7 +1,9 @@
-"""A bidirectional encoder with a per-token classification head, for the synthetic probes.
+"""A bidirectional encoder with a per-token classification head (the synthetic probes) or none (BERT's hidden
+states, ``num_classes=0``).
 
-``h_0 = E[x] (+ P)``, then the LM's pre-norm blocks without a causal mask, ``logits = LN(h_L) W_cls``
-(Devlin et al. 2019's encoder, token-level head). Any tying scheme and head sharing; positions are learned
+``h_0 = E[x] (+ P)``, then the LM's blocks without a causal mask, ``logits = LN(h_L) W_cls``
+(Devlin et al. 2019's encoder, token-level head; the family's norm placement, :mod:`qkvjax.models.family`).
+Any tying scheme and head sharing; positions are learned
 absolute embeddings, rotary (``attention.rope``, Su et al. 2021), both, or none (the model is then
 permutation-equivariant: permuting the tokens permutes the outputs).
 """
@@ -16,6 +18,7 @@ from jax import Array
 
 from qkvjax import axes
 from qkvjax.attention import AttentionConfig, attention_cost
+from qkvjax.models.family import Family
 from qkvjax.models.lm import Block, BlockShape, _dense_init, _layer_norm, position_table, token_table
 
 
@@ -26,13 +29,14 @@ class EncoderConfig(BlockShape):
     Attributes:
       attention: the attention layer (``rope`` gives rotary positions; ``dtype``/``param_dtype`` are the model's).
       vocab_size: input symbols.
-      num_classes: C, output classes per token.
+      num_classes: C, output classes per token; 0: no head, the call returns the hidden states (B, T, D).
       d_model: D.
       num_layers: blocks.
       mlp_dim: F; None means 4 D.
       max_len: the longest sequence (size of the learned position table).
       learned_positions: add a learned absolute position embedding.
       dropout_rate: residual and embedding dropout.
+      family: the norms and the MLP (BERT: post-norm with an embedding norm).
     """
 
     attention: AttentionConfig
@@ -44,13 +48,17 @@ class EncoderConfig(BlockShape):
     max_len: int = 64
     learned_positions: bool = True
     dropout_rate: float = 0.0
+    family: Family = Family()
 
     def __post_init__(self):
-        self._check_shape(("vocab_size", "num_classes", "d_model", "num_layers", "max_len"))
+        self._check_shape(("vocab_size", "d_model", "num_layers", "max_len"))
+        if isinstance(self.num_classes, bool) or not isinstance(self.num_classes, int) or self.num_classes < 0:
+            raise ValueError(f"EncoderConfig.num_classes={self.num_classes!r}; allowed: 0 (no head) or an integer >= 1")
 
 
 class Encoder(nn.Module):
-    """tokens (B, T) int, optional padding ``mask`` (B, T) bool -> logits (B, T, C) in float32."""
+    """tokens (B, T) int, optional padding ``mask`` (B, T) bool -> logits (B, T, C) in float32 (the hidden states
+    (B, T, D) when ``num_classes`` is 0)."""
 
     config: EncoderConfig
 
@@ -62,12 +70,17 @@ class Encoder(nn.Module):
         x = jnp.take(token_table(self, cfg), tokens, axis=0).astype(cfg.dtype)
         if cfg.learned_positions:
             x = x + position_table(self, cfg, stddev=0.02)[None, : tokens.shape[1]].astype(cfg.dtype)
+        if cfg.family.embed_norm:
+            x = _layer_norm(cfg, "ln_embed")(x)
         x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
         if mask is not None:  # padding: (B, S) keys -> (B, 1, 1, S)
             mask = mask.astype(jnp.bool_)[:, None, None, :]
         for i in range(cfg.num_layers):
             x, _ = Block(cfg, causal=False, name=f"block_{i}")(x, None, deterministic, mask=mask)
-        x = _layer_norm(cfg, "ln_final")(x)
+        if cfg.family.norm_position == "pre":
+            x = _layer_norm(cfg, "ln_final")(x)
+        if not cfg.num_classes:
+            return x.astype(jnp.float32)
         w_cls = self.param(
             "w_cls",
             nn.with_logical_partitioning(_dense_init(0, 1), (axes.EMBED, None)),
@@ -80,6 +93,7 @@ class Encoder(nn.Module):
 def encoder_param_count(config: EncoderConfig) -> int:
     """Parameters of the whole encoder, from the configuration alone."""
     d = config.d_model
-    per_layer = attention_cost(config.attention, d, config.max_len).params + 2 * d * config.mlp_width + 2 * d
-    total = config.num_layers * per_layer + config.vocab_size * d + d + d * config.num_classes
+    family = config.family
+    per_layer = attention_cost(config.attention, d, config.max_len).params + family.block_params(d, config.mlp_width)
+    total = config.num_layers * per_layer + config.vocab_size * d + family.outer_params(d) + d * config.num_classes
     return total + (config.max_len * d if config.learned_positions else 0)

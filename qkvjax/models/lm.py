@@ -18,7 +18,7 @@ from qkvjax import axes
 from qkvjax.attention import KV, Attention, AttentionConfig, LayerAttention, attention_module, core, stack_cost
 from qkvjax.attention.cache import cache_shapes
 from qkvjax.attention.layers import expand, producers
-from qkvjax.models.norm import LayerNorm
+from qkvjax.models.family import Family, Mlp, dense_init, norm
 
 REMAT_POLICIES = ("none", "full", "dots")
 
@@ -31,6 +31,10 @@ class BlockShape:
         name = type(self).__name__
         if isinstance(self.attention, dict):  # from JSON
             object.__setattr__(self, "attention", AttentionConfig(**self.attention))
+        if isinstance(self.family, dict):
+            object.__setattr__(self, "family", Family(**self.family))
+        if not isinstance(self.family, Family):
+            raise ValueError(f"{name}.family={self.family!r}; allowed: a qkvjax.models.family.Family")
         for field in positive_ints:
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -69,6 +73,8 @@ class ModelConfig(BlockShape):
       max_len: the context length (learned position table size, decode cache length).
       learned_positions: add a learned absolute position embedding (use False with ``attention.rope``).
       tie_embeddings: logits use the token embedding transposed.
+      family: the norms and the MLP (:class:`qkvjax.models.family.Family`); the default is GPT-2's layout
+        without biases. Imported models set it (``qkvjax import``).
       dropout_rate: residual and embedding dropout.
       remat: activation checkpointing of each block: 'none', 'full' (recompute everything) or 'dots'
         (save matmul outputs, recompute the rest).
@@ -85,6 +91,7 @@ class ModelConfig(BlockShape):
     dropout_rate: float = 0.0
     remat: str = "none"
     layers: str = ""
+    family: Family = Family()
 
     def __post_init__(self):
         self._check_shape(("vocab_size", "d_model", "num_layers", "max_len"))
@@ -100,31 +107,12 @@ class ModelConfig(BlockShape):
         return self._layer_attention
 
 
-def _dense_init(in_axis, out_axis):
-    return nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=in_axis, out_axis=out_axis)
+_dense_init = dense_init  # the name the encoder and older code import
 
 
-class Mlp(nn.Module):
-    """``gelu(x W_in) W_out`` with ``w_in: (D, F)``, ``w_out: (F, D)``."""
-
-    config: ModelConfig
-
-    @nn.compact
-    def __call__(self, x: Array) -> Array:
-        cfg = self.config
-        d, f = x.shape[-1], cfg.mlp_width
-        w_in = self.param(
-            "w_in", nn.with_logical_partitioning(_dense_init(0, 1), (axes.EMBED, axes.MLP)), (d, f), cfg.param_dtype
-        )
-        w_out = self.param(
-            "w_out", nn.with_logical_partitioning(_dense_init(0, 1), (axes.MLP, axes.EMBED)), (f, d), cfg.param_dtype
-        )
-        h = nn.gelu(core.dense(x, w_in.astype(cfg.dtype)))  # BTD,DF->BTF
-        return core.dense(h, w_out.astype(cfg.dtype))  # BTF,FD->BTD
-
-
-def _layer_norm(cfg: ModelConfig, name: str) -> LayerNorm:
-    return LayerNorm(dtype=cfg.dtype, param_dtype=cfg.param_dtype, name=name)
+def _layer_norm(cfg, name: str) -> nn.Module:
+    """The config's norm (``cfg.family``'s; a LayerNorm without bias by default)."""
+    return norm(cfg.family, cfg.dtype, cfg.param_dtype, name)
 
 
 def token_table(module: nn.Module, cfg) -> Array:
@@ -140,7 +128,8 @@ def position_table(module: nn.Module, cfg, stddev: float) -> Array:
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: causal self-attention, then the MLP, each on a residual.
+    """Transformer block: causal self-attention, then the MLP, each on a residual, normalised before each
+    (pre-norm) or after each residual sum (post-norm, ``config.family.norm_position``).
 
     ``attention_cls`` is any linen module built as ``attention_cls(attention)`` and called like ``Attention`` (the
     benchmark swaps in flax's own attention this way); the default ``Attention`` stands for the zoo's module of
@@ -168,6 +157,7 @@ class Block(nn.Module):
         decode: bool = False,
     ):
         cfg = self.config
+        pre = cfg.family.norm_position == "pre"
         drop = nn.Dropout(cfg.dropout_rate)
         extra = {} if mask is None else {"mask": mask}  # attention_cls need not take these unless given them
         if decode:
@@ -177,8 +167,9 @@ class Block(nn.Module):
         if cls is Attention:
             cls = attention_module(att)
             extra |= {"kv": kv, "cache": cache, "return_kv": True}
+        ln_attention, ln_mlp = _layer_norm(cfg, "ln_attention"), _layer_norm(cfg, "ln_mlp")
         out = cls(att, name="attention")(
-            _layer_norm(cfg, "ln_attention")(x),
+            ln_attention(x) if pre else x,
             **extra,
             causal=self.causal,
             positions=positions,
@@ -186,8 +177,11 @@ class Block(nn.Module):
         )
         h, used = out if isinstance(out, tuple) else (out, None)
         x = x + drop(h, deterministic=deterministic)
-        h = Mlp(cfg, name="mlp")(_layer_norm(cfg, "ln_mlp")(x))
-        return x + drop(h, deterministic=deterministic), used
+        mlp = Mlp(cfg.family, cfg.mlp_width, cfg.dtype, cfg.param_dtype, name="mlp")
+        if not pre:  # post-norm: x = Norm(x + Attn(x)); x = Norm(x + Mlp(x))
+            x = ln_attention(x)
+            return ln_mlp(x + drop(mlp(x), deterministic=deterministic)), used
+        return x + drop(mlp(ln_mlp(x)), deterministic=deterministic), used
 
 
 @flax.struct.dataclass
@@ -270,6 +264,8 @@ class DecoderLM(nn.Module):
             else:
                 pos = positions
             x = x + jnp.take(pos_table, pos, axis=0).astype(cfg.dtype)
+        if cfg.family.embed_norm:
+            x = _layer_norm(cfg, "ln_embed")(x)
         x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
 
         block = Block
@@ -294,7 +290,8 @@ class DecoderLM(nn.Module):
                 made[i] = used
                 if cache is not None:
                     new_entries.append(used.tensors)
-        x = _layer_norm(cfg, "ln_final")(x)
+        if cfg.family.norm_position == "pre":
+            x = _layer_norm(cfg, "ln_final")(x)
         if cfg.tie_embeddings:
             logits = core.dense(x, embed.astype(cfg.dtype).T).astype(jnp.float32)  # BTD,DV->BTV
         else:
@@ -324,7 +321,8 @@ def param_count(config: ModelConfig) -> int:
     """Parameters of the whole model, from the configuration alone."""
     d, v = config.d_model, config.vocab_size
     attention = sum(c.params for c in stack_cost(config.layer_attention, d, config.max_len))
-    total = attention + config.num_layers * (2 * d * config.mlp_width + 2 * d) + v * d + d  # + final norm
+    family = config.family
+    total = attention + config.num_layers * family.block_params(d, config.mlp_width) + v * d + family.outer_params(d)
     total += config.max_len * d if config.learned_positions else 0
     total += 0 if config.tie_embeddings else d * v
     return total
@@ -346,5 +344,5 @@ def train_flops_per_token(config: ModelConfig, seq_len: int | None = None) -> fl
     total = 2 * d * config.vocab_size
     for att in stack_cost(config.layer_attention, d, t):
         causal_scores = att.score_flops * (t + 1) / (2 * t)
-        total += att.projection_flops + causal_scores + att.output_flops + 2 * 2 * d * config.mlp_width
+        total += att.projection_flops + causal_scores + att.output_flops + config.family.mlp_flops(d, config.mlp_width)
     return 3.0 * total

@@ -77,10 +77,39 @@ layer_norm.defvjp(_forward, _backward)
 
 
 class LayerNorm(nn.Module):
-    """:func:`layer_norm` with a learned ``scale: (D,)`` (logical axis ``embed``), initialised to ones.
+    """:func:`layer_norm` with a learned ``scale: (D,)`` (logical axis ``embed``), initialised to ones, and with
+    ``use_bias`` a learned ``bias: (D,)`` added after it (GPT-2's and BERT's LayerNorm).
 
     Attributes:
       epsilon: added to the variance.
+      use_bias: a learned bias (zeros at init).
+      dtype: the output's dtype (None: the input's).
+      param_dtype: the scale's dtype.
+    """
+
+    epsilon: float = 1e-6
+    use_bias: bool = False
+    dtype: jnp.dtype | None = None
+    param_dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        init = nn.with_logical_partitioning(nn.initializers.ones, (axes.EMBED,))
+        scale = self.param("scale", init, (x.shape[-1],), self.param_dtype)
+        y = layer_norm(x, scale, self.epsilon, self.dtype)
+        if self.use_bias:
+            zeros = nn.with_logical_partitioning(nn.initializers.zeros, (axes.EMBED,))
+            y = y + _lead(self.param("bias", zeros, (x.shape[-1],), self.param_dtype).astype(y.dtype), x.ndim)
+        return y
+
+
+class RMSNorm(nn.Module):
+    """``x / sqrt(mean(x^2) + eps) * scale`` over the last axis (Zhang & Sennrich 2019, arXiv:1910.07467), in
+    float32 at least, with a learned ``scale: (D,)`` initialised to ones (Llama's ``RMSNorm``; JAX differentiates
+    it: no mean to subtract, so there is no broadcast residual to avoid).
+
+    Attributes:
+      epsilon: added to the mean square.
       dtype: the output's dtype (None: the input's).
       param_dtype: the scale's dtype.
     """
@@ -93,4 +122,7 @@ class LayerNorm(nn.Module):
     def __call__(self, x: Array) -> Array:
         init = nn.with_logical_partitioning(nn.initializers.ones, (axes.EMBED,))
         scale = self.param("scale", init, (x.shape[-1],), self.param_dtype)
-        return layer_norm(x, scale, self.epsilon, self.dtype)
+        ct = _compute_dtype(x)
+        xc = x.astype(ct)
+        y = xc * jax.lax.rsqrt(jnp.mean(jnp.square(xc), axis=-1, keepdims=True) + self.epsilon)
+        return (y * _lead(scale.astype(ct), x.ndim)).astype(self.dtype or x.dtype)

@@ -10,7 +10,7 @@ import jax
 from qkvjax.data.pipeline import check_corpus
 from qkvjax.train.config import Config, TrainConfig, from_dict, to_dict
 from qkvjax.train.state import learning_rate_schedule
-from qkvjax.workdir import CONFIG_FILE, DAMAGED_DIR, METRICS_FILE, path
+from qkvjax.workdir import CONFIG_FILE, DAMAGED_DIR, METRICS_FILE, exported_steps, path
 
 # What may change between runs on one workdir: cadence, length and layout, not the experiment itself.
 RESUMABLE_CHANGES = {
@@ -41,12 +41,26 @@ def _flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
+def _as_now(saved: dict) -> dict:
+    """A saved config as this version writes it: rebuilt through the dataclasses, so a field added since the run
+    started takes its default (the value the run was trained with) instead of reading as a change."""
+    try:
+        return to_dict(from_dict(Config, saved))
+    except (ValueError, TypeError):  # a field removed since, or no longer valid: compare what was written
+        return saved
+
+
 def check_workdir(workdir, config: Config, overwrite: bool) -> None:
     """Refuses a workdir that holds a run of another experiment, unless ``overwrite`` (which clears it)."""
     workdir = path(workdir)
-    old = _flatten(json.loads((workdir / CONFIG_FILE).read_text())) if (workdir / CONFIG_FILE).exists() else {}
+    old = {}
+    if (workdir / CONFIG_FILE).exists():
+        old = _flatten(_as_now(json.loads((workdir / CONFIG_FILE).read_text())))
     new = _flatten(to_dict(config))
     diff = sorted(k for k in set(old) | set(new) if k not in RESUMABLE_CHANGES and old.get(k) != new.get(k))
+    if not (workdir / "checkpoints").is_dir() and exported_steps(workdir):
+        # imported (or exported) params and no run yet: any data and training settings, but the same model
+        diff = [k for k in diff if k.startswith("model.")]
     if old and diff and not overwrite:
         details = _differences(diff, old, new)
         raise ValueError(
@@ -82,7 +96,7 @@ def check_resume(saved: dict | None, config: Config, step: int, overwrite: bool)
     """The checkpoint's own config against the requested one: only resumable fields may differ."""
     if saved is None:
         return
-    old, new = _flatten(saved), _flatten(to_dict(config))
+    old, new = _flatten(_as_now(saved)), _flatten(to_dict(config))
     diff = sorted(k for k in set(old) | set(new) if k not in RESUMABLE_CHANGES and k in old and old[k] != new.get(k))
     if diff and not overwrite:
         raise ValueError(

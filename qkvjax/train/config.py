@@ -28,13 +28,16 @@ class DataConfig:
       dataset: 'tiny_shakespeare' (the TFDS catalog's split) or 'text_file' (any UTF-8 file, split 90/5/5).
       source_path: a local copy of the corpus (required for 'text_file'); None downloads Tiny Shakespeare.
       data_dir: where TFDS keeps the prepared datasets.
-      seq_len: the training window in bytes; None means the model's ``max_len``.
+      seq_len: the training window in tokens; None means the model's ``max_len``.
+      tokenizer: a Hugging Face ``tokenizer.json`` (read with the ``tokenizers`` library; a relative path is
+        looked up in the workdir, where ``qkvjax import`` copies the model's own); None: bytes are the tokens.
     """
 
     dataset: str = "tiny_shakespeare"
     source_path: str | None = None
     data_dir: str = "~/tensorflow_datasets"
     seq_len: int | None = None
+    tokenizer: str | None = None
 
     def __post_init__(self):
         from qkvjax.data.builders import DATASETS

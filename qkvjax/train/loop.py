@@ -28,6 +28,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from qkvjax.analyze import weight_stats
 from qkvjax.data.builders import load_splits
 from qkvjax.data.pipeline import train_batches
+from qkvjax.data.tokenizer import check_vocab, load_tokenizer, tokenize_splits
 from qkvjax.models.lm import DecoderLM, param_count, train_flops_per_token
 from qkvjax.perf import measure_peak_flops
 from qkvjax.train import checkpoint
@@ -42,9 +43,11 @@ from qkvjax.workdir import (  # noqa: F401
     METRICS_FILE,
     WorkdirLock,
     export_params,
+    exported_steps,
     is_remote,
     json_safe,
     load_config,
+    restore_exported,
     write_text,
 )
 from qkvjax.workdir import path as workdir_path
@@ -265,6 +268,13 @@ def _train(config: Config, workdir: epath.Path, overwrite: bool, lock: WorkdirLo
             load_splits(config.data.dataset, config.data.source_path, data_dir)
         multihost_utils.sync_global_devices("qkvjax: dataset prepared")
     splits = load_splits(config.data.dataset, config.data.source_path, data_dir)
+    tokenizer = load_tokenizer(config.data.tokenizer, workdir)
+    if config.data.tokenizer is not None:  # byte-level text is checked against the vocabulary by check_splits
+        check_vocab(tokenizer, config.model.vocab_size)
+    # bits per byte from a loss per token: x tokens / bytes of the split (1 for byte-level text)
+    per_byte = {k: v for k, v in tokenize_splits(splits, tokenizer).items()}
+    tokens_per_byte = {k: len(per_byte[k]) / max(1, len(splits[k])) for k in splits}
+    splits = per_byte
     check_splits(splits, config)
 
     mngr = checkpoint.manager(workdir, tc.max_to_keep)
@@ -295,6 +305,10 @@ def _train(config: Config, workdir: epath.Path, overwrite: bool, lock: WorkdirLo
         )
     if latest is None:
         state = create_state(model, config, tx, par.state_shardings)
+        exported = exported_steps(workdir)
+        if exported:  # an imported (or exported) model: start from its params, a fresh optimizer, step 0
+            state = state.replace(params=restore_exported(workdir, exported[-1], par.target().params))
+            _say(f"starting from the params in {workdir / 'params' / str(exported[-1])}")
     if jax.process_index() == 0:
         write_text(workdir / CONFIG_FILE, to_json(config))
 
@@ -335,7 +349,8 @@ def _train(config: Config, workdir: epath.Path, overwrite: bool, lock: WorkdirLo
         loss, count = mean_loss(
             eval_step, params, splits["validation"], config.seq_len, tc.batch_size, put, tc.eval_batches
         )
-        out = {"split": "validation", "loss": loss, "bits_per_byte": loss / math.log(2), "tokens": count}
+        bpb = loss / math.log(2) * tokens_per_byte["validation"]
+        out = {"split": "validation", "loss": loss, "bits_per_byte": bpb, "tokens": count}
         if tc.log_weight_similarity:
             stats = jax.device_get(similarity(params if par.mesh is not None else par.unreplicate(params)))
             out.update({k: float(v) for k, v in stats.items()})
@@ -392,7 +407,7 @@ def _train(config: Config, workdir: epath.Path, overwrite: bool, lock: WorkdirLo
                     record = {
                         "step": step,
                         "loss": float(metrics["loss"]),
-                        "bits_per_byte": float(metrics["bits_per_byte"]),
+                        "bits_per_byte": float(metrics["bits_per_byte"]) * tokens_per_byte["train"],
                         "grad_norm": float(metrics["grad_norm"]),
                         "learning_rate": float(schedule(step - 1)),
                     }

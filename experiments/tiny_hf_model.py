@@ -1,0 +1,59 @@
+"""A tiny Hugging Face model folder to try ``qkvjax import`` / ``export`` on: a byte-level BPE tokenizer trained on
+a text file with the ``tokenizers`` library, and a GPT-2 or Llama model of that vocabulary with random weights,
+saved with transformers' ``save_pretrained`` (needs the ``hf`` and ``bench`` extras). Stands in for a downloaded
+checkpoint (``huggingface-cli download gpt2``, ``Qwen/Qwen2-0.5B``, ...), which works the same way.
+
+    python experiments/tiny_hf_model.py --arch llama --corpus ../shared/data/tinyshakespeare/input.txt \\
+        --out runs/hf_tiny_llama
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+
+def tokenizer(corpus: str, vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train([corpus], trainer)
+    return tok
+
+
+def model(arch: str, vocab_size: int, seed: int):
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    if arch == "gpt2":
+        cfg = tf.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=128, vocab_size=vocab_size)
+        return tf.GPT2LMHeadModel(cfg)
+    cfg = tf.LlamaConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=160,
+        vocab_size=vocab_size, max_position_embeddings=128,
+    )  # fmt: skip
+    return tf.LlamaForCausalLM(cfg)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arch", choices=["gpt2", "llama"], default="llama")
+    parser.add_argument("--corpus", required=True, help="a UTF-8 text file to train the tokenizer on")
+    parser.add_argument("--out", required=True, help="the model folder to write")
+    parser.add_argument("--vocab-size", type=int, default=512)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    tok = tokenizer(args.corpus, args.vocab_size)
+    m = model(args.arch, tok.get_vocab_size(), args.seed)
+    m.save_pretrained(args.out)
+    tok.save(os.path.join(args.out, "tokenizer.json"))
+    n = sum(p.numel() for p in m.parameters())
+    print(f"wrote {args.out}: {args.arch}, vocabulary {tok.get_vocab_size()}, {n:,} parameters")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""Hugging Face models in and out: GPT-2, the Llama family (Llama, Mistral, Qwen2) and BERT.
+
+* :func:`load_pretrained` reads a model folder (``config.json`` + safetensors, sharded or not) into a qkvjax
+  config and parameter tree that compute the same function (a ``DecoderLM``, or for BERT an ``Encoder`` that
+  returns the hidden states).
+* :func:`import_folder` writes a decoder into an ordinary workdir (``config.json``, ``params/0``, and the
+  folder's ``tokenizer.json`` when it has one): ``qkvjax eval``, ``sample``, ``info``, ``analyze``, ``convert``
+  read it and ``qkvjax train --workdir`` uptrains from it.
+* :func:`export_workdir` writes a workdir's model back in the GPT-2 or Llama layout where that layout can express
+  it (:mod:`qkvjax.hf.export`).
+
+No torch or transformers at run time: ``safetensors`` and ``tokenizers`` only.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from qkvjax.hf.export import EXPORTERS, check_exportable, infer_format
+from qkvjax.hf.folder import TOKENIZER, Tensors, read_config, read_tensors, write_folder
+from qkvjax.hf.layouts import LAYOUTS, MODEL_TYPES
+from qkvjax.models.encoder import Encoder, EncoderConfig
+from qkvjax.models.lm import DecoderLM, ModelConfig
+
+
+def layout_of(hf: dict):
+    model_type = hf.get("model_type")
+    if model_type not in MODEL_TYPES:
+        raise ValueError(f"config.json model_type={model_type!r} is not supported; allowed: {sorted(MODEL_TYPES)}")
+    return LAYOUTS[MODEL_TYPES[model_type]]
+
+
+def model_of(config):
+    """The qkvjax module for a config: ``DecoderLM`` or ``Encoder``."""
+    return Encoder(config) if isinstance(config, EncoderConfig) else DecoderLM(config)
+
+
+def expected_shapes(config) -> dict[str, tuple[int, ...]]:
+    """'block_0/attention/w_q' -> shape, of the parameters the module creates (traced, nothing computed)."""
+    tokens = jnp.zeros((1, 1), jnp.int32)
+    abstract = jax.eval_shape(lambda: model_of(config).init(jax.random.PRNGKey(0), tokens))["params"]
+    return {_path(p): tuple(v.shape) for p, v in jax.tree_util.tree_leaves_with_path(_unbox(abstract))}
+
+
+def _unbox(tree):
+    import flax.linen as nn
+
+    return nn.meta.unbox(tree)
+
+
+def _path(path) -> str:
+    return "/".join(str(getattr(k, "key", k)) for k in path)
+
+
+def check_tree(params: dict, config) -> None:
+    """Raises one line naming the first parameter that is missing, extra or of another shape than the module's."""
+    want = expected_shapes(config)
+    got = {_path(p): tuple(np.shape(v)) for p, v in jax.tree_util.tree_leaves_with_path(params)}
+    for name in sorted(set(want) | set(got)):
+        if want.get(name) != got.get(name):
+            raise ValueError(f"parameter {name}: the checkpoint gives {got.get(name)}, the model has {want.get(name)}")
+
+
+def load_pretrained(folder: str, max_len: int | None = None):
+    """(config, params) of a Hugging Face model folder: a ``ModelConfig`` (GPT-2, Llama, Mistral, Qwen2) or an
+    ``EncoderConfig`` (BERT, ``num_classes=0``), and float32 numpy parameters in the module's tree. ``max_len``
+    sets a rotary model's context (default: ``max_position_embeddings``)."""
+    hf = read_config(folder)
+    layout = layout_of(hf)
+    config = layout.config(hf, max_len)
+    raw = read_tensors(folder)
+    prefix = next((p for p in layout.prefixes if any(k.startswith(p) for k in raw)), "")
+    tensors = Tensors(raw, prefix)
+    params = layout.params(tensors, config)
+    tensors.check_all_taken(layout.ignore)
+    check_tree(params, config)
+    return config, params
+
+
+def import_folder(folder: str, workdir: str, max_len: int | None = None):
+    """Writes the decoder of ``folder`` as a workdir and returns its run Config."""
+    from qkvjax.train.config import Config, DataConfig, to_json
+    from qkvjax.workdir import CONFIG_FILE, export_params, path, write_text
+
+    out = path(workdir)
+    if (out / CONFIG_FILE).exists():
+        raise ValueError(f"--workdir {out} already holds a run; choose an empty directory")
+    model, params = load_pretrained(folder, max_len)
+    if not isinstance(model, ModelConfig):
+        raise ValueError(
+            f"{folder} is an encoder (BERT): workdirs hold decoder LMs; read it with qkvjax.hf.load_pretrained"
+        )
+    tokenizer = os.path.join(folder, TOKENIZER)
+    has_tokenizer = os.path.isfile(tokenizer)
+    data = DataConfig(tokenizer=TOKENIZER if has_tokenizer else None)
+    if not has_tokenizer and model.vocab_size != 256:
+        print(f"note: {folder} has no {TOKENIZER}; text is byte-level (token ids are bytes)")
+    config = Config(model=model, data=data)
+    out.mkdir(parents=True, exist_ok=True)
+    if has_tokenizer:
+        shutil.copyfile(tokenizer, os.fspath(out / TOKENIZER))
+    export_params(out, 0, jax.tree.map(jnp.asarray, params))
+    write_text(out / CONFIG_FILE, to_json(config))
+    return config
+
+
+def export_workdir(workdir: str, folder: str, fmt: str | None = None, step: int | None = None) -> str:
+    """Writes a workdir's model (its newest checkpoint, or ``step``) as a Hugging Face folder; returns the format."""
+    from qkvjax.evaluate import restore_params
+    from qkvjax.workdir import path
+
+    _, params, config, _ = restore_params(workdir, step)
+    fmt = fmt or infer_format(config.model)
+    check_exportable(config.model, fmt)
+    if os.path.exists(os.path.join(folder, "config.json")):
+        raise ValueError(f"{folder} already holds a model; choose an empty directory")
+    hf, tensors = EXPORTERS[fmt](config.model, jax.tree.map(np.asarray, _unbox(params)))
+    write_folder(folder, hf, tensors)
+    tokenizer = path(workdir) / TOKENIZER
+    if config.data.tokenizer and tokenizer.exists():
+        shutil.copyfile(os.fspath(tokenizer), os.path.join(folder, TOKENIZER))
+    return fmt
+
+
+__all__ = ["LAYOUTS", "check_tree", "export_workdir", "import_folder", "load_pretrained", "model_of"]

