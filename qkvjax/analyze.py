@@ -262,6 +262,29 @@ def weight_stats(params: dict, layers) -> dict:
     return out
 
 
+def attention_kernels(params: dict) -> dict:
+    """``{"block_i": {"w_q": ..., ...}}``: the attention kernels of a qkvjax LM's params (no biases, no norms)."""
+    return {
+        name: {k: v for k, v in block["attention"].items() if k.startswith("w_")}
+        for name, block in params.items()
+        if name.startswith("block_")
+    }
+
+
+def drift_stats(params: dict, initial: dict) -> dict:
+    """``drift/<kernel>/layer_i`` = |W - W_0|_F / |W_0|_F for every kernel in ``initial`` (as
+    :func:`attention_kernels` gives it); numpy or jax arrays alike (jit-able, for training logs)."""
+    out = {}
+    for name, kernels in initial.items():
+        for k, w0 in kernels.items():
+            xp = _xp(w0, params[name]["attention"][k])
+            w = params[name]["attention"][k]
+            out[f"drift/{k}/layer_{name.removeprefix('block_')}"] = xp.linalg.norm((w - w0).ravel()) / xp.linalg.norm(
+                w0.ravel()
+            )
+    return out
+
+
 def block_attention(params: dict, layers, i: int) -> dict:
     """Block i's attention params; for a layer reading another layer's K/V, with its donor's K/V kernels."""
     own = dict(params[f"block_{i}"]["attention"])

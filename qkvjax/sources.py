@@ -139,31 +139,37 @@ def load_workdir(workdir: str, step: int | None = None, with_initial: bool = Fal
 
 
 def initial_params(workdir: str, config):
-    """W_0 of a run: its earliest params-only copy when it has no checkpoints (an imported model), else the
+    """W_0 of a run: its params-only copy of step 0 (an imported model, trained since or not), else the
     initialisation recomputed from the run's seed (``create_state`` draws it from ``PRNGKey(config.seed)``)."""
     import flax.linen as nn
     import jax
 
     from qkvjax.models.lm import DecoderLM
     from qkvjax.train.state import init_fn, make_optimizer
-    from qkvjax.workdir import exported_steps, path
+    from qkvjax.workdir import exported_steps
 
-    if not (path(workdir) / "checkpoints").is_dir() and exported_steps(workdir):
-        from qkvjax.evaluate import restore_params
+    if 0 in exported_steps(workdir):  # imported at step 0 (trained since or not)
+        from qkvjax.evaluate import _restore_exported
+        from qkvjax.train.config import MeshConfig
+        from qkvjax.train.mesh import make_mesh
 
-        return restore_params(workdir, exported_steps(workdir)[0])[1]
+        return _restore_exported(workdir, 0, make_mesh(MeshConfig(data=-1, fsdp=1, tensor=1)))[1]
     init = init_fn(DecoderLM(config.model), config, make_optimizer(config.train))
     return nn.meta.unbox(jax.jit(init)(jax.random.PRNGKey(config.seed)).params)
 
 
 def drift(params: dict, initial: dict) -> list[dict]:
     """Per layer, ``|W - W_0|_F / |W_0|_F`` of every attention kernel (``w_*``) the layer owns."""
+    from qkvjax.analyze import attention_kernels, drift_stats
+
+    stats = drift_stats(params, attention_kernels(initial))
     rows = []
-    for i in range(len([k for k in params if k.startswith("block_")])):
-        now, then = params[f"block_{i}"]["attention"], initial[f"block_{i}"]["attention"]
-        row = {"layer": i}
-        for name in sorted(k for k in now if k.startswith("w_")):
-            w, w0 = np.asarray(now[name], np.float64), np.asarray(then[name], np.float64)
-            row[name] = float(np.linalg.norm(w - w0) / np.linalg.norm(w0))
+    for name in sorted(attention_kernels(initial), key=lambda n: int(n.removeprefix("block_"))):
+        i = name.removeprefix("block_")
+        row = {"layer": int(i)}
+        for key, value in stats.items():
+            kernel, layer = key.split("/")[1:]
+            if layer == f"layer_{i}":
+                row[kernel] = float(value)
         rows.append(row)
     return rows

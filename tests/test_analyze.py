@@ -170,6 +170,10 @@ def test_shared_qk_run_is_symmetric_separate_is_not(tmp_path, corpus, data_dir):
             assert ev[f"symmetry/layer_{i}"] == pytest.approx(layer["symmetry"], abs=1e-4)
             assert ev[f"qk_cos/layer_{i}"] == pytest.approx(layer["qk_cos"], abs=1e-4)
         drift = runs[scheme]["drift"]  # two AdamW steps moved every kernel away from the seed's initialisation
+        for row in drift:  # the training-time log measured the same drift
+            for kernel, value in row.items():
+                if kernel != "layer":
+                    assert ev[f"drift/{kernel}/layer_{row['layer']}"] == pytest.approx(value, rel=1e-4)
         assert len(drift) == len(runs[scheme]["layers"]) and all(
             v > 0 for r in drift for k, v in r.items() if k != "layer"
         )

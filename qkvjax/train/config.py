@@ -74,7 +74,8 @@ class TrainConfig:
       checkpoint_every: steps between checkpoints (one is also saved at the end and on SIGTERM/Ctrl-C).
       max_to_keep: checkpoints kept (the oldest are deleted).
       peak_flops: FLOP/s that MFU is measured against; None measures a matmul at start.
-      log_weight_similarity: add W^Q (W^K)^T statistics per layer to every evaluation record.
+      log_weight_similarity: add W^Q (W^K)^T statistics and each attention kernel's drift |W - W_0| / |W_0| per
+        layer to every evaluation record.
       skip_nonfinite: skip a batch whose loss or gradient is not finite instead of stopping.
     """
 

@@ -25,7 +25,7 @@ from etils import epath
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
-from qkvjax.analyze import weight_stats
+from qkvjax.analyze import attention_kernels, drift_stats, weight_stats
 from qkvjax.data.builders import load_splits
 from qkvjax.data.pipeline import train_batches
 from qkvjax.data.tokenizer import check_vocab, load_tokenizer, tokenize_splits
@@ -341,8 +341,17 @@ def _train(config: Config, workdir: epath.Path, overwrite: bool, lock: WorkdirLo
     )
     progress = TrainProgress(step, tc.num_steps, enabled=jax.process_index() == 0)
 
-    if tc.log_weight_similarity:
-        similarity = jax.jit(lambda params: weight_stats(params, config.model.layer_attention))
+    if tc.log_weight_similarity:  # and each attention kernel's drift from W_0 (imported params, or the seed's init)
+        if 0 in exported_steps(workdir):
+            initial = restore_exported(workdir, 0, par.target().params)
+        elif latest is None:
+            initial = par.unreplicate(state).params
+        else:  # resumed: the seed's initialisation, recomputed
+            initial = create_state(model, config, tx, par.state_shardings).params
+        initial = jax.tree.map(lambda x: x.copy(), attention_kernels(initial))  # the step donates the state's buffers
+        similarity = jax.jit(
+            lambda params, w0: weight_stats(params, config.model.layer_attention) | drift_stats(params, w0)
+        )
 
     def evaluate(params) -> dict:
         put = lambda b: par.put_batch(_local_rows(b))  # noqa: E731
@@ -352,7 +361,7 @@ def _train(config: Config, workdir: epath.Path, overwrite: bool, lock: WorkdirLo
         bpb = loss / math.log(2) * tokens_per_byte["validation"]
         out = {"split": "validation", "loss": loss, "bits_per_byte": bpb, "tokens": count}
         if tc.log_weight_similarity:
-            stats = jax.device_get(similarity(params if par.mesh is not None else par.unreplicate(params)))
+            stats = jax.device_get(similarity(params if par.mesh is not None else par.unreplicate(params), initial))
             out.update({k: float(v) for k, v in stats.items()})
         return out
 
