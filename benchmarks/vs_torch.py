@@ -10,6 +10,10 @@ about 20% of its speed (11,644 tok/s alternated with Flax, 9,484 alternated with
     pip install torch==2.13.0
     python benchmarks/vs_torch.py --config experiments/configs/compare_cpu.py --batch-size 12 --steps 30 --rounds 5
     python benchmarks/vs_torch.py --batch-size 8 --steps 8 --rounds 3
+    python benchmarks/vs_torch.py --scaling-sizes 48,96,160 --steps 20 --rounds 3   # the scaling sweep's models
+
+``--scaling-sizes`` times the ``separate`` model of each size of ``experiments/scaling.py`` (its batch, context,
+depth and heads; the config is written to a temporary config.json that both processes read).
 """
 
 from __future__ import annotations
@@ -59,6 +63,33 @@ def compare(config: str, batch_size: int, steps: int, rounds: int, log=print) ->
     }
 
 
+def scaling_sizes(sizes: list[int], steps: int, rounds: int, json_path: str | None) -> int:
+    """One row per size of the scaling protocol: its ``separate`` model at its batch and context."""
+    import tempfile
+
+    sys.path.insert(0, str(REPO))
+    from experiments.scaling import BATCH, SHARED_LR, size_config
+    from qkvjax.models.lm import param_count
+    from qkvjax.train.config import DataConfig, to_json
+
+    print(f"{time.strftime('%Y-%m-%d %H:%M')} | scaling sizes {sizes}, batch {BATCH} | {rounds} rounds")
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for d in sizes:
+            cfg = size_config(d, "separate", SHARED_LR, 0, tokens=10**6, data=DataConfig())
+            path = Path(tmp) / f"d{d}.json"
+            path.write_text(to_json(cfg))
+            out = compare(str(path), BATCH, steps, rounds)
+            rows.append({"d_model": d, "params": param_count(cfg.model), "batch_size": BATCH, "seq_len": cfg.seq_len,
+                         **out})  # fmt: skip
+            print(f"d={d} ({rows[-1]['params']:,} params): qkvjax {out['qkvjax_tokens_per_s']:,.0f} tok/s, PyTorch "
+                  f"{out['torch_tokens_per_s']:,.0f} tok/s: x{out['x_torch']:.2f} (rounds {out['x_torch_min']:.2f}.."
+                  f"{out['x_torch_max']:.2f})", flush=True)  # fmt: skip
+    if json_path:
+        Path(json_path).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "rows": rows}, indent=2) + "\n")
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default=str(REPO / "experiments/configs/shakespeare_char.py"))
@@ -66,7 +97,10 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=10, help="timed steps per process")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--json", default=None)
+    p.add_argument("--scaling-sizes", default=None, help="comma-separated d_model of experiments/scaling.py's sizes")
     args = p.parse_args(argv)
+    if args.scaling_sizes:
+        return scaling_sizes([int(x) for x in args.scaling_sizes.split(",")], args.steps, args.rounds, args.json)
     print(f"{time.strftime('%Y-%m-%d %H:%M')} | {args.config} batch {args.batch_size} | {args.rounds} rounds")
     out = compare(args.config, args.batch_size, args.steps, args.rounds)
     print(
