@@ -155,14 +155,19 @@ def _convert(args: argparse.Namespace) -> int:
     from qkvjax.workdir import load_config
 
     errors: list[float] = []
-    out = convert_workdir(args.workdir, args.out, args.to, args.num_kv_heads, args.step, args.rank, errors)
+    out = convert_workdir(args.workdir, args.out, args.to, args.num_kv_heads, args.step, args.rank, errors, args.cla)
     what = (
         f"rank {args.rank} keeps [W^K, W^V] to a relative error |W - W_R|_F / |W|_F"
         if args.rank is not None
         else "K = V keeps the value-output maps W^V W^O to a relative error"
     )
-    for i, error in enumerate(errors):
+    for i, error in enumerate(e for e in errors if not isinstance(e, tuple)):
         print(f"layer {i}: {what} = {error:.4f}")
+    for reader, donor, key_error, value_error in (e for e in errors if isinstance(e, tuple)):
+        print(
+            f"layer {reader} reads layer {donor}'s K/V: relative error of its keys {key_error:.4f}, of its "
+            f"value-output maps {value_error:.4f} (weights only: it now attends over layer {donor}'s input)"
+        )
     before, after = (kv_cache_bytes_per_token(load_config(w).model) for w in (args.workdir, out))
     print(f"KV cache: {before:,} -> {after:,} bytes per token ({after / before:.2f}x)")
     print(
@@ -443,7 +448,7 @@ def build_parser(preset=None) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(func=_info)
 
-    p = sub.add_parser("convert", help="convert a checkpoint to another scheme (bilinear, mla) or fewer kv heads")
+    p = sub.add_parser("convert", help="convert a checkpoint: another scheme (bilinear, shared_kv, mla), GQA, CLA")
     p.add_argument("--workdir", required=True, help="the run to convert")
     p.add_argument("--out", required=True, help="a new workdir for the converted checkpoint")
     p.add_argument("--to", default=None, help="target scheme (bilinear: exact; mla: truncated SVD, needs --rank)")
@@ -451,6 +456,9 @@ def build_parser(preset=None) -> argparse.ArgumentParser:
         "--rank", type=int, default=None, help="latent rank R of --to mla (full rank min(D, K(H+Hv)) is exact)"
     )
     p.add_argument("--num-kv-heads", type=int, default=None, help="mean-pool kv heads to K (GQA/MQA)")
+    p.add_argument(
+        "--cla", type=int, default=None, metavar="G", help="Cross-Layer Attention: groups of G layers share K/V"
+    )
     p.add_argument("--step", type=int, default=None, help="checkpoint step (None: the newest)")
     p.set_defaults(func=_convert)
 

@@ -17,6 +17,15 @@
   The reported relative error is ``sqrt(sum_n |(W^K C - W^V) W^O_n|_F^2 / sum_n |W^V W^O_n|_F^2)``. A value bias
   ``b_v`` becomes ``b_k C`` plus a constant that attention weights (summing to 1) pass to the output bias.
 
+* ``cross_layer`` (least squares, under the assumption that adjacent layers see similar inputs): Cross-Layer
+  Attention (Brandon et al. 2024) in groups of G layers, the first of each group keeping its K/V and the others
+  reading them. A reader's keys become ``k_d B`` with ``B = argmin |W^K_d B - W^K_i|_F`` (per kv head), absorbed
+  into its queries (``W^Q_i <- W^Q_i B^T``), and its values ``v_d C`` with ``C = argmin |W^V_d C - W^V_i|_F``,
+  absorbed into ``W^O``. A key bias's mismatch adds a constant per query to every score (softmax ignores it); a
+  value bias's goes to the output bias. The reported errors are of the weights alone (keys; value-output maps as
+  for K = V): the reader now attends over its donor's *input*, a lower layer's residual stream, which no weight
+  error measures -- the loss does.
+
 All read the scheme's data (which group makes q, k, v), so they work for every scheme whose groups allow it.
 """
 
@@ -142,6 +151,54 @@ def shared_kv_attention_params(att: dict, cfg: AttentionConfig) -> tuple[dict, f
     return out, float(error)
 
 
+def _lstsq_heads(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Per head j, ``argmin_X |a[:, j] X - b[:, j]|_F``: (D, K, H), (D, K, H') -> (K, H, H')."""
+    return np.stack([np.linalg.lstsq(a[:, j], b[:, j], rcond=None)[0] for j in range(a.shape[1])])
+
+
+def cross_layer_attention_params(att: dict, donor: dict, cfg: AttentionConfig) -> tuple[dict, float, float]:
+    """A layer's parameters when it reads ``donor``'s keys and values instead of its own (least squares, see the
+    module docstring), and the relative errors of its keys and of its value-output maps."""
+    scheme = cfg.tying
+    if scheme.group_of("k") != "k" or scheme.group_of("v") != "v" or scheme.normalize_keys or scheme.mask_self:
+        raise ValueError(f"scheme {cfg.scheme!r} has no separate W^K and W^V to share across layers")
+    fixed = [f for f in ("rope", "qk_norm", "v_norm") if getattr(cfg, f)]
+    if fixed or (cfg.use_bias and not cfg.has_output_bias):
+        what = f"{fixed[0]}=True" if fixed else "value biases without an output bias"
+        raise ValueError(f"{what}: the least-squares cross-layer map cannot carry it; convert a model without it")
+    f64 = lambda name, tree=att: np.asarray(tree[name], np.float64)  # noqa: E731
+    g = cfg.group_size
+    b = np.repeat(_lstsq_heads(f64("w_k", donor), f64("w_k")), g, axis=0)  # (N, H, H): k_i ~ k_d B
+    c = np.repeat(_lstsq_heads(f64("w_v", donor), f64("w_v")), g, axis=0)  # (N, Hv, Hv): v_i ~ v_d C
+    w_o = f64("w_o")
+    key_error = np.linalg.norm(np.einsum("DKG,KGH->DKH", f64("w_k", donor), b[::g]) - f64("w_k")) / np.linalg.norm(
+        f64("w_k")
+    )
+    per_head = lambda w: np.repeat(w, g, axis=1)  # noqa: E731 (D, K, .) -> (D, N, .)
+    residual = np.einsum("DKU,KUV->DKV", f64("w_v", donor), c[::g]) - f64("w_v")
+    value_error = np.sqrt(
+        np.sum(np.einsum("DNV,NVE->NDE", per_head(residual), w_o) ** 2)
+        / np.sum(np.einsum("DNV,NVE->NDE", per_head(f64("w_v")), w_o) ** 2)
+    )
+    dtype = att["w_o"].dtype
+    out = {
+        "w_q": jnp.asarray(np.einsum("DNH,NGH->DNG", f64("w_q"), b), dtype),  # q . (k_d B) = (B q) . k_d
+        "w_o": jnp.asarray(np.einsum("NUV,NVD->NUD", c, w_o), dtype),
+    }
+    if cfg.use_bias:
+        out["b_q"] = jnp.asarray(np.einsum("NH,NGH->NG", f64("b_q"), b), dtype)
+        shift = f64("b_v") - np.einsum("KU,KUV->KV", f64("b_v", donor), c[::g])  # passes through the softmax
+        out["b_o"] = jnp.asarray(f64("b_o") + np.einsum("NV,NVD->D", np.repeat(shift, g, 0), w_o), dtype)
+    elif "b_o" in att:
+        out["b_o"] = att["b_o"]
+    return out, float(key_error), float(value_error)
+
+
+def cross_layer_pattern(scheme: str, group: int) -> str:
+    """The layer pattern of CLA in groups of ``group``: ``(S, [kv_from=-1], ..., [kv_from=-(G-1)])*``."""
+    return "(" + ", ".join([scheme] + [f"[kv_from=-{j}]" for j in range(1, group)]) + ")*"
+
+
 def latent_config(cfg: AttentionConfig, rank: int) -> AttentionConfig:
     """The ``mla`` config that :func:`latent_attention_params` fills: rank ``rank``, no latent norm, no rotary."""
     return dataclasses.replace(cfg, scheme="mla", kv_rank=rank, latent_norm=False, q_rank=None, rope_head_dim=None)
@@ -154,9 +211,12 @@ def convert(
     num_kv_heads: int | None = None,
     rank: int | None = None,
     errors: list | None = None,
+    cross_layer: int | None = None,
 ):
     """(new config, new params) with the scheme ``to`` and/or ``num_kv_heads`` changed; ``rank`` is the latent
-    rank of ``to="mla"``, whose relative approximation error per layer is appended to ``errors`` if given."""
+    rank of ``to="mla"``, whose relative approximation error per layer is appended to ``errors`` if given.
+    ``cross_layer`` G: CLA in groups of G layers (last), appending (reader, donor, key error, value-output error)
+    per reading layer to ``errors``."""
     att_cfg = model.attention
     if att_cfg.tying.latent:
         raise ValueError(f"this run's scheme {att_cfg.scheme!r} is latent (MLA); convert starts from a plain scheme "
@@ -198,7 +258,29 @@ def convert(
                 errors.append(error)
             new[layer] = block
         att_cfg = latent_config(att_cfg, rank) if target.latent else dataclasses.replace(att_cfg, scheme=to)
-    return dataclasses.replace(model, attention=att_cfg), new
+    out = dataclasses.replace(model, attention=att_cfg)
+    if cross_layer is not None:
+        out, new = _cross_layer(out, new, cross_layer, errors)
+    return out, new
+
+
+def _cross_layer(model, params: dict, group: int, errors: list | None):
+    layers = _attention_layers(params)
+    if isinstance(group, bool) or not isinstance(group, int) or group < 2 or len(layers) % group:
+        raise ValueError(f"--cla {group!r}; allowed: an integer >= 2 dividing the {len(layers)} layers")
+    new = dict(params)
+    for i in range(len(layers)):
+        donor = i - i % group
+        if donor == i:
+            continue
+        block = dict(new[f"block_{i}"])
+        block["attention"], key_error, value_error = cross_layer_attention_params(
+            params[f"block_{i}"]["attention"], params[f"block_{donor}"]["attention"], model.attention
+        )
+        new[f"block_{i}"] = block
+        if errors is not None:
+            errors.append((i, donor, key_error, value_error))
+    return dataclasses.replace(model, layers=cross_layer_pattern(model.attention.scheme, group)), new
 
 
 def convert_workdir(
@@ -209,6 +291,7 @@ def convert_workdir(
     step: int | None = None,
     rank: int | None = None,
     errors: list | None = None,
+    cross_layer: int | None = None,
 ) -> str:
     """Writes a new workdir whose checkpoint holds the converted params (fresh optimizer state, same step and
     data position), so ``qkvjax eval`` / ``sample`` / ``train`` (to uptrain) all work on it. ``errors``: as in
@@ -220,13 +303,13 @@ def convert_workdir(
     from qkvjax.train.state import TrainState, make_optimizer
     from qkvjax.workdir import CONFIG_FILE, export_params, path, write_text
 
-    if to is None and num_kv_heads is None:
-        raise ValueError("nothing to convert: pass --to SCHEME and/or --num-kv-heads K")
+    if to is None and num_kv_heads is None and cross_layer is None:
+        raise ValueError("nothing to convert: pass --to SCHEME, --num-kv-heads K and/or --cla G")
     out = os.fspath(path(out))
     if (path(out) / CONFIG_FILE).exists():
         raise ValueError(f"--out {out} already holds a run; choose an empty directory")
     _, params, config, step = restore_params(workdir, step)
-    model_cfg, new_params = convert(config.model, params, to, num_kv_heads, rank, errors)
+    model_cfg, new_params = convert(config.model, params, to, num_kv_heads, rank, errors, cross_layer)
     config = dataclasses.replace(config, model=model_cfg)
     path(out).mkdir(parents=True, exist_ok=True)
     tokenizer = path(workdir) / TOKENIZER

@@ -279,3 +279,14 @@ def test_every_cli_option_is_documented_with_its_default(capsys):
     with pytest.raises(SystemExit):
         parser.parse_args(["--version"])
     assert capsys.readouterr().out.strip() == f"qkvjax {qkvjax.__version__}"
+
+
+def test_convert_cli_to_k_equals_v_and_to_cla_prints_errors_and_the_cache_saved(run, tmp_path, capsys):
+    for flags, line in ((["--to=shared_kv"], "layer 0: K = V keeps the value-output maps W^V W^O to a relative "),
+                        (["--cla=2"], "layer 1 reads layer 0's K/V: relative error of its keys ")):  # fmt: skip
+        out = tmp_path / flags[0].strip("-").replace("=", "_")
+        assert run_in_process(["convert", f"--workdir={run}", f"--out={out}", *flags]) == 0
+        printed = capsys.readouterr().out
+        assert line in printed and "KV cache: " in printed and "(0.50x)" in printed
+        assert run_in_process(["eval", f"--workdir={out}"]) == 0  # the converted run restores and evaluates
+        assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["loss"] > 0

@@ -79,3 +79,39 @@ def test_a_scheme_without_separate_k_and_v_is_refused():
     )
     with pytest.raises(ValueError, match="scheme 'shared_qk' has no separate W\\^K and W\\^V to merge"):
         convert(config, _params(config), to="shared_kv")
+
+
+@pytest.mark.parametrize(("kv_heads", "use_bias"), [(None, True), (1, False)])
+def test_cross_layer_reader_is_exact_on_the_same_input_when_its_kv_lie_in_the_donors_span(kv_heads, use_bias):
+    """A reader whose W^K, W^V are the donor's times invertible maps computes, on the donor's input, what it
+    computed with its own K/V; the model-level conversion halves the cache and yields the pattern's tree."""
+    from qkvjax.attention import Attention
+    from qkvjax.convert import cross_layer_attention_params
+
+    config = _model(kv_heads, use_bias)
+    att_cfg = config.attention
+    params = _params(config)
+    donor, reader = params["block_0"]["attention"], dict(params["block_1"]["attention"])
+    rng = np.random.default_rng(5)
+    h = att_cfg.head_dim
+    for name in ("w_k", "w_v"):
+        maps = rng.standard_normal((donor[name].shape[1], h, h)).astype(np.float32) + 2 * np.eye(h, dtype=np.float32)
+        reader[name] = np.einsum("DKH,KHE->DKE", donor[name], maps)
+    new, key_error, value_error = cross_layer_attention_params(reader, donor, att_cfg)
+    assert key_error < 1e-5 and value_error < 1e-5
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((2, 7, 15)), jnp.float32)
+    own = Attention(att_cfg).apply({"params": reader}, x, causal=True)
+    _, kv = Attention(att_cfg).apply({"params": donor}, x, causal=True, return_kv=True)
+    shared = Attention(att_cfg).apply({"params": new}, x, kv=kv, causal=True)
+    np.testing.assert_allclose(shared, own, atol=2e-4 * float(jnp.abs(own).max()))
+
+    errors = []
+    new_config, new_params = convert(config, params, num_kv_heads=None, errors=errors, cross_layer=2)
+    assert new_config.layers == "(separate, [kv_from=-1])*" and [e[:2] for e in errors] == [(1, 0)]
+    assert 0.1 < errors[0][2] and 0.1 < errors[0][3]  # random weights: far from one another
+    assert kv_cache_bytes_per_token(new_config) * 2 == kv_cache_bytes_per_token(config)
+    tokens = jnp.zeros((1, 3), jnp.int32)
+    want = jax.tree.map(np.shape, nn.meta.unbox(DecoderLM(new_config).init(jax.random.key(0), tokens)["params"]))
+    assert jax.tree.map(np.shape, new_params) == want
+    with pytest.raises(ValueError, match="--cla 3; allowed: an integer >= 2 dividing the 2 layers"):
+        convert(config, params, cross_layer=3)
