@@ -277,11 +277,10 @@ def drift_stats(params: dict, initial: dict) -> dict:
     out = {}
     for name, kernels in initial.items():
         for k, w0 in kernels.items():
-            xp = _xp(w0, params[name]["attention"][k])
             w = params[name]["attention"][k]
-            out[f"drift/{k}/layer_{name.removeprefix('block_')}"] = xp.linalg.norm((w - w0).ravel()) / xp.linalg.norm(
-                w0.ravel()
-            )
+            xp = _xp(w0, w)
+            relative = xp.linalg.norm((w - w0).ravel()) / xp.linalg.norm(w0.ravel())
+            out[f"drift/{k}/layer_{name.removeprefix('block_')}"] = relative
     return out
 
 

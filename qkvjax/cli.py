@@ -219,7 +219,8 @@ def _analyze(args: argparse.Namespace) -> int:
         layers, source, initial, drift = load_workdir(args.workdir, args.step, with_initial=True)
     else:
         layers = load_safetensors(args.safetensors, args.format, args.num_heads, args.num_kv_heads)
-        source, initial, drift = f"{os.path.basename(args.safetensors)} ({args.format})", None, None
+        name = args.label or os.path.basename(args.safetensors)
+        source, initial, drift = f"{name} ({args.format})", None, None
     report = analyze_layers(layers, source, args.seed, args.random_seeds, initial, drift)
     print(format_report(report))
     if args.json:
@@ -473,6 +474,7 @@ def build_parser(preset=None) -> argparse.ArgumentParser:
     p.add_argument("--step", type=int, default=None, help="checkpoint step of --workdir (default: the newest)")
     p.add_argument("--safetensors", default=None, help="a .safetensors file in the nn.Linear [out, in] convention")
     p.add_argument("--format", default=None, choices=["bert", "gpt2", "llama"], help="tensor layout of --safetensors")
+    p.add_argument("--label", default=None, help="what to call --safetensors in the report (default: its file name)")
     p.add_argument("--num-heads", type=int, default=None, help="N (default: from config.json beside the file)")
     p.add_argument("--num-kv-heads", type=int, default=None, help="K for llama (default: config.json, else N)")
     p.add_argument("--json", default=None, help="write the report as JSON here")

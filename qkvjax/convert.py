@@ -120,6 +120,19 @@ def latent_attention_params(att: dict, cfg: AttentionConfig, rank: int) -> tuple
     return out, error
 
 
+def _lstsq_heads(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Per head j, ``argmin_X |a[:, j] X - b[:, j]|_F``: (D, K, H), (D, K, H') -> (K, H, H')."""
+    return np.stack([np.linalg.lstsq(a[:, j], b[:, j], rcond=None)[0] for j in range(a.shape[1])])
+
+
+def _value_output_error(approx_v: np.ndarray, w_v: np.ndarray, w_o: np.ndarray, g: int) -> float:
+    """``sqrt(sum_n |(V' - W^V) W^O_n|_F^2 / sum_n |W^V W^O_n|_F^2)`` over query heads n (kv head n // G);
+    ``approx_v``, ``w_v``: (D, K, Hv), ``w_o``: (N, Hv, D)."""
+    per_head = lambda w: np.repeat(w, g, axis=1)  # noqa: E731 (D, K, .) -> (D, N, .)
+    ov = lambda w: np.einsum("DNV,NVE->NDE", per_head(w), w_o)  # noqa: E731
+    return float(np.sqrt(np.sum(ov(approx_v - w_v) ** 2) / np.sum(ov(w_v) ** 2)))
+
+
 def shared_kv_attention_params(att: dict, cfg: AttentionConfig) -> tuple[dict, float]:
     """One layer's parameters as ``shared_kv``'s (keys kept, values least-squares through the keys) and the
     relative error of its value-output maps."""
@@ -132,15 +145,10 @@ def shared_kv_attention_params(att: dict, cfg: AttentionConfig) -> tuple[dict, f
     w_k = np.asarray(att["w_k"], np.float64)  # (D, K, H)
     w_v = np.asarray(att["w_v"], np.float64)  # (D, K, Hv)
     w_o = np.asarray(att["w_o"], np.float64)  # (N, Hv, D)
-    k, g = cfg.kv_heads, cfg.group_size
-    c = np.stack([np.linalg.lstsq(w_k[:, j], w_v[:, j], rcond=None)[0] for j in range(k)])  # (K, H, Hv)
+    g = cfg.group_size
+    c = _lstsq_heads(w_k, w_v)  # (K, H, Hv)
     c_n = np.repeat(c, g, axis=0)  # KHV -> NHV: query head n reads kv head n // G
-    residual = np.einsum("DKH,KHV->DKV", w_k, c) - w_v
-    per_head = lambda w: np.repeat(w, g, axis=1)  # noqa: E731 (D, K, .) -> (D, N, .)
-    error = np.sqrt(
-        np.sum(np.einsum("DNV,NVE->NDE", per_head(residual), w_o) ** 2)
-        / np.sum(np.einsum("DNV,NVE->NDE", per_head(w_v), w_o) ** 2)
-    )
+    error = _value_output_error(np.einsum("DKH,KHV->DKV", w_k, c), w_v, w_o, g)
     dtype = att["w_o"].dtype
     out = {"w_q": att["w_q"], "w_kv": att["w_k"], "w_o": jnp.asarray(np.einsum("NHV,NVD->NHD", c_n, w_o), dtype)}
     if cfg.use_bias:
@@ -149,11 +157,6 @@ def shared_kv_attention_params(att: dict, cfg: AttentionConfig) -> tuple[dict, f
         out |= {"b_q": att["b_q"], "b_kv": att["b_k"]}
         out["b_o"] = jnp.asarray(np.asarray(att["b_o"]) + np.einsum("NV,NVD->D", np.repeat(shift, g, 0), w_o), dtype)
     return out, float(error)
-
-
-def _lstsq_heads(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Per head j, ``argmin_X |a[:, j] X - b[:, j]|_F``: (D, K, H), (D, K, H') -> (K, H, H')."""
-    return np.stack([np.linalg.lstsq(a[:, j], b[:, j], rcond=None)[0] for j in range(a.shape[1])])
 
 
 def cross_layer_attention_params(att: dict, donor: dict, cfg: AttentionConfig) -> tuple[dict, float, float]:
@@ -174,12 +177,7 @@ def cross_layer_attention_params(att: dict, donor: dict, cfg: AttentionConfig) -
     key_error = np.linalg.norm(np.einsum("DKG,KGH->DKH", f64("w_k", donor), b[::g]) - f64("w_k")) / np.linalg.norm(
         f64("w_k")
     )
-    per_head = lambda w: np.repeat(w, g, axis=1)  # noqa: E731 (D, K, .) -> (D, N, .)
-    residual = np.einsum("DKU,KUV->DKV", f64("w_v", donor), c[::g]) - f64("w_v")
-    value_error = np.sqrt(
-        np.sum(np.einsum("DNV,NVE->NDE", per_head(residual), w_o) ** 2)
-        / np.sum(np.einsum("DNV,NVE->NDE", per_head(f64("w_v")), w_o) ** 2)
-    )
+    value_error = _value_output_error(np.einsum("DKU,KUV->DKV", f64("w_v", donor), c[::g]), f64("w_v"), w_o, g)
     dtype = att["w_o"].dtype
     out = {
         "w_q": jnp.asarray(np.einsum("DNH,NGH->DNG", f64("w_q"), b), dtype),  # q . (k_d B) = (B q) . k_d
@@ -301,7 +299,7 @@ def convert_workdir(
     from qkvjax.train import checkpoint
     from qkvjax.train.config import to_dict, to_json
     from qkvjax.train.state import TrainState, make_optimizer
-    from qkvjax.workdir import CONFIG_FILE, export_params, path, write_text
+    from qkvjax.workdir import CONFIG_FILE, export_params, params_only, path, write_text
 
     if to is None and num_kv_heads is None and cross_layer is None:
         raise ValueError("nothing to convert: pass --to SCHEME, --num-kv-heads K and/or --cla G")
@@ -315,7 +313,7 @@ def convert_workdir(
     tokenizer = path(workdir) / TOKENIZER
     if tokenizer.exists():  # an imported model's: data.tokenizer names it relative to the workdir
         (path(out) / TOKENIZER).write_bytes(tokenizer.read_bytes())
-    if not (path(workdir) / "checkpoints").is_dir():  # params only (an imported model): the same out
+    if params_only(workdir):  # an imported model: params only out too
         export_params(out, step, new_params)
         write_text(path(out) / CONFIG_FILE, to_json(config))
         return out

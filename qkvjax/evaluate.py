@@ -18,7 +18,7 @@ from qkvjax.train.config import Config, MeshConfig, from_dict
 from qkvjax.train.mesh import batch_sharding, make_mesh
 from qkvjax.train.state import abstract_state, make_optimizer
 from qkvjax.train.step import make_eval_step, mean_loss
-from qkvjax.workdir import CONFIG_FILE, exported_steps, load_config, path, restore_exported
+from qkvjax.workdir import CONFIG_FILE, exported_steps, load_config, params_only, path, restore_exported
 
 
 def resolve_step(workdir: str, step: int | None) -> tuple[Config, object, int]:
@@ -59,7 +59,7 @@ def restore_params(workdir: str, step: int | None = None, mesh=None):
     is skipped (with a warning) for the newest one that restores; any other failure to read stops. A workdir
     without checkpoints but with params-only copies (``qkvjax import``) restores those."""
     mesh = mesh or make_mesh(MeshConfig(data=-1, fsdp=1, tensor=1))
-    if not (path(workdir) / "checkpoints").is_dir() and exported_steps(workdir):
+    if params_only(workdir):
         return _restore_exported(workdir, step, mesh)
     _, mngr, chosen = resolve_step(workdir, step)
     candidates = [chosen] if step is not None else sorted((s for s in mngr.all_steps() if s <= chosen), reverse=True)

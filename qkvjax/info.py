@@ -16,7 +16,7 @@ from qkvjax.evaluate import resolve_step
 from qkvjax.models.lm import DecoderLM, param_count
 from qkvjax.train import checkpoint
 from qkvjax.train.config import to_dict
-from qkvjax.workdir import exported_steps, load_config, path, read_metrics
+from qkvjax.workdir import exported_steps, load_config, params_only, path, read_metrics
 
 
 def _size(folder: epath.Path) -> int:
@@ -37,7 +37,7 @@ def parameter_breakdown(params) -> dict[str, int]:
 
 def describe(workdir: str) -> dict:
     """A JSON-able summary of a training run's workdir."""
-    if not (path(workdir) / "checkpoints").is_dir() and exported_steps(workdir):  # imported: params only
+    if params_only(workdir):  # imported, not trained here yet
         config, folders = load_config(workdir), [path(workdir) / "params" / str(s) for s in exported_steps(workdir)]
     else:
         config, mngr, _ = resolve_step(workdir, None)

@@ -108,6 +108,11 @@ def exported_steps(workdir) -> list[int]:
     return sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit())
 
 
+def params_only(workdir) -> bool:
+    """A workdir holding params-only copies and no checkpoint: an imported model not trained here yet."""
+    return not (path(workdir) / "checkpoints").is_dir() and bool(exported_steps(workdir))
+
+
 def restore_exported(workdir, step: int, target):
     """The params-only copy of ``step``, laid out as ``target`` (a tree of ``jax.ShapeDtypeStruct`` with shardings):
     strict, so params of another model fail rather than load in part."""

@@ -26,7 +26,11 @@ try:
 except ImportError:
     if os.environ.get("CI") == "true":
         raise ImportError("CI=true but transformers/torch are missing: pip install -e '.[dev,bench,hf]'") from None
-    pytest.skip("transformers and torch are the optional hf and bench extras", allow_module_level=True)
+    pytest.skip(
+        "the reference models need transformers and torch, the optional hf and bench extras "
+        "(pip install -e '.[bench,hf]'; CI installs them)",
+        allow_module_level=True,
+    )
 
 V, T = 41, 9  # vocabulary, sequence length: odd and distinct from every model width below
 LENGTHS = (9, 6)  # row 1 is right-padded after 6 tokens

@@ -236,6 +236,10 @@ class AttentionConfig:
         return max(1, self.head_dim // 2) if self.rope_head_dim is None else self.rope_head_dim
 
     @property
+    def rope_interleaved(self) -> bool:
+        return self.rope_layout == "interleaved"
+
+    @property
     def has_output_bias(self) -> bool:
         """Whether ``w_o`` has a bias ``b_o``: ``output_bias``, or ``use_bias`` when that is None."""
         return self.use_bias if self.output_bias is None else self.output_bias

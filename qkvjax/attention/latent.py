@@ -82,14 +82,13 @@ class LatentAttention(AttentionModule):
         if hr:
             w_q_rope = self._kernel(f"w_q_rope{up}", (q_in.shape[-1], n, hr), (q_axis, heads, hd), 0, (1, 2))
             w_k_rope = self._kernel("w_k_rope", (d, hr), (axes.EMBED, hd), 0, 1)
-            inter = cfg.rope_layout == "interleaved"
             q_rope = jnp.einsum("BTC,CNH->BTNH", q_in, w_q_rope)
-            q_rope = core.rotary(q_rope, jnp.broadcast_to(q_pos, (b, t)), cfg.rope_base, 1, inter)
+            q_rope = core.rotary(q_rope, jnp.broadcast_to(q_pos, (b, t)), cfg.rope_base, 1, cfg.rope_interleaved)
             if call.cache is not None:  # the new keys' positions are the queries'
                 k_pos = q_pos
             k_rope = jnp.einsum("BSD,DH->BSH", x_kv, w_k_rope)[:, :, None]  # BSH -> BS1H, one head for all
             k_pos = jnp.broadcast_to(k_pos, k_rope.shape[:2])
-            fresh["k_rope"] = core.rotary(k_rope, k_pos, cfg.rope_base, 1, inter)[:, :, 0]
+            fresh["k_rope"] = core.rotary(k_rope, k_pos, cfg.rope_base, 1, cfg.rope_interleaved)[:, :, 0]
 
         # 3. cache: the latents (and rotated rotary keys) are what a row keeps
         side = KV.fresh(fresh) if call.cache is None else write(call.cache, fresh, t)

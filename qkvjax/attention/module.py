@@ -89,7 +89,7 @@ class Finishing:
             k = core.unit_length(k)
         if cfg.rope:
             pos = jnp.broadcast_to(pos, (k.shape[0], k.shape[seq_axis]))
-            k = core.rotary(k, pos, cfg.rope_base, seq_axis, cfg.rope_layout == "interleaved")
+            k = core.rotary(k, pos, cfg.rope_base, seq_axis, cfg.rope_interleaved)
         return k
 
     def queries(self, q: Array, pos: Array) -> Array:
@@ -98,7 +98,7 @@ class Finishing:
             q = core.rms_norm(q, self.norm_scale["q"])
         if self.config.rope:
             cfg = self.config
-            q = core.rotary(q, jnp.broadcast_to(pos, q.shape[:2]), cfg.rope_base, 1, cfg.rope_layout == "interleaved")
+            q = core.rotary(q, jnp.broadcast_to(pos, q.shape[:2]), cfg.rope_base, 1, cfg.rope_interleaved)
         if self.temperature is not None:  # q.k exp(tau_n): the score's scale per head, free of |q|
             q = (q.astype(jnp.float32) * jnp.exp(self.temperature)[None, None, :, None]).astype(q.dtype)
         return q

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import shutil
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -44,13 +45,7 @@ def expected_shapes(config) -> dict[str, tuple[int, ...]]:
     """'block_0/attention/w_q' -> shape, of the parameters the module creates (traced, nothing computed)."""
     tokens = jnp.zeros((1, 1), jnp.int32)
     abstract = jax.eval_shape(lambda: model_of(config).init(jax.random.PRNGKey(0), tokens))["params"]
-    return {_path(p): tuple(v.shape) for p, v in jax.tree_util.tree_leaves_with_path(_unbox(abstract))}
-
-
-def _unbox(tree):
-    import flax.linen as nn
-
-    return nn.meta.unbox(tree)
+    return {_path(p): tuple(v.shape) for p, v in jax.tree_util.tree_leaves_with_path(nn.meta.unbox(abstract))}
 
 
 def _path(path) -> str:
@@ -112,14 +107,15 @@ def import_folder(folder: str, workdir: str, max_len: int | None = None):
 def export_workdir(workdir: str, folder: str, fmt: str | None = None, step: int | None = None) -> str:
     """Writes a workdir's model (its newest checkpoint, or ``step``) as a Hugging Face folder; returns the format."""
     from qkvjax.evaluate import restore_params
-    from qkvjax.workdir import path
+    from qkvjax.workdir import load_config, path
 
-    _, params, config, _ = restore_params(workdir, step)
-    fmt = fmt or infer_format(config.model)
-    check_exportable(config.model, fmt)
+    model = load_config(workdir).model  # every refusal before anything is restored (resume keeps the model)
+    fmt = fmt or infer_format(model)
+    check_exportable(model, fmt)
     if os.path.exists(os.path.join(folder, "config.json")):
         raise ValueError(f"{folder} already holds a model; choose an empty directory")
-    hf, tensors = EXPORTERS[fmt](config.model, jax.tree.map(np.asarray, _unbox(params)))
+    _, params, config, _ = restore_params(workdir, step)
+    hf, tensors = EXPORTERS[fmt](config.model, jax.tree.map(np.asarray, nn.meta.unbox(params)))
     write_folder(folder, hf, tensors)
     tokenizer = path(workdir) / TOKENIZER
     if config.data.tokenizer and tokenizer.exists():

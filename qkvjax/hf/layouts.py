@@ -34,6 +34,12 @@ def _refuse(hf: dict, field: str, allowed, why: str) -> None:
         raise ValueError(f"config.json {field}={value!r}: {why}; allowed: {list(allowed)}")
 
 
+def _fixed_table(max_len: int | None, rows: int, model: str) -> None:
+    """A learned position table fixes the context: ``--max-len`` may only repeat it."""
+    if max_len not in (None, rows):
+        raise ValueError(f"--max-len {max_len}: {model}'s position table has {rows} rows; allowed: {rows}")
+
+
 def _heads(w: np.ndarray, heads: int) -> np.ndarray:
     """(D, heads * H) -> (D, heads, H)."""
     return w.reshape(w.shape[0], heads, -1)
@@ -46,8 +52,7 @@ def gpt2_config(hf: dict, max_len: int | None = None) -> ModelConfig:
     _refuse(hf, "scale_attn_by_inverse_layer_idx", (False,), "scores scaled by 1 / layer index are not modelled")
     _refuse(hf, "activation_function", tuple(GPT2_ACTIVATIONS), "an MLP activation qkvjax does not have")
     d, n = hf["n_embd"], hf["n_head"]
-    if max_len not in (None, hf["n_positions"]):
-        raise ValueError(f"--max-len {max_len}: GPT-2's position table has n_positions={hf['n_positions']} rows")
+    _fixed_table(max_len, hf["n_positions"], "GPT-2")
     return ModelConfig(
         attention=AttentionConfig(num_heads=n, head_dim=d // n, use_bias=True),
         vocab_size=hf["vocab_size"],
@@ -189,8 +194,7 @@ def bert_config(hf: dict, max_len: int | None = None) -> EncoderConfig:
     _refuse(hf, "position_embedding_type", ("absolute",), "relative position embeddings are not modelled")
     _refuse(hf, "hidden_act", tuple(BERT_ACTIVATIONS), "an MLP activation qkvjax does not have")
     d, n = hf["hidden_size"], hf["num_attention_heads"]
-    if max_len not in (None, hf["max_position_embeddings"]):
-        raise ValueError(f"--max-len {max_len}: BERT's position table has {hf['max_position_embeddings']} rows")
+    _fixed_table(max_len, hf["max_position_embeddings"], "BERT")
     return EncoderConfig(
         attention=AttentionConfig(num_heads=n, head_dim=d // n, use_bias=True),
         vocab_size=hf["vocab_size"],

@@ -1,11 +1,10 @@
 """A bidirectional encoder with a per-token classification head (the synthetic probes) or none (BERT's hidden
 states, ``num_classes=0``).
 
-``h_0 = E[x] (+ P)``, then the LM's blocks without a causal mask, ``logits = LN(h_L) W_cls``
-(Devlin et al. 2019's encoder, token-level head; the family's norm placement, :mod:`qkvjax.models.family`).
-Any tying scheme and head sharing; positions are learned
-absolute embeddings, rotary (``attention.rope``, Su et al. 2021), both, or none (the model is then
-permutation-equivariant: permuting the tokens permutes the outputs).
+``h_0 = E[x] (+ P)``, then the LM's blocks without a causal mask, ``logits = LN(h_L) W_cls`` (Devlin et al.
+2019's encoder, token-level head; the norms where :mod:`qkvjax.models.family` puts them). Any tying scheme and
+head sharing; positions are learned absolute embeddings, rotary (``attention.rope``, Su et al. 2021), both, or
+none (the model is then permutation-equivariant: permuting the tokens permutes the outputs).
 """
 
 from __future__ import annotations

@@ -76,6 +76,11 @@ def _backward(eps, dtype, residuals, dy):
 layer_norm.defvjp(_forward, _backward)
 
 
+def _feature_param(module: nn.Module, name: str, init, x: Array) -> Array:
+    """A (D,) parameter of a norm over ``x``'s last axis (logical axis ``embed``)."""
+    return module.param(name, nn.with_logical_partitioning(init, (axes.EMBED,)), (x.shape[-1],), module.param_dtype)
+
+
 class LayerNorm(nn.Module):
     """:func:`layer_norm` with a learned ``scale: (D,)`` (logical axis ``embed``), initialised to ones, and with
     ``use_bias`` a learned ``bias: (D,)`` added after it (GPT-2's and BERT's LayerNorm).
@@ -94,12 +99,9 @@ class LayerNorm(nn.Module):
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
-        init = nn.with_logical_partitioning(nn.initializers.ones, (axes.EMBED,))
-        scale = self.param("scale", init, (x.shape[-1],), self.param_dtype)
-        y = layer_norm(x, scale, self.epsilon, self.dtype)
+        y = layer_norm(x, _feature_param(self, "scale", nn.initializers.ones, x), self.epsilon, self.dtype)
         if self.use_bias:
-            zeros = nn.with_logical_partitioning(nn.initializers.zeros, (axes.EMBED,))
-            y = y + _lead(self.param("bias", zeros, (x.shape[-1],), self.param_dtype).astype(y.dtype), x.ndim)
+            y = y + _lead(_feature_param(self, "bias", nn.initializers.zeros, x).astype(y.dtype), x.ndim)
         return y
 
 
@@ -120,8 +122,7 @@ class RMSNorm(nn.Module):
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
-        init = nn.with_logical_partitioning(nn.initializers.ones, (axes.EMBED,))
-        scale = self.param("scale", init, (x.shape[-1],), self.param_dtype)
+        scale = _feature_param(self, "scale", nn.initializers.ones, x)
         ct = _compute_dtype(x)
         xc = x.astype(ct)
         y = xc * jax.lax.rsqrt(jnp.mean(jnp.square(xc), axis=-1, keepdims=True) + self.epsilon)

@@ -10,7 +10,7 @@ import jax
 from qkvjax.data.pipeline import check_corpus
 from qkvjax.train.config import Config, TrainConfig, from_dict, to_dict
 from qkvjax.train.state import learning_rate_schedule
-from qkvjax.workdir import CONFIG_FILE, DAMAGED_DIR, METRICS_FILE, exported_steps, path
+from qkvjax.workdir import CONFIG_FILE, DAMAGED_DIR, METRICS_FILE, params_only, path
 
 # What may change between runs on one workdir: cadence, length and layout, not the experiment itself.
 RESUMABLE_CHANGES = {
@@ -58,7 +58,7 @@ def check_workdir(workdir, config: Config, overwrite: bool) -> None:
         old = _flatten(_as_now(json.loads((workdir / CONFIG_FILE).read_text())))
     new = _flatten(to_dict(config))
     diff = sorted(k for k in set(old) | set(new) if k not in RESUMABLE_CHANGES and old.get(k) != new.get(k))
-    if not (workdir / "checkpoints").is_dir() and exported_steps(workdir):
+    if params_only(workdir):
         # imported (or exported) params and no run yet: any data and training settings, but the same model
         diff = [k for k in diff if k.startswith("model.")]
     if old and diff and not overwrite:

@@ -272,9 +272,9 @@ def _train(config: Config, workdir: epath.Path, overwrite: bool, lock: WorkdirLo
     if config.data.tokenizer is not None:  # byte-level text is checked against the vocabulary by check_splits
         check_vocab(tokenizer, config.model.vocab_size)
     # bits per byte from a loss per token: x tokens / bytes of the split (1 for byte-level text)
-    per_byte = {k: v for k, v in tokenize_splits(splits, tokenizer).items()}
-    tokens_per_byte = {k: len(per_byte[k]) / max(1, len(splits[k])) for k in splits}
-    splits = per_byte
+    tokens = tokenize_splits(splits, tokenizer)
+    tokens_per_byte = {k: len(tokens[k]) / max(1, len(splits[k])) for k in splits}
+    splits = tokens
     check_splits(splits, config)
 
     mngr = checkpoint.manager(workdir, tc.max_to_keep)
