@@ -2,7 +2,7 @@
 
     python experiments/compare_schemes.py --out DIR [--preset cpu|gpu] [--schemes a,b,...] [--seeds 0,1,2]
         [--matchings width,params,kv_cache] [--steps N] [--corpus FILE] [--config FILE]
-        [--row NAME=KEY=VALUE;KEY=VALUE ...]
+        [--row NAME=KEY=VALUE;KEY=VALUE ...] [--rows FILE] [--plan-only]
 
 Matchings (each a column of the results):
   width     the preset's d_model and heads for every scheme; tied schemes have fewer parameters.
@@ -19,7 +19,9 @@ Rows (``--row``, repeatable) are models stated outright rather than matched: a n
 overrides, e.g. ``--row "cla2=model.layers=(separate, [kv_from=-1])*"`` or ``--row "kv_norms=model.attention.
 scheme=shared_kv;model.attention.qk_norm=true;model.attention.v_norm=true"``; they are reported under the matching
 ``given`` with the parameters and cache bytes of their own accounting (a row named ``separate``, with no
-overrides, is the reference of the Δ column). With ``--row`` and no ``--schemes``, only the rows run.
+overrides, is the reference of the Δ column). ``--rows FILE`` reads such lines from a file (``#`` comments, e.g.
+``experiments/configs/rows_*.txt``). With rows and no ``--schemes``, only the rows run. ``--plan-only`` prints the
+runs to go and their estimated wall time (printed before every sweep too) and trains nothing.
 
 Each run trains through the library's own loop (a real workdir under ``DIR/runs/``, real checkpoints), then is
 evaluated on the whole validation split. A finished run appends one row to ``DIR/runs.csv`` and its curve to
@@ -39,18 +41,19 @@ import json
 import os
 import platform
 import shlex
+import statistics
 import sys
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from experiments import report
+from experiments import budget, report
 from qkvjax.attention import SCHEMES, attention_cost
 from qkvjax.models.lm import kv_cache_bytes_per_token, param_count
 from qkvjax.train.config import Config, apply_overrides, from_dict, load_config_file, to_dict
 from qkvjax.train.loop import Interrupted
-from qkvjax.workdir import training_clock
+from qkvjax.workdir import learning_curve
 
 REPO = Path(__file__).resolve().parents[1]
 MATCHINGS = ("width", "params", "kv_cache")
@@ -244,15 +247,18 @@ def _drop_curve(path: Path, run: Run) -> None:
 
 
 def curve_rows(run: Run, train_records: list[dict], eval_records: list[dict]) -> list[dict]:
-    """One row per logged step; ``wall_s`` is training time only (:func:`qkvjax.workdir.training_clock`)."""
+    """One row per logged or evaluated step; ``wall_s`` is training time only (:func:`qkvjax.workdir.
+    learning_curve`); a loss the step did not record is left empty."""
     tokens_per_step = run.config.train.batch_size * run.config.seq_len
-    val = {r["step"]: r["loss"] for r in eval_records}
-    clock = training_clock(train_records, tokens_per_step)
     return [
-        {"scheme": run.scheme, "matching": run.matching, "seed": run.seed, "step": r["step"],
-         "wall_s": round(wall, 3), "train_loss": r["loss"], "val_loss": val.get(r["step"], "")}
-        for r, wall in zip(train_records, clock, strict=True)
+        {"scheme": run.scheme, "matching": run.matching, "seed": run.seed, "step": p["step"],
+         "wall_s": round(p["wall_s"], 3), "train_loss": _blank(p["train_loss"]), "val_loss": _blank(p["val_loss"])}
+        for p in learning_curve(train_records, eval_records, tokens_per_step)
     ]  # fmt: skip
+
+
+def _blank(value):
+    return "" if value is None else value
 
 
 def run_row(run: Run, result: dict, curve: list[dict], train_records: list[dict]) -> dict:
@@ -340,9 +346,10 @@ def sweep(args) -> Path:
 
     out = Path(args.out)
     base = base_config(args)
-    rows = dict(args.row or [])
-    if len(rows) != len(args.row or []):
-        raise ValueError(f"--row names repeat: {[name for name, _ in args.row]}")
+    rows: dict[str, dict[str, str]] = {}
+    for name, overrides in [*args.rows, *(args.row or [])]:  # a row may repeat (two files), never differ
+        if rows.setdefault(name, overrides) != overrides:
+            raise ValueError(f"--row/--rows {name!r} is given twice, differently: {rows[name]} and {overrides}")
     schemes = args.schemes or ([] if rows else DEFAULT_SCHEMES)
     runs, notes = plan(
         base, schemes, args.seeds, args.matchings, strict=bool(args.schemes), kv_fraction=args.kv_fraction, rows=rows
@@ -354,6 +361,9 @@ def sweep(args) -> Path:
     done = {(r["scheme"], r["matching"], r["seed"]) for r in read_csv(runs_csv)}
     todo = [r for r in runs if (r.scheme, r.matching, str(r.seed)) not in done]
     print(f"{len(runs)} runs in the sweep, {len(runs) - len(todo)} already finished, {len(todo)} to go")
+    print_bill(out, base, todo)
+    if args.plan_only:
+        return out
     peak = base.train.peak_flops or (measure_peak_flops(base.model.attention.dtype) if todo else None)
     for i, run in enumerate(todo, 1):
         print(f"--- [{i}/{len(todo)}] {run.matching} {run.scheme} seed {run.seed} ({run.name})", flush=True)
@@ -368,6 +378,36 @@ def sweep(args) -> Path:
         _append(runs_csv, RUN_COLUMNS, [run_row(run, result, curve, train_records)])
     report.write_report(out)
     return out
+
+
+def print_bill(out: Path, base: Config, todo: list[Run]) -> float:
+    """Runs to go x minutes per run, per (matching, scheme), from the base model's tokens/s (a probe of its train
+    step, kept in ``probe.json`` for reruns) scaled by each model's FLOPs per token."""
+    if not todo:
+        return 0.0
+    cache_file = out / "probe.json"
+    cache = json.loads(cache_file.read_text()) if cache_file.exists() else {}
+    key = json.dumps(to_dict(dataclasses.replace(base, seed=0))["model"], sort_keys=True)
+    if key not in cache:
+        cache[key] = budget.probe(base)
+        cache_file.write_text(json.dumps(cache, indent=2) + "\n")
+    tokens_per_s, source = cache[key], "a probe of its train step, kept in probe.json"
+    print(f"the base model trains at {tokens_per_s:,.0f} tokens/s ({source}); each run scaled by its FLOPs per token")
+    groups: dict[tuple[str, str], list[float]] = {}
+    configs = {}
+    for run in todo:
+        groups.setdefault((run.matching, run.scheme), []).append(budget.run_seconds(run.config, tokens_per_s, base))
+        configs[run.matching, run.scheme] = run.config
+    full = kv_cache_bytes(_with_attention(base, scheme="separate", num_kv_heads=None))
+    for (matching, scheme), seconds in groups.items():
+        config = configs[matching, scheme]
+        print(
+            f"  {matching:8s} {scheme:24s} {len(seconds)} runs x ~{budget.hms(statistics.mean(seconds)):7s} "
+            f"{param_count(config.model):>10,} params, KV cache {kv_cache_bytes(config) / full:.3g} x separate's"
+        )
+    total = sum(sum(v) for v in groups.values())
+    print(f"estimated wall time of what is left: ~{budget.hms(total)}", flush=True)
+    return total
 
 
 def _csv_list(kind):
@@ -397,6 +437,16 @@ def _row(text: str) -> tuple[str, dict[str, str]]:
     return name.strip(), overrides
 
 
+def _rows_file(path: str) -> list[tuple[str, dict[str, str]]]:
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as e:
+        raise argparse.ArgumentTypeError(
+            f"--rows {path!r}: {e.strerror}; allowed: a text file of NAME=KEY=VALUE;..."
+        ) from None
+    return [_row(line.split("#", 1)[0].strip()) for line in lines if line.split("#", 1)[0].strip()]
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="results folder: runs.csv, curves.csv, summary.md, plots, runs/")
@@ -415,6 +465,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME=KEY=VALUE;...",
         help="a model stated outright (repeatable): config overrides separated by ';', reported under 'given'",
     )
+    p.add_argument(
+        "--rows",
+        type=_rows_file,
+        action="extend",
+        default=[],
+        metavar="FILE",
+        help="--row lines from a file (one per line, NAME=KEY=VALUE;...; '#' starts a comment); repeatable",
+    )
     p.add_argument("--seeds", type=_csv_list(int), default=[0, 1, 2], help="default: 0,1,2")
     p.add_argument("--matchings", type=_csv_list(str), default=list(MATCHINGS), help="default: width,params,kv_cache")
     p.add_argument("--kv-fraction", type=float, default=0.5, help="kv_cache matching's budget x separate's (0.5)")
@@ -422,6 +480,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--corpus", default=None, help="any UTF-8 text file instead of Tiny Shakespeare")
     p.add_argument("--source-path", default=None, help="local Tiny Shakespeare (default: ../shared's copy if any)")
     p.add_argument("--data-dir", default=None, help="TFDS data_dir (default: the config's)")
+    p.add_argument("--plan-only", action="store_true", help="print the runs to go and their bill, train nothing")
     return p
 
 

@@ -48,11 +48,12 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from experiments.compare_schemes import _append, _csv_list, read_csv
+from experiments import budget
+from experiments.compare_schemes import _append, _blank, _csv_list, read_csv
 from qkvjax.models.lm import kv_cache_bytes_per_token, param_count
 from qkvjax.train.config import AttentionConfig, Config, DataConfig, ModelConfig, TrainConfig
 from qkvjax.train.loop import Interrupted
-from qkvjax.workdir import training_clock
+from qkvjax.workdir import learning_curve
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_CORPUS = REPO.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
@@ -82,7 +83,6 @@ RUN_COLUMNS = (
 )  # fmt: skip
 CURVE_COLUMNS = ("run", "step", "tokens", "wall_s", "train_loss", "val_loss")
 PROTOCOL_FILE = "protocol.json"
-OVERHEAD_S = 25.0  # per run: compiling, the final evaluation over the whole split, checkpoints
 
 
 def size_config(d_model: int, variant: str, learning_rate: float, seed: int, tokens: int, data: DataConfig,
@@ -227,30 +227,6 @@ def _corpus(path: str, args) -> tuple[str, DataConfig]:
 # Budget: measured tokens/s per size (finished runs, else a probe of the train step), then the runs' sum.
 
 
-def probe_tokens_per_s(config: Config, steps: int = 4) -> float:
-    """Tokens/s of ``config``'s jitted train step on random bytes, after one compiling step."""
-    import jax
-    import numpy as np
-
-    from qkvjax.models.lm import DecoderLM
-    from qkvjax.train.state import create_state, make_optimizer
-    from qkvjax.train.step import make_train_step
-
-    model, tx = DecoderLM(config.model), make_optimizer(config.train)
-    state = create_state(model, config, tx, None)
-    step = jax.jit(make_train_step(model, tx, 1), donate_argnums=0)
-    rng = np.random.default_rng(0)
-    shape = (config.train.batch_size, config.seq_len)
-    batch = {k: jax.numpy.asarray(rng.integers(0, 256, shape, dtype=np.int32)) for k in ("inputs", "targets")}
-    state, metrics = step(state, batch)
-    jax.block_until_ready(metrics)
-    start = time.perf_counter()
-    for _ in range(steps):
-        state, metrics = step(state, batch)
-    jax.block_until_ready(metrics)
-    return steps * config.train.batch_size * config.seq_len / (time.perf_counter() - start)
-
-
 def speeds(sweep: Sweep) -> dict[int, float]:
     """Tokens/s per size: the median of finished runs, else a probe (kept in ``probe.json`` for reruns)."""
     cache_file = sweep.out / "probe.json"
@@ -263,15 +239,14 @@ def speeds(sweep: Sweep) -> dict[int, float]:
             continue
         key = f"d{size}-L{sweep.args.layers}-T{sweep.args.context}"
         if key not in cache:
-            cache[key] = probe_tokens_per_s(sweep.run("lr-small", "primary", size, "separate", 1e-3, 0).config)
+            cache[key] = budget.probe(sweep.run("lr-small", "primary", size, "separate", 1e-3, 0).config)
             cache_file.write_text(json.dumps(cache, indent=2) + "\n")
         out[size] = cache[key]
     return out
 
 
 def estimate_s(run: Run, tokens_per_s: dict[int, float]) -> float:
-    c = run.config
-    return c.train.num_steps * c.train.batch_size * c.seq_len / tokens_per_s[run.size] + OVERHEAD_S
+    return budget.run_seconds(run.config, tokens_per_s[run.size])
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -322,11 +297,9 @@ def finish_row(run: Run, workdir: Path, result: dict, train_bytes: int) -> tuple
     train_records, eval_records = read_metrics(str(workdir))
     c = run.config
     tokens_per_step = c.train.batch_size * c.seq_len
-    clock = training_clock(train_records, tokens_per_step)
-    val = {r["step"]: r["loss"] for r in eval_records}
-    curve = [{"run": run.name, "step": r["step"], "tokens": r["step"] * tokens_per_step, "wall_s": round(w, 3),
-              "train_loss": r["loss"], "val_loss": val.get(r["step"], "")}
-             for r, w in zip(train_records, clock, strict=True)]  # fmt: skip
+    curve = [{"run": run.name, "step": p["step"], "tokens": p["step"] * tokens_per_step,
+              "wall_s": round(p["wall_s"], 3), "train_loss": _blank(p["train_loss"]), "val_loss": _blank(p["val_loss"])}
+             for p in learning_curve(train_records, eval_records, tokens_per_step)]  # fmt: skip
     measured = sorted(r["tokens_per_s"] for r in train_records if r.get("tokens_per_s"))
     tokens = c.train.num_steps * tokens_per_step
     params = param_count(c.model)
@@ -347,10 +320,6 @@ def finish_row(run: Run, workdir: Path, result: dict, train_bytes: int) -> tuple
     return row, curve
 
 
-def _hms(seconds: float) -> str:
-    return f"{seconds / 3600:.1f} h" if seconds >= 5400 else f"{seconds / 60:.0f} min"
-
-
 def print_plan(sweep: Sweep, stages, rates: dict[int, float]) -> float:
     total = 0.0
     print("tokens/s per size (measured): " + ", ".join(f"d{s}: {v:,.0f}" for s, v in rates.items()))
@@ -361,11 +330,11 @@ def print_plan(sweep: Sweep, stages, rates: dict[int, float]) -> float:
         sizes = sorted({r.size for r in runs})
         tokens = sorted({r.config.train.num_steps * r.config.train.batch_size * r.config.seq_len for r in runs})
         print(f"  {stage:9s} {len(runs):3d} runs to go (sizes {sizes}, {tokens[-1] if tokens else 0:,} tokens "
-              f"each at most): ~{_hms(seconds)}" + (" (rates chosen when the sweeps finish)" if any(
+              f"each at most): ~{budget.hms(seconds)}" + (" (rates chosen when the sweeps finish)" if any(
                   math.isnan(r.learning_rate) for r in runs) else ""))  # fmt: skip
     if sweep.corpora["second"] is None and "corpus2" in stages:
         print(f"  corpus2: no second corpus ({SECOND_CORPUS} absent): build it with experiments/build_corpus.py")
-    print(f"estimated wall time of what is left: ~{_hms(total)}", flush=True)
+    print(f"estimated wall time of what is left: ~{budget.hms(total)}", flush=True)
     return total
 
 
@@ -389,9 +358,9 @@ def main_sweep(args) -> Path:
                 break
             run = runs[0]
             eta = estimate_s(run, rates)
-            rest = _hms(max(left - (time.monotonic() - started), eta))
+            rest = budget.hms(max(left - (time.monotonic() - started), eta))
             print(f"--- {stage} [{len(runs)} left in stage] {run.name}: {run.config.train.num_steps} steps, "
-                  f"~{_hms(eta)}; sweep ~{rest} left", flush=True)  # fmt: skip
+                  f"~{budget.hms(eta)}; sweep ~{rest} left", flush=True)  # fmt: skip
             peak = peak or measure_peak_flops(run.config.model.attention.dtype)
             config = dataclasses.replace(run.config, train=dataclasses.replace(run.config.train, peak_flops=peak))
             workdir = sweep.out / "runs" / run.name
@@ -406,6 +375,30 @@ def main_sweep(args) -> Path:
             sweep.rows.append({k: str(v) for k, v in row.items()})
     print(f"sweep finished: {len(sweep.rows)} runs in {sweep.out / 'runs.csv'}")
     return sweep.out
+
+
+def rebuild_curves(out: Path) -> int:
+    """Rewrites ``curves.csv`` (atomically) from the metrics of every finished run's workdir, so curves written
+    before evaluations between logged steps were kept gain them. Run it with the sweep stopped."""
+    from qkvjax.workdir import load_config, read_metrics
+
+    rows, curve = read_csv(out / "runs.csv"), []
+    for row in rows:
+        workdir = out / "runs" / row["run"]
+        if not (workdir / "metrics.jsonl").exists():
+            raise ValueError(f"{workdir} has no metrics.jsonl: its curve cannot be rebuilt (nothing was written)")
+        c = load_config(workdir)
+        tokens_per_step = c.train.batch_size * c.seq_len
+        train_records, eval_records = read_metrics(str(workdir))
+        curve += [{"run": row["run"], "step": p["step"], "tokens": p["step"] * tokens_per_step,
+                   "wall_s": round(p["wall_s"], 3), "train_loss": _blank(p["train_loss"]),
+                   "val_loss": _blank(p["val_loss"])}
+                  for p in learning_curve(train_records, eval_records, tokens_per_step)]  # fmt: skip
+    tmp = out / "curves.csv.tmp"
+    tmp.unlink(missing_ok=True)
+    _append(tmp, CURVE_COLUMNS, curve)
+    os.replace(tmp, out / "curves.csv")
+    return len(rows)
 
 
 def _drop_curve(path: Path, run: Run) -> None:
@@ -449,6 +442,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--source-path", default=None, help="local Tiny Shakespeare (default: ../shared's copy)")
     p.add_argument("--data-dir", default="~/tensorflow_datasets", help="TFDS data_dir")
     p.add_argument("--plan-only", action="store_true", help="print the plan and the estimate, train nothing")
+    p.add_argument("--rebuild-curves", action="store_true", help="rewrite curves.csv from the runs' workdirs")
     return p
 
 
@@ -473,6 +467,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         check_args(args)
+        if args.rebuild_curves:
+            print(f"scaling: rebuilt the curves of {rebuild_curves(Path(args.out))} runs in {args.out}/curves.csv")
+            return 0
         main_sweep(args)
     except Interrupted as e:  # the run in progress saved its checkpoint; no row for it: rerun to continue
         print(f"scaling: {e}", file=sys.stderr)

@@ -10,7 +10,7 @@ import os
 import statistics
 
 from qkvjax.models.lm import kv_cache_bytes_per_token, param_count
-from qkvjax.workdir import load_config, path, read_metrics, training_clock
+from qkvjax.workdir import learning_curve, load_config, path, read_metrics
 
 COLUMNS = (
     ("run", "run", "{}"),
@@ -37,8 +37,7 @@ def summarize(workdir: str) -> dict:
     steps = train[-1]["step"] if train else 0
     vals = [r["loss"] for r in evals if r.get("loss") is not None]
     speeds = [r["tokens_per_s"] for r in train if r.get("tokens_per_s")]
-    clock = training_clock(train, tokens_per_step)
-    at_step = dict(zip((r["step"] for r in train), clock, strict=True))
+    points = learning_curve(train, evals, tokens_per_step)
     return {
         "run": path(workdir).name,
         "workdir": os.fspath(path(workdir)),
@@ -53,15 +52,9 @@ def summarize(workdir: str) -> dict:
         "last_val_loss": vals[-1] if vals else None,
         "bits_per_byte": evals[-1].get("bits_per_byte") if evals else None,
         "tokens_per_s": statistics.median(speeds) if speeds else None,
-        "curve": [
-            {"step": r["step"], "wall_s": at_step.get(r["step"]), "val_loss": r.get("loss")}
-            for r in evals
-            if r.get("loss") is not None
-        ],
+        "curve": [{k: p[k] for k in ("step", "wall_s", "val_loss")} for p in points if p["val_loss"] is not None],
         "train_curve": [
-            {"step": r["step"], "wall_s": at_step.get(r["step"]), "train_loss": r["loss"]}
-            for r in train
-            if r.get("loss") is not None
+            {k: p[k] for k in ("step", "wall_s", "train_loss")} for p in points if p["train_loss"] is not None
         ],
     }
 

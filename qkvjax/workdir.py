@@ -262,3 +262,28 @@ def training_clock(train_records: list[dict], tokens_per_step: int) -> list[floa
         prev = r["step"]
         clock.append(wall)
     return clock
+
+
+def learning_curve(train_records: list[dict], eval_records: list[dict], tokens_per_step: int) -> list[dict]:
+    """One point per step that was logged or evaluated, in step order: ``step``, ``wall_s`` (training seconds so
+    far, :func:`training_clock`), ``train_loss`` and ``val_loss`` (None where that step had no such record).
+
+    Evaluations need not fall on logged steps (``eval_every`` need not be a multiple of ``log_every``): an
+    evaluation between two training records is placed on the clock at the rate of the interval that holds it."""
+    clock = training_clock(train_records, tokens_per_step)
+    points = {r["step"]: {"step": r["step"], "wall_s": w, "train_loss": r.get("loss"), "val_loss": None}
+              for r, w in zip(train_records, clock, strict=True)}  # fmt: skip
+    logged = sorted(points)
+    for r in eval_records:
+        if r.get("loss") is None:
+            continue
+        step = r["step"]
+        if step not in points:
+            before = [s for s in logged if s < step]
+            after = next((t for t in train_records if t["step"] > step), None)
+            wall = points[before[-1]]["wall_s"] if before else 0.0
+            if after is not None and after.get("tokens_per_s"):
+                wall += (step - (before[-1] if before else 0)) * tokens_per_step / after["tokens_per_s"]
+            points[step] = {"step": step, "wall_s": wall, "train_loss": None, "val_loss": None}
+        points[step]["val_loss"] = r["loss"]
+    return [points[s] for s in sorted(points)]

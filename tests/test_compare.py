@@ -156,3 +156,23 @@ def test_rows_stated_outright_run_as_given_with_their_own_accounting(tmp_path, s
     capsys.readouterr()
     assert compare_schemes.main(args) == 0
     assert "2 runs in the sweep, 2 already finished, 0 to go" in capsys.readouterr().out
+
+
+def test_rows_files_and_plan_only_print_the_bill_and_train_nothing(tmp_path, small_text, data_dir, capsys):
+    first, second = tmp_path / "a.txt", tmp_path / "b.txt"
+    first.write_text("# two rows\nseparate=\nkv_half=model.attention.num_kv_heads=1  # GQA\n")
+    second.write_text("separate=\n\ncla2=model.layers=(separate, [kv_from=-1])*\n")
+    out = tmp_path / "plan"
+    args = _args(out, small_text, data_dir, "--rows", str(first), "--rows", str(second), "--seeds", "0,1")
+    assert compare_schemes.main([*args, "--plan-only"]) == 0
+    printed = capsys.readouterr().out
+    assert "6 runs in the sweep, 0 already finished, 6 to go" in printed
+    lines = {line.split()[1]: line for line in printed.splitlines() if line.startswith("  given ")}
+    assert set(lines) == {"separate", "kv_half", "cla2"}
+    assert "2 runs x ~" in lines["cla2"] and "KV cache 0.5 x separate's" in lines["cla2"]
+    assert "KV cache 1 x separate's" in lines["separate"]
+    assert "estimated wall time of what is left: ~" in printed
+    assert not (out / "runs.csv").exists() and not (out / "runs").exists()
+    second.write_text("separate=model.attention.scheme=shared_kv\n")
+    assert compare_schemes.main([*args, "--plan-only"]) == 2
+    assert "'separate' is given twice, differently" in capsys.readouterr().err

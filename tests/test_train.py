@@ -261,3 +261,44 @@ def test_a_run_written_before_a_config_field_existed_still_resumes(tmp_path):
         check_workdir(tmp_path, changed, overwrite=False)
     with pytest.raises(ValueError, match=r"model\.family\.norm"):
         check_resume(old, changed, 0, overwrite=False)
+
+
+def test_evaluations_between_logged_steps_keep_their_place_on_the_curve_and_out_of_the_throughput(
+    tmp_path, corpus, data_dir
+):
+    """eval_every need not divide by log_every: every evaluation is on the curve, at a training time between its
+    neighbours' (it used to be dropped, and the clock restarted after it, so the next interval's tokens/s
+    counted steps it had not timed)."""
+    from qkvjax.workdir import learning_curve, read_metrics
+
+    w = tmp_path / "run"
+    overrides = {"train.num_steps": 9, "train.log_every": 3, "train.eval_every": 2, "train.eval_batches": 2}
+    assert run_in_process(train_args(w, corpus, data_dir, **overrides)) == 0
+    train_records, eval_records = read_metrics(str(w))
+    assert [r["step"] for r in train_records] == [3, 6, 9]
+    assert [r["step"] for r in eval_records] == [2, 4, 6, 8, 9]
+    points = learning_curve(train_records, eval_records, tokens_per_step=7)
+    assert [p["step"] for p in points] == [2, 3, 4, 6, 8, 9]
+    assert [p["step"] for p in points if p["val_loss"] is not None] == [2, 4, 6, 8, 9]
+    assert [p["step"] for p in points if p["train_loss"] is not None] == [3, 6, 9]
+    walls = [p["wall_s"] for p in points]
+    assert walls == sorted(walls) and walls[-1] > walls[2] > 0  # steps 1-3 compile: their clock starts at 0
+
+
+def test_learning_curve_places_an_evaluation_at_its_interval_s_rate():
+    from qkvjax.workdir import learning_curve
+
+    train_records = [
+        {"step": 5, "loss": 3.0},  # the compiling interval: no rate, so no time
+        {"step": 10, "loss": 2.5, "tokens_per_s": 50.0},
+        {"step": 15, "loss": 2.0, "tokens_per_s": 25.0},
+    ]
+    evals = [{"step": 7, "loss": 2.9}, {"step": 13, "loss": 2.1}, {"step": 15, "loss": 1.9}]
+    points = learning_curve(train_records, evals, tokens_per_step=10)
+    assert [(p["step"], p["wall_s"], p["train_loss"], p["val_loss"]) for p in points] == [
+        (5, 0.0, 3.0, None),
+        (7, 0.4, None, 2.9),  # 2 steps x 10 tokens at 50 tok/s
+        (10, 1.0, 2.5, None),
+        (13, 2.2, None, 2.1),  # + 3 x 10 at 25 tok/s
+        (15, 3.0, 2.0, 1.9),
+    ]

@@ -394,7 +394,7 @@ def _train(config: Config, workdir: epath.Path, overwrite: bool, lock: WorkdirLo
         )
 
     record: dict = {}
-    first_step, start_time = step, time.perf_counter()
+    first_step, start_time, paused_s = step, time.perf_counter(), 0.0
     try:
         with _Preemption() as preemption:
             while step < tc.num_steps:
@@ -405,13 +405,13 @@ def _train(config: Config, workdir: epath.Path, overwrite: bool, lock: WorkdirLo
                 if step == first_step + 1:  # the first call compiles: keep it out of the throughput
                     jax.block_until_ready(metrics)
                     compile_s = time.perf_counter() - start_time
-                    last_time, last_step = time.perf_counter(), step
+                    last_time, last_step, paused_s = time.perf_counter(), step, 0.0
                     progress.message(f"compiled and ran the first step in {compile_s:.1f}s")
                 if step % tc.log_every == 0 or step == tc.num_steps:
                     check_finite()
                     lock.refresh()
                     metrics = jax.device_get(par.unreplicate(metrics) if par.mesh is None else metrics)
-                    now = time.perf_counter()
+                    now = time.perf_counter() - paused_s
                     steps_timed = step - last_step
                     record = {
                         "step": step,
@@ -429,14 +429,18 @@ def _train(config: Config, workdir: epath.Path, overwrite: bool, lock: WorkdirLo
                         record["compile_s"] = compile_s
                     writer.write(record)
                     progress.log(record)
-                    last_time, last_step = time.perf_counter(), step
+                    last_time, last_step, paused_s = time.perf_counter(), step, 0.0
                 if step % tc.eval_every == 0 or step == tc.num_steps:
                     check_finite()
+                    # Evaluation time is not training throughput; the steps dispatched before it still are, so
+                    # they finish first. An evaluation between two log records pauses the clock, not resets it.
+                    jax.block_until_ready(state)
+                    eval_start = time.perf_counter()
                     ev = evaluate(state.params)
                     writer.write({"step": step, "eval": True, **ev})
                     progress.evaluated(step, ev)
                     writer.flush()
-                    last_time = time.perf_counter()  # evaluation time is not training throughput
+                    paused_s += time.perf_counter() - eval_start
                 if step % tc.checkpoint_every == 0 or step == tc.num_steps or preemption.requested:
                     check_finite()
                     save(state, step)
