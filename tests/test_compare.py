@@ -127,6 +127,7 @@ def test_bad_arguments_fail_before_training(tmp_path, small_text, data_dir, caps
     assert not out.exists()
 
 
+@pytest.mark.slow  # ~20 s: trains two rows (rows files and the bill stay in CI) (out of CI for time: pytest -m slow)
 def test_rows_stated_outright_run_as_given_with_their_own_accounting(tmp_path, small_text, data_dir, capsys):
     """Layer patterns and options per row (CLA, K = V with Gemma's norms): params and cache bytes equal the
     accounting of each row's own config; a rerun trains nothing."""

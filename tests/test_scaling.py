@@ -54,6 +54,7 @@ def _rows(out):
         return list(csv.DictReader(f))
 
 
+@pytest.mark.slow  # ~50 s: trains, kills and resumes a real sweep (out of CI for time: pytest -m slow)
 def test_the_sweep_end_to_end_survives_a_sigkill_and_resumes(tmp_path, small_text, data_dir):
     """3 sizes x 2 schemes x 1 seed at a tiny budget; SIGKILL while the second run has a checkpoint; the rerun
     keeps the finished row, resumes the killed run from its checkpoint and finishes the rest."""

@@ -22,9 +22,15 @@ from qkvjax.train.config import Config, DataConfig  # noqa: E402
 D_MODEL, LEARNING_RATE, TOKENS_PER_PARAM = 96, 4e-3, 10.0
 
 
-def get_config() -> Config:
+def config_at(d_model: int, learning_rate: float, evaluations: int = 50) -> Config:
+    """``separate`` at width ``d_model`` as the scaling protocol trains it, evaluated ``evaluations`` times."""
     data = DataConfig(dataset="tiny_shakespeare")
-    probe = size_config(D_MODEL, "separate", LEARNING_RATE, 0, 1, data)
+    probe = size_config(d_model, "separate", learning_rate, 0, 1, data)
     tokens = round(TOKENS_PER_PARAM * param_count(probe.model))
-    config = size_config(D_MODEL, "separate", LEARNING_RATE, 0, tokens, data)
-    return dataclasses.replace(config, train=dataclasses.replace(config.train, eval_every=47))
+    config = size_config(d_model, "separate", learning_rate, 0, tokens, data)
+    every = -(-config.train.num_steps // evaluations)  # ceil: 47 at the middle size
+    return dataclasses.replace(config, train=dataclasses.replace(config.train, eval_every=every))
+
+
+def get_config() -> Config:
+    return config_at(D_MODEL, LEARNING_RATE)
