@@ -1,0 +1,236 @@
+"""Tables and plots of the mechanism studies (``compare_schemes.py --rows``; experiments/README.md, questions 3, 4).
+
+    python experiments/mechanisms_report.py DIR [--rows experiments/configs/rows_reformer.txt ...]
+
+Each rows file is one study (its rows in the file's order; a row may sit in several, ``separate`` in all). Writes
+``DIR/mechanisms.md``: per study a table of the final whole-split validation loss (mean ± sample std over seeds),
+the paired difference to ``separate`` with its 95% t interval and whether it is inside the seed spread (as
+``report.py``), the paired difference to the row that a ``# reference: NAME`` line of the rows file names
+(``shared_qk`` for Reformer's parts), and the early phase: the difference to ``separate`` at a few early
+evaluations (mean over seeds) and the last evaluation at which the row was still ahead of ``separate``. Plots per
+study: ``DIR/<study>_delta.png``, the difference to ``separate`` at every evaluation (the early steps and the
+whole run), and where a study's rows differ in cache, ``DIR/<study>_cache.png``, final loss against cache size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import math
+import statistics
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from experiments import report
+from experiments.compare_schemes import _rows_file
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_ROWS = [REPO / "experiments/configs/rows_reformer.txt", REPO / "experiments/configs/rows_equal_cache.txt"]
+EARLY_EVALUATIONS = 3  # the early phase's columns: the first few evaluations after the first
+EARLY_FRACTION = 0.3  # the early panel of the plots: this much of the run
+
+
+def val_curves(curves: list[dict]) -> dict[str, dict[int, dict[int, float]]]:
+    """scheme -> seed -> step -> validation loss."""
+    out: dict = collections.defaultdict(lambda: collections.defaultdict(dict))
+    for c in curves:
+        if c["matching"] == "given" and c["val_loss"] != "":
+            out[c["scheme"]][int(c["seed"])][int(c["step"])] = float(c["val_loss"])
+    return out
+
+
+def delta_curve(curves, scheme: str, reference: str = "separate") -> tuple[list[int], list[list[float]]]:
+    """Steps evaluated in every paired seed, and per seed the difference scheme - reference at each."""
+    a, b = curves.get(scheme, {}), curves.get(reference, {})
+    seeds = sorted(set(a) & set(b))
+    if not seeds:
+        return [], []
+    steps = sorted(set.intersection(*(set(a[s]) & set(b[s]) for s in seeds)))
+    return steps, [[a[s][t] - b[s][t] for t in steps] for s in seeds]
+
+
+def paired(rows: list[dict], scheme: str, reference: str) -> tuple[float, int] | None:
+    by = {(r["scheme"], int(r["seed"])): float(r["final_val_loss"]) for r in rows}
+    diffs = [by[scheme, s] - by[reference, s] for (n, s) in by if n == scheme and (reference, s) in by]
+    return (statistics.fmean(diffs), len(diffs)) if diffs else None
+
+
+def study_markdown(
+    name: str, order: list[str], own: str | None, entries: dict, rows: list[dict], curves, full: int
+) -> list[str]:
+    steps_all = sorted({t for seeds in curves.values() for s in seeds.values() for t in s})
+    early = steps_all[1 : 1 + EARLY_EVALUATIONS]
+    header = (
+        f"| row | params | KV cache x separate | seeds | val loss | Δ vs separate | 95% interval | inside spread | "
+        f"Δ vs {own or '—'} | " + " | ".join(f"Δ sep. @{t}" for t in early) + " | last step ahead of separate |"
+    )
+    lines = [f"## {name}", "", header, "|" + "---|" * (9 + len(early) + 1)]
+    for scheme in order:
+        e = entries.get(scheme)
+        if e is None:
+            lines.append(f"| {scheme} | | | 0 | not run yet |" + " |" * (5 + len(early)))
+            continue
+        std = "" if math.isnan(e["std"]) else f" ± {e['std']:.4f}"
+        if "delta" in e:
+            delta = f"{e['delta']:+.4f}"
+            ci = f"[{e['delta_ci'][0]:+.4f}, {e['delta_ci'][1]:+.4f}]" if "delta_ci" in e else "n/a (1 seed)"
+            inside = ("yes" if e["inside_spread"] else "**no**") if "inside_spread" in e else "n/a"
+        else:
+            delta = ci = inside = "—"
+        vs_own = paired(rows, scheme, own) if own and scheme not in ("separate", own) else None
+        vs_own = f"{vs_own[0]:+.4f} (n={vs_own[1]})" if vs_own else "—"
+        steps, deltas = delta_curve(curves, scheme)
+        means = [statistics.fmean(col) for col in zip(*deltas, strict=True)]
+        at = dict(zip(steps, means, strict=True))
+        early_cells = [f"{at[t]:+.3f}" if t in at else "" for t in early]
+        ahead = [t for t, d in at.items() if d < 0]
+        last = "—" if scheme == "separate" else (str(max(ahead)) if ahead else "never")
+        lines.append(
+            f"| {scheme} | {e['params']:,} | {e['kv_cache_bytes_per_token'] / full:.3g} | {len(e['seeds'])} | "
+            f"{e['mean']:.4f}{std} | {delta} | {ci} | {inside} | {vs_own} | " + " | ".join(early_cells) + f" | {last} |"
+        )
+    return lines + [""]
+
+
+def _color(i: int):
+    """Row i's colour: tab20's dark shades first, then its light ones, so neighbours never share a hue."""
+    import matplotlib
+
+    return matplotlib.colormaps["tab20"]((2 * i) % 20 + (i // 10) % 2)
+
+
+def plot_deltas(out: Path, name: str, order: list[str], curves, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5.2))
+    last = max((t for seeds in curves.values() for s in seeds.values() for t in s), default=1)
+    for i, scheme in enumerate(s for s in order if s != "separate"):
+        steps, deltas = delta_curve(curves, scheme)
+        if not steps:
+            continue
+        d = np.array(deltas)
+        for ax, limit in zip(axes, (EARLY_FRACTION * last, last), strict=True):
+            keep = np.array(steps) <= limit
+            xs = np.array(steps)[keep]
+            ax.plot(xs, d.mean(0)[keep], color=_color(i), lw=1.5, marker="o", ms=2,
+                    label=f"{scheme} ({len(deltas)})")  # fmt: skip
+            if len(deltas) > 1:
+                ax.fill_between(xs, d.min(0)[keep], d.max(0)[keep], color=_color(i), alpha=0.12, lw=0)
+    for ax, title in zip(
+        axes, (f"early phase (first {EARLY_FRACTION:.0%} of the steps)", "the whole run"), strict=True
+    ):
+        ax.axhline(0, color="black", lw=0.8)
+        ax.set_xlabel("step")
+        ax.set_ylabel("validation loss minus separate's (nats/byte)")
+        ax.set_title(title, fontsize=10)
+        ax.grid(alpha=0.3)
+    if axes[1].get_lines():
+        axes[1].legend(fontsize=7, title="row (seeds); band: min-max", title_fontsize=7, loc="upper right")
+    fig.suptitle(f"{out.name}, {name}: each row minus separate at every evaluation (paired by seed; below 0 = ahead)",
+                 fontsize=11)  # fmt: skip
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_cache(out: Path, name: str, order: list[str], entries: dict, full: int, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    fractions = sorted({entries[s]["kv_cache_bytes_per_token"] / full for s in order if s in entries})
+    for i, scheme in enumerate(s for s in order if s in entries):
+        e = entries[scheme]
+        x = fractions.index(e["kv_cache_bytes_per_token"] / full)
+        jitter = (i % 7 - 3) * 0.05  # rows at one cache size side by side, each labelled
+        err = None if math.isnan(e["std"]) else e["std"]
+        ax.errorbar(x + jitter, e["mean"], yerr=err, fmt="o", color=_color(i), ms=6, capsize=3)
+        ax.annotate(f"{scheme} ({len(e['seeds'])})", (x + jitter, e["mean"]), textcoords="offset points",
+                    xytext=(5, 2), fontsize=7, rotation=20)  # fmt: skip
+    if "separate" in entries:
+        ax.axhline(entries["separate"]["mean"], color="gray", lw=0.8, ls="--", label="separate (full cache)")
+        ax.legend(fontsize=8)
+    ax.set_xticks(range(len(fractions)), [f"{f:g} x separate's" for f in fractions])
+    ax.set_xlim(-0.5, len(fractions) - 0.3)
+    ax.set_xlabel("KV-cache bytes per token (all layers)")
+    ax.set_ylabel("final validation loss (nats/byte), mean ± std (seeds)")
+    ax.set_title(f"{out.name}, {name}: final loss at each cache size", fontsize=10)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write(out: Path, studies: dict[str, tuple[list[str], str | None]]) -> Path:
+    """``studies``: name -> (its rows in order, the row its own Δ column is against, or None)."""
+    rows = [r for r in report._read(out / "runs.csv") if r["matching"] == "given"]
+    if not rows:
+        raise ValueError(f"{out} has no finished rows (no 'given' rows in {out / 'runs.csv'})")
+    entries = {e["scheme"]: e for e in report.summarize(rows)}
+    curves = val_curves(report._read(out / "curves.csv"))
+    full = entries["separate"]["kv_cache_bytes_per_token"] if "separate" in entries else max(
+        e["kv_cache_bytes_per_token"] for e in entries.values())  # fmt: skip
+    protocol = (out / "protocol.json").read_text() if (out / "protocol.json").exists() else "{}"
+    lines = [
+        f"# Mechanism studies: {out.name} ({len(rows)} runs finished)",
+        "",
+        f"Protocol and command: [protocol.json](protocol.json) ({len(protocol):,} bytes). Loss: next-byte "
+        "cross-entropy (nats) on the whole validation split, mean ± sample std over seeds; Δ: minus the row "
+        "`separate`, paired by seed, 95% t interval; *inside spread*: |Δ| ≤ the larger seed std of the two. "
+        "The early columns are Δ vs `separate` at the first evaluations (mean over seeds); the last column the last "
+        "evaluation at which the row's mean Δ was below 0.",
+        "",
+    ]
+    for name, (order, own) in studies.items():
+        lines += study_markdown(name, order, own, entries, rows, curves, full)
+        plots = [f"{name}_delta.png"]
+        plot_deltas(out, name, order, curves, out / plots[0])
+        if len({entries[s]["kv_cache_bytes_per_token"] for s in order if s in entries}) > 1:
+            plots.append(f"{name}_cache.png")
+            plot_cache(out, name, order, entries, full, out / plots[1])
+        lines += ["Plots: " + ", ".join(f"[{p}]({p})" for p in plots), ""]
+    path = out / "mechanisms.md"
+    path.write_text("\n".join(lines))
+    return path
+
+
+def read_study(path: Path) -> tuple[list[str], str | None]:
+    """A rows file's rows in order, and the row a ``# reference: NAME`` comment names (None without one)."""
+    rows = [row for row, _ in _rows_file(str(path))]
+    marks = [line.split(":", 1)[1].strip() for line in path.read_text().splitlines() if line.startswith("# reference:")]
+    if marks and marks[0] not in rows:
+        raise argparse.ArgumentTypeError(f"{path}: '# reference: {marks[0]}' names no row; allowed: {rows}")
+    return rows, (marks[0] if marks else None)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("out", help="the results folder of compare_schemes.py --rows")
+    p.add_argument("--rows", action="append", default=None, help="a study's rows file (repeatable); the study is named "
+                   "after the file (rows_NAME.txt -> NAME)")  # fmt: skip
+    args = p.parse_args(argv)
+    files = [Path(f) for f in args.rows] if args.rows else DEFAULT_ROWS
+    try:
+        studies = {f.stem.removeprefix("rows_"): read_study(f) for f in files}
+    except argparse.ArgumentTypeError as e:
+        print(f"mechanisms_report: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        print(write(Path(args.out), studies).read_text())
+    except ValueError as e:
+        print(f"mechanisms_report: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""The mechanism studies' report from a results folder: paired differences, the early phase, the plots."""
+
+import csv
+
+import pytest
+
+from experiments import compare_schemes, mechanisms_report
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _write(path, columns, rows):
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+@pytest.fixture
+def folder(tmp_path):
+    """Three rows x two seeds; `tied` is ahead of separate until step 20 and behind after, `half` caches half."""
+    final = {("separate", 0): 2.0, ("separate", 1): 2.2, ("tied", 0): 2.3, ("tied", 1): 2.7,
+             ("half", 0): 2.1, ("half", 1): 2.5}  # fmt: skip
+    cache = {"separate": 1000, "tied": 1000, "half": 500}
+    runs = [{"scheme": s, "matching": "given", "seed": seed, "num_kv_heads": 4, "mlp_dim": 7, "params": 11,
+             "kv_cache_bytes_per_token": cache[s], "steps": 30, "tokens": 90, "final_val_loss": loss,
+             "bits_per_byte": 1.0, "tokens_per_s": 5.0, "wall_s": 1.0, "run": f"{s}-{seed}", "finished_at": "t"}
+            for (s, seed), loss in final.items()]  # fmt: skip
+    _write(tmp_path / "runs.csv", compare_schemes.RUN_COLUMNS, runs)
+    ahead = {10: -0.7, 20: -0.5, 30: 0.0}  # tied - separate: -0.3, -0.1, +0.4 (mean over the seeds)
+    curves = [{"scheme": s, "matching": "given", "seed": seed, "step": step, "wall_s": step, "train_loss": "",
+               "val_loss": final[s, seed] + (ahead[step] if s == "tied" else 0.0) + (30 - step) / 10}
+              for (s, seed) in final for step in (10, 20, 30)]  # fmt: skip
+    _write(tmp_path / "curves.csv", compare_schemes.CURVE_COLUMNS, curves)
+    (tmp_path / "rows_ties.txt").write_text("# reference: tied\nseparate=\ntied=model.attention.scheme=shared_qk\n")
+    (tmp_path / "rows_cache.txt").write_text("separate=\nhalf=model.attention.num_kv_heads=2\nmissing=\n")
+    return tmp_path
+
+
+def test_tables_give_paired_differences_the_early_phase_and_rows_not_run(folder, capsys):
+    args = [str(folder), "--rows", str(folder / "rows_ties.txt"), "--rows", str(folder / "rows_cache.txt")]
+    assert mechanisms_report.main(args) == 0
+    text = (folder / "mechanisms.md").read_text()
+    lines = {line.split(" | ")[0].strip("| "): line for line in text.splitlines() if line.startswith("| ")}
+    tied = lines["tied"].split(" | ")
+    assert tied[4] == "2.5000 ± 0.2828"  # mean ± sample std over seeds
+    assert tied[5] == "+0.4000"  # (0.3 + 0.5) / 2, paired by seed
+    assert tied[9:11] == ["-0.100", "+0.400"]  # Δ vs separate at the early evaluations after the first
+    assert tied[-1].strip(" |") == "20"  # the last evaluation with the row ahead of separate
+    assert "| tied | " in text and "Δ vs tied" in text and "Δ sep. @20" in text
+    assert "| missing | | | 0 | not run yet |" in text
+    assert (folder / "ties_delta.png").read_bytes().startswith(PNG)
+    assert (folder / "cache_cache.png").read_bytes().startswith(PNG)
+    assert not (folder / "ties_cache.png").exists()  # one cache size: nothing to plot
+
+
+def test_a_reference_that_names_no_row_is_refused(folder, capsys):
+    (folder / "rows_bad.txt").write_text("# reference: nope\nseparate=\n")
+    assert mechanisms_report.main([str(folder), "--rows", str(folder / "rows_bad.txt")]) == 2
+    assert "'# reference: nope' names no row" in capsys.readouterr().err
