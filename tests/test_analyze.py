@@ -210,3 +210,25 @@ def test_analyze_cli_errors(tmp_path, capsys):
     assert run_in_process(["analyze", "--workdir", str(tmp_path), "--json", str(tmp_path / "no" / "r.json")]) == 2
     assert "does not exist" in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "no")
+
+
+def test_kv_rank_error_is_the_eckart_young_residual_of_keys_and_values_side_by_side():
+    """Against numpy's SVD of [W^K, W^V] laid out (D, K (H + Hv)); zero when K and V live in D/4 dimensions; the
+    same from jax arrays; NaN in the mismatched control and for a merged form."""
+    d, n, k, h, hv = 20, 6, 3, 5, 7
+    q, keys, values = RNG.standard_normal((n, d, h)), RNG.standard_normal((k, d, h)), RNG.standard_normal((k, d, hv))
+    layer = LayerWeights(v=values, q=q, k=keys)
+    s = np.linalg.svd(np.concatenate([keys.transpose(1, 0, 2).reshape(d, -1), values.transpose(1, 0, 2).reshape(d, -1)],
+                                     axis=1), compute_uv=False)  # fmt: skip
+    expected = np.sqrt(np.sum(s[d // 4 :] ** 2) / np.sum(s**2))
+    got = head_measures(layer)["kv_rank_err"]
+    np.testing.assert_allclose(got, np.full(n, expected), rtol=1e-12)
+    as_jax = head_measures(LayerWeights(v=jax.numpy.asarray(values), q=jax.numpy.asarray(q), k=jax.numpy.asarray(keys)))
+    np.testing.assert_allclose(np.asarray(as_jax["kv_rank_err"]), got, rtol=1e-4)
+    basis = RNG.standard_normal((d, d // 4))  # every key and value a combination of D/4 directions
+    low = LayerWeights(v=np.einsum("DR,KRV->KDV", basis, RNG.standard_normal((k, d // 4, hv))), q=q,
+                       k=np.einsum("DR,KRH->KDH", basis, RNG.standard_normal((k, d // 4, h))))  # fmt: skip
+    assert np.max(head_measures(low)["kv_rank_err"]) < 1e-7
+    assert np.all(np.isnan(head_measures(layer, shift=1)["kv_rank_err"]))
+    merged = LayerWeights(v=values[:1], qk_merged=RNG.standard_normal((2, d, d)))
+    assert np.all(np.isnan(head_measures(merged)["kv_rank_err"]))
