@@ -8,7 +8,10 @@
   key and value kernels, ``[W^K, W^V] (D, K (H + Hv)) ~ U_R S_R V_R^T``: ``w_kv_down = U_R S_R^(1/2)`` and the
   up-projections split ``S_R^(1/2) V_R^T``, with no latent norm and no rotary part, so the converted layer computes
   ``separate``'s function up to the dropped singular values. The relative error ``|W - W_R|_F / |W|_F`` is reported
-  per layer (Eckart-Young: the best rank-R approximation); the result is meant to be uptrained.
+  per layer (Eckart-Young: the best rank-R approximation); the result is meant to be uptrained. Biases carry over
+  exactly: the query bias stays, a key bias adds q . b_k to every score of a query alike (the softmax drops it),
+  and a value bias reaches the output as sum_n b_v W^O_n (added to the output bias). Rotary models are refused: the
+  latent keys cannot be rotated (MHA2MLA's partial RoPE, Ji et al. 2025, is not implemented).
 
 * ``to_shared_kv`` (least squares, exact when W^V's columns lie in W^K's span): one tensor per kv head plays
   key and value (K = V). Keys stay exactly as they were (``w_kv = W^K``) and the values become ``x W^K C`` with
@@ -92,11 +95,12 @@ def latent_attention_params(att: dict, cfg: AttentionConfig, rank: int) -> tuple
     scheme = cfg.tying
     if scheme.bilinear or scheme.latent or scheme.normalize_keys or scheme.mask_self:
         raise ValueError(f"scheme {cfg.scheme!r} has no plain W^K and W^V to factor; convert a plain q.k scheme")
-    fixed = [f for f in ("rope", "use_bias", "qk_norm", "v_norm", "relative_bias") if getattr(cfg, f)]
-    if fixed:
+    fixed = [f for f in ("rope", "qk_norm", "v_norm", "relative_bias") if getattr(cfg, f)]
+    if fixed or (cfg.use_bias and not cfg.has_output_bias):
+        what = f"{fixed[0]}={getattr(cfg, fixed[0])!r}" if fixed else "value biases without an output bias"
         raise ValueError(
-            f"{fixed[0]}={getattr(cfg, fixed[0])!r}: a rank-R latent cannot carry it exactly (MLA rotates only a "
-            "decoupled key part, and has no biases or K/V norms); convert a model without it"
+            f"{what}: a rank-R latent cannot carry it exactly (MLA rotates only a decoupled key part, has no K/V "
+            "norms, and its value biases go to the output bias); convert a model without it"
         )
     d, k, h, hv = att["w_o"].shape[-1], cfg.kv_heads, cfg.head_dim, cfg.value_dim
     full = min(d, k * (h + hv))
@@ -117,6 +121,13 @@ def latent_attention_params(att: dict, cfg: AttentionConfig, rank: int) -> tuple
         "w_v_up": jnp.asarray(up[:, k * h :].reshape(rank, k, hv), dtype),
         "w_o": att["w_o"],
     }
+    if cfg.use_bias:  # b_k: q . b_k is the same for every key, so the softmax drops it; b_v passes to the output
+        out["b_q"] = att["b_" + scheme.group_of("q")]
+        b_v = np.repeat(np.asarray(att["b_" + scheme.group_of("v")], np.float64), cfg.group_size, axis=0)  # KV->NV
+        shift = np.einsum("NV,NVD->D", b_v, np.asarray(att["w_o"], np.float64))
+        out["b_o"] = jnp.asarray(np.asarray(att["b_o"], np.float64) + shift, dtype)
+    elif "b_o" in att:
+        out["b_o"] = att["b_o"]
     return out, error
 
 

@@ -115,6 +115,27 @@ def test_import_computes_what_transformers_computes(folders, name):
     )
 
 
+def test_an_imported_biased_gpt2_converts_to_mla_and_at_full_rank_still_computes_what_transformers_does(folders):
+    """The MLA retrofit of an imported model (biases, learned positions): every layer at full latent rank equals
+    transformers' GPT-2; at half rank the reported per-layer errors are in (0, 1) and the model still runs."""
+    from qkvjax.convert import convert
+
+    folder, ref_model = folders["gpt2"]
+    config, params = load_pretrained(folder)
+    tokens, mask = _batch()
+    att = config.attention
+    full = min(config.d_model, att.kv_heads * (att.head_dim + att.value_dim))
+    errors: list[float] = []
+    mla_config, mla_params = convert(config, params, to="mla", rank=full, errors=errors)
+    assert mla_config.attention.scheme == "mla" and max(errors) < 1e-5
+    _close(model_of(mla_config).apply({"params": mla_params}, jnp.asarray(tokens)), _reference(ref_model, tokens, mask,
+           False), mask)  # fmt: skip
+    errors = []
+    half_config, half_params = convert(config, params, to="mla", rank=full // 2, errors=errors)
+    assert len(errors) == config.num_layers and all(0 < e < 1 for e in errors)
+    assert np.isfinite(np.asarray(model_of(half_config).apply({"params": half_params}, jnp.asarray(tokens)))).all()
+
+
 @pytest.mark.parametrize("name", ["gpt2", "llama_gqa", "qwen2_biases_tied"])
 def test_import_decodes_with_the_cache_as_transformers_scores_the_whole_sequence(folders, name):
     """Prefill rows of different lengths (4 and 2 tokens), then one token at a time to position T - 1."""

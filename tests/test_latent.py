@@ -251,7 +251,6 @@ def test_svd_conversion_is_exact_at_full_rank_and_reports_its_error():
         (lambda: AttentionConfig(num_heads=N, head_dim=H, kv_rank=8), r"kv_rank=8 is for latent schemes \['mla'\]"),
         (lambda: mla(rope_head_dim=2), r"rope_head_dim=2 needs rope=True"),
         (lambda: mla(rope=True, rope_head_dim=3), r"decoupled rotary width .* must be even; got rope_head_dim=3"),
-        (lambda: mla(use_bias=True), r"does not take use_bias=True"),
         (lambda: mla(qk_norm=True), r"does not take qk_norm=True"),
         (lambda: mla(latent_norm="yes"), r"latent_norm='yes'; allowed: True or False"),
         (lambda: mla(v_head_dim=0), r"v_head_dim=0; allowed"),
@@ -260,6 +259,33 @@ def test_svd_conversion_is_exact_at_full_rank_and_reports_its_error():
 def test_bad_ranks_and_widths_are_refused_before_compile(make, match):
     with pytest.raises(ValueError, match=match):
         make()
+
+
+def test_svd_conversion_carries_biases_exactly_at_full_rank():
+    """GPT-2 / Qwen2-style biases: b_q kept, b_k dropped (the softmax removes q . b_k), b_v W^O into b_o; the
+    latent layer with a query and an output bias computes the biased separate layer's function, and decodes it."""
+    sep = AttentionConfig(num_heads=N, head_dim=H, num_kv_heads=K, v_head_dim=HV, use_bias=True)
+    x = inputs(14, B, T, D)
+    p = init_params(sep, x, 15)
+    rng = np.random.default_rng(16)  # biases start at zero: give every one a value that matters
+    p = {k: (v + rng.normal(size=v.shape).astype(np.float32) if k.startswith("b_") else v) for k, v in p.items()}
+    full = min(D, K * (H + HV))
+    out, error = latent_attention_params(p, sep, full)
+    assert error < 1e-6 and set(out) >= {"b_q", "b_o"} and "b_k" not in out and "b_v" not in out
+    cfg = dataclasses.replace(sep, scheme="mla", kv_rank=full, latent_norm=False)
+    reference = Attention(sep).apply({"params": p}, x, causal=True)
+    np.testing.assert_allclose(LatentAttention(cfg).apply({"params": out}, x, causal=True), reference, rtol=1e-4,
+                               atol=1e-4)  # fmt: skip
+    assert attention_cost(cfg, D, T).params == sum(np.size(v) for v in out.values())
+    model, ys = LatentAttention(cfg), []  # the absorbed decode path takes the query bias into the latent space too
+    cache = KV({"latent": jnp.zeros((B, T, full))}, jnp.zeros((B,), jnp.int32))
+    for i in range(T):
+        y, cache = model.apply({"params": out}, x[:, i : i + 1], cache=cache)
+        ys.append(y)
+        cache = KV(cache.tensors, cache.start + 1)
+    np.testing.assert_allclose(jnp.concatenate(ys, 1), reference, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match=r"value biases without an output bias: a rank-R latent cannot carry it"):
+        latent_attention_params(p, dataclasses.replace(sep, output_bias=False), 4)
 
 
 def test_conversion_refuses_bad_ranks_and_models_it_cannot_carry():

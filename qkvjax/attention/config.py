@@ -213,8 +213,6 @@ class AttentionConfig:
         for name, why in (
             ("qk_norm", "its keys come out of the latent"),
             ("v_norm", "its values come out of the latent"),
-            ("use_bias", "biases would stop W^UK from being absorbed"),
-            ("output_bias", "its output projection is absorbed into the value path without a bias"),
             ("relative_bias", "its decode path scores in the latent space"),
         ):
             if getattr(self, name):

@@ -9,6 +9,11 @@ Keys and values of head j come out of one latent per token, shared by K and V an
                                                 (or from c^Q_t = norm(x_t W^DQ): w_q_down (D, Rq), w_q_up, w_q_rope_up)
     o_t = sum_n softmax_s(q_{t,n} . k_{s,j(n)} / sqrt(H + H_r)) v_{s,j(n)} W^O_n       w_o: (N, Hv, D)
 
+With ``use_bias`` the queries' non-rotary part gets a bias ``b_q: (N, H)`` and the output ``b_o: (D,)`` (as
+``output_bias`` says): the only places a bias changes what the layer computes. A key bias would add q . b_k, the
+same for every key, which the softmax removes; a value bias reaches the output as sum_n b_v W^O_n, a constant the
+output bias holds. So ``qkvjax convert --to mla`` carries a biased model (GPT-2, Qwen2 without rotary) exactly.
+
 Training and a forward pass without a cache use this form as written (K and V materialised; the ``chunked``
 implementation applies). Decoding caches only ``c`` (R per token) and the rotated ``x W^KR`` (H_r) and uses the
 *absorbed* form: since ``q . (c W^UK_j) = (q (W^UK_j)^T) . c``, queries are taken into the latent space once per
@@ -69,6 +74,8 @@ class LatentAttention(AttentionModule):
         # C below is the query path's input width: D, or Rq with low-rank queries
         w_q = self._kernel(f"w_q{up}", (q_in.shape[-1], n, h), (q_axis, heads, hd), 0, (1, 2))
         q = jnp.einsum("BTC,CNH->BTNH", q_in, w_q)
+        if cfg.use_bias:
+            q = q + self._param("b_q", (n, h), (heads, hd), nn.initializers.zeros).astype(dtype)[None, None]
         w_kv_down = self._kernel("w_kv_down", (d, r), (axes.EMBED, lat), 0, 1)
         w_k_up = self._kernel("w_k_up", (r, kh, h), (lat, kv_heads, hd), 0, (1, 2))
         w_v_up = self._kernel("w_v_up", (r, kh, hv), (lat, kv_heads, hd), 0, (1, 2))
@@ -141,4 +148,6 @@ class LatentAttention(AttentionModule):
             )  # fmt: skip
             out = kernels.mix(scores)
         y = core.dense(out, w_o, 2)  # 5. output: BTNH,NHD->BTD
+        if cfg.has_output_bias:
+            y = y + self._param("b_o", (d,), (axes.EMBED,), nn.initializers.zeros).astype(dtype)[None, None]
         return (y, side) if call.hand_back else y
