@@ -177,3 +177,21 @@ def test_rows_files_and_plan_only_print_the_bill_and_train_nothing(tmp_path, sma
     second.write_text("separate=model.attention.scheme=shared_kv\n")
     assert compare_schemes.main([*args, "--plan-only"]) == 2
     assert "'separate' is given twice, differently" in capsys.readouterr().err
+
+
+def test_the_committed_mechanism_rows_build_at_the_middle_size_with_the_caches_they_claim():
+    """experiments/configs/rows_*.txt against scaling_middle.py: every row a valid model, the equal-cache rows at
+    exactly 1/2 or 1/4 of separate's cache as their comments say, the Reformer rows at separate's (no training)."""
+    from qkvjax.train.config import apply_overrides
+
+    base = load_config_file(str(REPO / "experiments" / "configs" / "scaling_middle.py"))
+    full = kv_cache_bytes(base)
+    fractions = {}
+    for name in ("reformer", "equal_cache"):
+        for row, overrides in compare_schemes._rows_file(str(REPO / "experiments" / "configs" / f"rows_{name}.txt")):
+            fractions[row] = kv_cache_bytes(apply_overrides(base, overrides)) / full
+    assert {r for r, f in fractions.items() if f == 0.5} == {"gqa2", "shared_kv", "shared_kv_norms", "cla2", "mla_r96",
+                                                            "mla_r84_rope"}  # fmt: skip
+    assert {r for r, f in fractions.items() if f == 0.25} == {"gqa1", "shared_kv_gqa2", "cla2_shared_kv", "gqa2_cla2",
+                                                             "mla_r48", "mla_r36_rope"}  # fmt: skip
+    assert all(f == 1.0 for r, f in fractions.items() if r.startswith(("separate", "shared_qk", "qk_", "reformer")))
