@@ -27,7 +27,11 @@
   absorbed into ``W^O``. A key bias's mismatch adds a constant per query to every score (softmax ignores it); a
   value bias's goes to the output bias. The reported errors are of the weights alone (keys; value-output maps as
   for K = V): the reader now attends over its donor's *input*, a lower layer's residual stream, which no weight
-  error measures -- the loss does.
+  error measures -- the loss does. With rotary positions the donor's keys arrive rotated, so ``B`` must commute
+  with every rotation: per frequency pair of features it is a complex number (a scale and a turn), fitted by
+  complex least squares, ``b = <z_d, z_i> / <z_d, z_d>`` with z the pair's two columns as one complex column;
+  then ``q^T R_(s-t) (B k_d) = (B^T q)^T R_(s-t) k_d`` holds at every offset. (A key bias would be rotated too and
+  no longer a constant per query: rotary models with biases are refused.)
 
 All read the scheme's data (which group makes q, k, v), so they work for every scheme whose groups allow it.
 """
@@ -35,6 +39,7 @@ All read the scheme's data (which group makes q, k, v), so they work for every s
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 
 import flax.linen as nn
@@ -136,6 +141,22 @@ def _lstsq_heads(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.stack([np.linalg.lstsq(a[:, j], b[:, j], rcond=None)[0] for j in range(a.shape[1])])
 
 
+def _lstsq_rotary(a: np.ndarray, b: np.ndarray, interleaved: bool) -> np.ndarray:
+    """Per head j, the best ``a[:, j] X ~ b[:, j]`` over maps X that commute with rotary embeddings: on each
+    frequency pair of features (i, i + H/2), or (2i, 2i + 1) when ``interleaved``, X multiplies by one complex
+    number. (D, K, H), (D, K, H) -> (K, H, H)."""
+    k, h = a.shape[1], a.shape[2]
+    first = np.arange(0, h, 2) if interleaved else np.arange(h // 2)
+    second = first + 1 if interleaved else first + h // 2
+    za, zb = a[..., first] + 1j * a[..., second], b[..., first] + 1j * b[..., second]  # (D, K, H/2)
+    c = np.sum(np.conj(za) * zb, axis=0) / np.sum(np.abs(za) ** 2, axis=0)  # (K, H/2): argmin |za c - zb|
+    x = np.zeros((k, h, h))
+    for j in range(k):  # z -> c z on each pair, for row vectors: (u, w) -> (Re c u - Im c w, Im c u + Re c w)
+        x[j, first, first], x[j, second, second] = c[j].real, c[j].real
+        x[j, second, first], x[j, first, second] = -c[j].imag, c[j].imag
+    return x
+
+
 def _value_output_error(approx_v: np.ndarray, w_v: np.ndarray, w_o: np.ndarray, g: int) -> float:
     """``sqrt(sum_n |(V' - W^V) W^O_n|_F^2 / sum_n |W^V W^O_n|_F^2)`` over query heads n (kv head n // G);
     ``approx_v``, ``w_v``: (D, K, Hv), ``w_o``: (N, Hv, D)."""
@@ -176,13 +197,15 @@ def cross_layer_attention_params(att: dict, donor: dict, cfg: AttentionConfig) -
     scheme = cfg.tying
     if scheme.group_of("k") != "k" or scheme.group_of("v") != "v" or scheme.normalize_keys or scheme.mask_self:
         raise ValueError(f"scheme {cfg.scheme!r} has no separate W^K and W^V to share across layers")
-    fixed = [f for f in ("rope", "qk_norm", "v_norm") if getattr(cfg, f)]
-    if fixed or (cfg.use_bias and not cfg.has_output_bias):
-        what = f"{fixed[0]}=True" if fixed else "value biases without an output bias"
+    fixed = [f for f in ("qk_norm", "v_norm") if getattr(cfg, f)]
+    if fixed or (cfg.use_bias and not cfg.has_output_bias) or (cfg.rope and cfg.use_bias):
+        what = (f"{fixed[0]}=True" if fixed else "value biases without an output bias" if not cfg.rope
+                else "query/key biases under rotary positions")  # fmt: skip
         raise ValueError(f"{what}: the least-squares cross-layer map cannot carry it; convert a model without it")
     f64 = lambda name, tree=att: np.asarray(tree[name], np.float64)  # noqa: E731
     g = cfg.group_size
-    b = np.repeat(_lstsq_heads(f64("w_k", donor), f64("w_k")), g, axis=0)  # (N, H, H): k_i ~ k_d B
+    fit = functools.partial(_lstsq_rotary, interleaved=cfg.rope_interleaved) if cfg.rope else _lstsq_heads
+    b = np.repeat(fit(f64("w_k", donor), f64("w_k")), g, axis=0)  # (N, H, H): k_i ~ k_d B
     c = np.repeat(_lstsq_heads(f64("w_v", donor), f64("w_v")), g, axis=0)  # (N, Hv, Hv): v_i ~ v_d C
     w_o = f64("w_o")
     key_error = np.linalg.norm(np.einsum("DKG,KGH->DKH", f64("w_k", donor), b[::g]) - f64("w_k")) / np.linalg.norm(

@@ -115,3 +115,48 @@ def test_cross_layer_reader_is_exact_on_the_same_input_when_its_kv_lie_in_the_do
     assert jax.tree.map(np.shape, new_params) == want
     with pytest.raises(ValueError, match="--cla 3; allowed: an integer >= 2 dividing the 2 layers"):
         convert(config, params, cross_layer=3)
+
+
+@pytest.mark.parametrize(("kv_heads", "layout"), [(None, "half"), (1, "interleaved")])
+def test_cross_layer_under_rotary_positions_fits_maps_that_commute_with_every_rotation(kv_heads, layout):
+    """Rotary keys arrive at a reader already rotated: its key map must commute with every rotation (a complex
+    number per frequency pair). With the reader's W^K = the donor's times such a map the conversion is exact on
+    the donor's input; with a generic map (which does not commute) the reported key error is the one measured."""
+    from qkvjax.attention import Attention
+    from qkvjax.convert import cross_layer_attention_params
+
+    config = _model(kv_heads, use_bias=False, rope=True)
+    att_cfg = dataclasses.replace(config.attention, rope_layout=layout)
+    params = _params(config)
+    donor, reader = params["block_0"]["attention"], dict(params["block_1"]["attention"])
+    rng = np.random.default_rng(9)
+    k, h = donor["w_k"].shape[1], att_cfg.head_dim
+    first = np.arange(0, h, 2) if layout == "interleaved" else np.arange(h // 2)
+    second = first + 1 if layout == "interleaved" else first + h // 2
+    turn = np.zeros((k, h, h), np.float32)  # a scale and a rotation per frequency pair and kv head
+    c = rng.standard_normal((k, h // 2)) + 1j * rng.standard_normal((k, h // 2))
+    for j in range(k):
+        turn[j, first, first] = turn[j, second, second] = c[j].real
+        turn[j, second, first], turn[j, first, second] = -c[j].imag, c[j].imag
+    reader["w_k"] = np.einsum("DKH,KHE->DKE", donor["w_k"], turn)
+    generic = rng.standard_normal((k, h, h)).astype(np.float32) + 2 * np.eye(h, dtype=np.float32)
+    reader["w_v"] = np.einsum("DKH,KHE->DKE", donor["w_v"], generic)  # values are not rotated: any map
+    new, key_error, value_error = cross_layer_attention_params(reader, donor, att_cfg)
+    assert key_error < 1e-5 and value_error < 1e-5
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((2, 7, 15)), jnp.float32)
+    own = Attention(att_cfg).apply({"params": reader}, x, causal=True)
+    _, kv = Attention(att_cfg).apply({"params": donor}, x, causal=True, return_kv=True)
+    shared = Attention(att_cfg).apply({"params": new}, x, kv=kv, causal=True)
+    np.testing.assert_allclose(shared, own, atol=2e-4 * float(jnp.abs(own).max()))
+
+    reader["w_k"] = np.einsum("DKH,KHE->DKE", donor["w_k"], generic)  # no commuting map reaches this exactly
+    new, key_error, _ = cross_layer_attention_params(reader, donor, att_cfg)
+    w_q, w_k, w_kd = (np.asarray(a, np.float64) for a in (reader["w_q"], reader["w_k"], donor["w_k"]))
+    # the map the conversion chose, read back from the queries it absorbed into (q' = q B^T, per query head)
+    g = att_cfg.group_size
+    b = np.stack([np.linalg.lstsq(w_q[:, n * g], np.asarray(new["w_q"], np.float64)[:, n * g], rcond=None)[0].T
+                  for n in range(k)])  # fmt: skip
+    measured = np.linalg.norm(np.einsum("DKH,KHE->DKE", w_kd, b) - w_k) / np.linalg.norm(w_k)
+    assert 0.05 < key_error and abs(measured - key_error) < 1e-4
+    with pytest.raises(ValueError, match="query/key biases under rotary positions: the least-squares cross-layer"):
+        cross_layer_attention_params(reader, donor, dataclasses.replace(att_cfg, use_bias=True))
