@@ -151,16 +151,17 @@ def plot_cache(out: Path, name: str, order: list[str], entries: dict, full: int,
     for i, scheme in enumerate(s for s in order if s in entries):
         e = entries[scheme]
         x = fractions.index(e["kv_cache_bytes_per_token"] / full)
-        jitter = (i % 7 - 3) * 0.05  # rows at one cache size side by side, each labelled
+        jitter = (i % 7 - 3) * 0.08  # rows at one cache size side by side, each labelled
         err = None if math.isnan(e["std"]) else e["std"]
         ax.errorbar(x + jitter, e["mean"], yerr=err, fmt="o", color=_color(i), ms=6, capsize=3)
         ax.annotate(f"{scheme} ({len(e['seeds'])})", (x + jitter, e["mean"]), textcoords="offset points",
-                    xytext=(5, 2), fontsize=7, rotation=20)  # fmt: skip
+                    xytext=(5, 2 + 9 * (i % 3)), fontsize=7, rotation=20)  # fmt: skip
     if "separate" in entries:
         ax.axhline(entries["separate"]["mean"], color="gray", lw=0.8, ls="--", label="separate (full cache)")
         ax.legend(fontsize=8)
     ax.set_xticks(range(len(fractions)), [f"{f:g} x separate's" for f in fractions])
     ax.set_xlim(-0.5, len(fractions) - 0.3)
+    ax.margins(y=0.15)  # room for the labels above the highest point
     ax.set_xlabel("KV-cache bytes per token (all layers)")
     ax.set_ylabel("final validation loss (nats/byte), mean ± std (seeds)")
     ax.set_title(f"{out.name}, {name}: final loss at each cache size", fontsize=10)
