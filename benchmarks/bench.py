@@ -17,10 +17,13 @@ import argparse
 import dataclasses
 import functools
 import json
+import os
+import platform
 import resource
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import flax.linen as nn
 import jax
@@ -109,6 +112,16 @@ def parse_set(parser: argparse.ArgumentParser, items: list[str]) -> dict[str, st
             parser.error(f"--set {item!r}; allowed: KEY=VALUE, e.g. model.attention.chunk_size=64")
         overrides[key] = value
     return overrides
+
+
+def write_rows(path: str | None, script: str, argv: list[str] | None, rows: list[dict]) -> None:
+    """A benchmark's rows as JSON at ``path`` (if given), with the date, the machine and the command that made them."""
+    if not path:
+        return
+    command = f"python benchmarks/{script} " + " ".join(sys.argv[1:] if argv is None else argv)
+    machine = f"{platform.node()} ({jax.devices()[0].device_kind}, {os.cpu_count()} cores)"
+    out = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine, "command": command, "rows": rows}
+    Path(path).write_text(json.dumps(out, indent=2) + "\n")
 
 
 def alternate(runners: dict, rounds: int) -> dict[str, list[float]]:

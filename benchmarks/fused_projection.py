@@ -17,11 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import json
-import os
-import platform
 import sys
-import time
 from pathlib import Path
 
 import flax.linen as nn
@@ -148,11 +144,7 @@ def main(argv=None) -> int:
                          "fused_tokens_per_s": tokens / f, "ratio": a / f, "loss_rel_diff": error})  # fmt: skip
             print(f"d{size} {scheme:10s} kernels apart {tokens / a:>9,.0f} tok/s, stored fused {tokens / f:>9,.0f} "
                   f"tok/s: x{a / f:.3f} (medians of {args.steps} steps, alternated)", flush=True)  # fmt: skip
-    command = "python benchmarks/fused_projection.py " + " ".join(argv or sys.argv[1:])
-    machine = f"{platform.node()} ({jax.devices()[0].device_kind}, {os.cpu_count()} cores)"
-    out = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine, "command": command, "rows": rows}
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+    bench.write_rows(args.json, "fused_projection.py", argv, rows)
     return 0
 
 

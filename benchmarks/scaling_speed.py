@@ -14,15 +14,9 @@ the count sees. Run it on a quiet machine (no sweep running): the figures are th
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
 import sys
-import time
 from pathlib import Path
-
-import jax
 
 REPO = Path(__file__).resolve().parents[1]
 if __package__ in (None, ""):  # run as a script: make the repository and this folder importable
@@ -69,11 +63,7 @@ def main(argv=None) -> int:
             rows.append(row)
             print(f"d{size:<4d} {v:12s} {row['tokens_per_s']:>9,.0f} tok/s  x{row['x_separate']:.3f} separate  "
                   f"(FLOPs predict x{row['flop_ratio_predicts']:.3f})", flush=True)  # fmt: skip
-    command = "python benchmarks/scaling_speed.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    machine = f"{platform.node()} ({jax.devices()[0].device_kind}, {os.cpu_count()} cores)"
-    out = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine, "command": command, "rows": rows}
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+    bench.write_rows(args.json, "scaling_speed.py", argv, rows)
     return 0
 
 
