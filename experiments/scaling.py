@@ -21,6 +21,10 @@ KV heads: ``shared_kv``'s cache). Stages, in this order (``--stages`` picks; eac
   small      the other seeds at the smallest size, each variant at its own best rate (seed 0 is the sweep's run)
   middle     the same at the middle size
   corpus2    every variant at the middle size on the second corpus, at the middle size's rates, every seed
+  more       seeds up to MAX_SEEDS where the first seeds (``--seeds``) left a variant's mean difference to
+             ``separate`` under twice the seed spread (the larger of the two losses' standard deviations), with
+             ``separate`` at the same seeds; decided once, on the first seeds only (no stopping when it looks
+             good), for every stage whose first seeds are finished (after ``large`` too, when both are asked)
   large      LARGE_VARIANTS at the largest size at the middle size's rates (no sweep there: 30-45 min a run)
 
 Every finished run appends one fsynced row to ``runs.csv`` and its curve to ``curves.csv``; a rerun skips finished
@@ -75,7 +79,9 @@ VARIANTS = {
     "bilinear": {"scheme": "bilinear"},
 }
 LARGE_VARIANTS = ("separate", "shared_kv", "gqa", "shared_qk", "shared_qkv")
-STAGES = ("lr-small", "lr-middle", "small", "middle", "corpus2", "large")
+STAGES = ("lr-small", "lr-middle", "small", "middle", "corpus2", "more", "large")
+SEED_STAGES = ("small", "middle", "corpus2", "large")  # the stages with every variant at every seed
+MAX_SEEDS = 5  # ``more`` trains up to this many seeds where the first ones cannot tell a difference
 RUN_COLUMNS = (
     "stage", "corpus", "size", "variant", "scheme", "num_kv_heads", "seed", "learning_rate", "params",
     "kv_cache_bytes_per_token", "tokens", "tokens_per_param", "epochs", "steps", "final_val_loss",
@@ -183,33 +189,69 @@ class Sweep:
             out += [self.run(stage, "primary", size, variant, lr, 0) for lr in sorted(rates - done)]
         return out
 
+    def group(self, stage: str) -> tuple[int, str, list[str], int]:
+        """A seeded stage's size, corpus, variants and the size whose sweep chose their rates."""
+        small, middle, large = self.sizes[0], self.sizes[len(self.sizes) // 2], self.sizes[-1]
+        return {
+            "small": (small, "primary", self.args.variants, small),
+            "middle": (middle, "primary", self.args.variants, middle),
+            "corpus2": (middle, "second", self.args.variants, middle),
+            "large": (large, "primary", [v for v in self.args.variants if v in LARGE_VARIANTS], middle),
+        }[stage]
+
+    def seeded_run(self, stage: str, variant: str, seed: int, label: str | None = None) -> Run:
+        size, corpus, _, rate_size = self.group(stage)
+        lr = self.best_lr(rate_size, variant)
+        run = self.run(label or stage, corpus, size, variant, lr if lr is not None else SHARED_LR, seed)
+        return run if lr is not None else dataclasses.replace(run, learning_rate=float("nan"))  # rate not known yet
+
     def stage_runs(self, stage: str) -> list[Run]:
         """What ``stage`` still has to train, as far as it can be planned now (rates come from the sweeps)."""
-        small, middle, large = self.sizes[0], self.sizes[len(self.sizes) // 2], self.sizes[-1]
         if stage in ("lr-small", "lr-middle"):
             if self.args.learning_rate is not None:  # one fixed rate: nothing to sweep
                 return []
-            return self.lr_runs(stage, small if stage == "lr-small" else middle)
-        size, corpus, variants = {
-            "small": (small, "primary", self.args.variants),
-            "middle": (middle, "primary", self.args.variants),
-            "corpus2": (middle, "second", self.args.variants),
-            "large": (large, "primary", [v for v in self.args.variants if v in LARGE_VARIANTS]),
-        }[stage]
+            return self.lr_runs(stage, self.sizes[0] if stage == "lr-small" else self.sizes[len(self.sizes) // 2])
+        if stage == "more":
+            return [run for s in SEED_STAGES for run in self.more_runs(s)]
+        _, corpus, variants, _ = self.group(stage)
         if corpus == "second" and self.corpora["second"] is None:
             return []
-        out = []
         # Seed-major: a partial stage has every variant for the first seeds. Seed 0 at the best rate is the sweep's
         # own run, found done by its name.
-        for seed in self.args.seeds:
-            for variant in variants:
-                lr = self.best_lr(small if stage == "small" else middle, variant)
-                run = self.run(stage, corpus, size, variant, lr if lr is not None else SHARED_LR, seed)
-                if lr is None:
-                    run = dataclasses.replace(run, learning_rate=float("nan"))  # planned; its rate is not known yet
-                if not self.done(run):
-                    out.append(run)
+        runs = [self.seeded_run(stage, v, seed) for seed in self.args.seeds for v in variants]
+        return [r for r in runs if not self.done(r)]
+
+    def undecided(self, stage: str) -> list[str]:
+        """The variants of a finished seeded stage whose mean difference to ``separate`` over the first seeds is
+        under twice the seed spread; none while any first seed is missing."""
+        _, corpus, variants, _ = self.group(stage)
+        if "separate" not in variants or (corpus == "second" and self.corpora["second"] is None):
+            return []
+        loss = {}
+        for variant in variants:
+            rows = [self.done(self.seeded_run(stage, variant, seed)) for seed in self.args.seeds]
+            if len(rows) < 2 or not all(rows):
+                return []
+            loss[variant] = [float(r["final_val_loss"]) for r in rows]
+        out = []
+        for variant in variants:
+            if variant == "separate":
+                continue
+            delta = statistics.fmean(loss[variant]) - statistics.fmean(loss["separate"])
+            spread = max(statistics.stdev(loss[variant]), statistics.stdev(loss["separate"]))
+            if abs(delta) < 2 * spread:
+                out.append(variant)
         return out
+
+    def more_runs(self, stage: str) -> list[Run]:
+        """The extra seeds ``stage`` still needs: up to MAX_SEEDS for each undecided variant and ``separate``."""
+        undecided = self.undecided(stage)
+        if not undecided:
+            return []
+        first = max(self.args.seeds) + 1
+        extra = range(first, first + MAX_SEEDS - len(self.args.seeds))
+        runs = [self.seeded_run(stage, v, seed, "more") for seed in extra for v in ["separate", *undecided]]
+        return [r for r in runs if not self.done(r)]
 
 
 def _corpus(path: str, args) -> tuple[str, DataConfig]:
@@ -331,7 +373,8 @@ def print_plan(sweep: Sweep, stages, rates: dict[int, float]) -> float:
         tokens = sorted({r.config.train.num_steps * r.config.train.batch_size * r.config.seq_len for r in runs})
         print(f"  {stage:9s} {len(runs):3d} runs to go (sizes {sizes}, {tokens[-1] if tokens else 0:,} tokens "
               f"each at most): ~{budget.hms(seconds)}" + (" (rates chosen when the sweeps finish)" if any(
-                  math.isnan(r.learning_rate) for r in runs) else ""))  # fmt: skip
+                  math.isnan(r.learning_rate) for r in runs) else "")
+              + (" (and those of stages whose first seeds are not done)" if stage == "more" else ""))  # fmt: skip
     if sweep.corpora["second"] is None and "corpus2" in stages:
         print(f"  corpus2: no second corpus ({SECOND_CORPUS} absent): build it with experiments/build_corpus.py")
     print(f"estimated wall time of what is left: ~{budget.hms(total)}", flush=True)
@@ -351,6 +394,8 @@ def main_sweep(args) -> Path:
     if args.plan_only:
         return sweep.out
     peak, started, split_bytes = None, time.monotonic(), {}
+    if "more" in stages and "large" in stages[stages.index("more") :]:
+        stages = [*stages, "more"]  # the largest size's extra seeds, once its first ones exist
     for stage in stages:
         while True:  # a sweep stage grows as edges win; others are planned once their rates exist
             runs = [r for r in sweep.stage_runs(stage) if not math.isnan(r.learning_rate)]

@@ -139,3 +139,28 @@ def test_the_corpus_builder_gives_a_known_sha256(tmp_path, capsys):
 
 
 KNOWN_SHA256 = "88410188a7f30c6d528dde9805a1107a3d2327d441e298af179243b1433efd11"
+
+
+def test_more_seeds_go_where_the_first_seeds_cannot_tell_a_difference(tmp_path, small_text):
+    """The ``more`` stage: a variant whose mean difference to separate is under twice the seed spread gets seeds 3
+    and 4, with separate beside it; a clear one gets none; nothing is decided while a first seed is missing."""
+    argv = ["--out", str(tmp_path), "--corpus", small_text, "--sizes", "8,12,16", "--learning-rate", "3e-3",
+            "--variants", "separate,shared_kv,gqa", "--seeds", "0,1,2"]  # fmt: skip
+    args = scaling.build_parser().parse_args(argv)
+    sweep = scaling.Sweep(args)
+    losses = {"separate": (1.50, 1.56, 1.53), "shared_kv": (1.62, 1.64, 1.63), "gqa": (1.55, 1.49, 1.57)}
+    for variant, values in losses.items():
+        for seed, loss in enumerate(values):
+            if (variant, seed) == ("gqa", 2):
+                assert sweep.undecided("middle") == []  # a first seed still missing: nothing decided yet
+            run = sweep.seeded_run("middle", variant, seed)
+            sweep.rows.append({"run": run.name, "final_val_loss": str(loss)})
+    # gqa: mean +0.007, spread 0.042 -> undecided; shared_kv: +0.100 against a spread of 0.030 -> clear
+    assert sweep.undecided("middle") == ["gqa"]
+    assert sweep.undecided("small") == []
+    planned = sweep.stage_runs("more")
+    assert [(r.variant, r.seed, r.size, r.stage) for r in planned] == [
+        ("separate", 3, 12, "more"), ("gqa", 3, 12, "more"), ("separate", 4, 12, "more"), ("gqa", 4, 12, "more")
+    ]  # fmt: skip
+    sweep.rows.append({"run": planned[0].name, "final_val_loss": "1.52"})  # finished runs leave the plan
+    assert [r.name for r in sweep.stage_runs("more")] == [r.name for r in planned[1:]]
