@@ -19,9 +19,11 @@ Rows (``--row``, repeatable) are models stated outright rather than matched: a n
 overrides, e.g. ``--row "cla2=model.layers=(separate, [kv_from=-1])*"`` or ``--row "kv_norms=model.attention.
 scheme=shared_kv;model.attention.qk_norm=true;model.attention.v_norm=true"``; they are reported under the matching
 ``given`` with the parameters and cache bytes of their own accounting (a row named ``separate``, with no
-overrides, is the reference of the Δ column). ``--rows FILE`` reads such lines from a file (``#`` comments, e.g.
-``experiments/configs/rows_*.txt``). With rows and no ``--schemes``, only the rows run. ``--plan-only`` prints the
-runs to go and their estimated wall time (printed before every sweep too) and trains nothing.
+overrides, is the reference of the Δ column). A row's ``seeds=0,1`` item (not a config field) keeps it to those of
+``--seeds``: a learning-rate sweep at one seed beside rows at three. ``--rows FILE`` reads such lines from a file
+(``#`` comments, e.g. ``experiments/configs/rows_*.txt``). With rows and no ``--schemes``, only the rows run.
+``--plan-only`` prints the runs to go and their estimated wall time (printed before every sweep too) and trains
+nothing.
 
 Each run trains through the library's own loop (a real workdir under ``DIR/runs/``, real checkpoints), then is
 evaluated on the whole validation split. A finished run appends one row to ``DIR/runs.csv`` and its curve to
@@ -187,8 +189,15 @@ def plan(
                 raise ValueError(f"unknown {name} {value!r}; allowed: {','.join(allowed)}")
     if len(set(seeds)) != len(seeds):
         raise ValueError(f"--seeds has repeats: {seeds}")
-    configs, notes = {}, []
+    configs, notes, row_seeds = {}, [], {}
     for name, overrides in (rows or {}).items():
+        overrides = dict(overrides)
+        if "seeds" in overrides:
+            text = overrides.pop("seeds")
+            try:
+                row_seeds[name] = {int(x) for x in text.split(",") if x.strip()}
+            except ValueError:
+                raise ValueError(f"--row {name}: seeds={text!r}; allowed: comma-separated integers") from None
         try:
             configs[GIVEN, name] = apply_overrides(base, overrides)
         except ValueError as e:
@@ -204,6 +213,8 @@ def plan(
     runs, names = [], {}
     for seed in seeds:
         for (matching, scheme), config in configs.items():
+            if matching == GIVEN and seed not in row_seeds.get(scheme, {seed}):
+                continue
             config = dataclasses.replace(config, seed=seed)
             key = json.dumps(to_dict(config), sort_keys=True)
             name = names.setdefault(key, f"{matching}-{scheme}-seed{seed}")

@@ -28,7 +28,7 @@ from experiments import report
 from experiments.compare_schemes import _rows_file
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_ROWS = [REPO / "experiments/configs/rows_reformer.txt", REPO / "experiments/configs/rows_equal_cache.txt"]
+DEFAULT_ROWS = [REPO / f"experiments/configs/rows_{name}.txt" for name in ("reformer", "equal_cache", "mla_lr")]
 EARLY_EVALUATIONS = 3  # the early phase's columns: the first few evaluations after the first
 EARLY_FRACTION = 0.3  # the early panel of the plots: this much of the run
 

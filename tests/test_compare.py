@@ -177,6 +177,15 @@ def test_rows_files_and_plan_only_print_the_bill_and_train_nothing(tmp_path, sma
     second.write_text("separate=model.attention.scheme=shared_kv\n")
     assert compare_schemes.main([*args, "--plan-only"]) == 2
     assert "'separate' is given twice, differently" in capsys.readouterr().err
+    # a row kept to one seed (a learning-rate sweep beside rows at every seed)
+    second.write_text("separate=\nlr_high=seeds=1;train.learning_rate=8e-3\n")
+    assert compare_schemes.main([*args, "--plan-only"]) == 0
+    printed = capsys.readouterr().out
+    assert "5 runs in the sweep, 0 already finished, 5 to go" in printed
+    assert [line.split()[1:4] for line in printed.splitlines() if " lr_high " in line] == [["lr_high", "1", "runs"]]
+    second.write_text("lr_high=seeds=one;train.learning_rate=8e-3\n")
+    assert compare_schemes.main([*args, "--plan-only"]) == 2
+    assert "--row lr_high: seeds='one'; allowed: comma-separated integers" in capsys.readouterr().err
 
 
 def test_the_committed_mechanism_rows_build_at_the_middle_size_with_the_caches_they_claim():
@@ -187,11 +196,15 @@ def test_the_committed_mechanism_rows_build_at_the_middle_size_with_the_caches_t
     base = load_config_file(str(REPO / "experiments" / "configs" / "scaling_middle.py"))
     full = kv_cache_bytes(base)
     fractions = {}
-    for name in ("reformer", "equal_cache"):
+    rates = {}
+    for name in ("reformer", "equal_cache", "mla_lr"):
         for row, overrides in compare_schemes._rows_file(str(REPO / "experiments" / "configs" / f"rows_{name}.txt")):
-            fractions[row] = kv_cache_bytes(apply_overrides(base, overrides)) / full
+            config = apply_overrides(base, {k: v for k, v in overrides.items() if k != "seeds"})
+            fractions[row], rates[row] = kv_cache_bytes(config) / full, config.train.learning_rate
     assert {r for r, f in fractions.items() if f == 0.5} == {"gqa2", "shared_kv", "shared_kv_norms", "cla2", "mla_r96",
-                                                            "mla_r84_rope"}  # fmt: skip
+                                                            "mla_r84_rope", "mla_r96_lr1e-3", "mla_r96_lr2e-3",
+                                                            "mla_r96_lr8e-3"}  # fmt: skip
+    assert sorted(r for k, r in rates.items() if k.startswith("mla_r96")) == [1e-3, 2e-3, 4e-3, 8e-3]
     assert {r for r, f in fractions.items() if f == 0.25} == {"gqa1", "shared_kv_gqa2", "cla2_shared_kv", "gqa2_cla2",
                                                              "mla_r48", "mla_r36_rope"}  # fmt: skip
     assert all(f == 1.0 for r, f in fractions.items() if r.startswith(("separate", "shared_qk", "qk_", "reformer")))
