@@ -155,7 +155,9 @@ def _convert(args: argparse.Namespace) -> int:
     from qkvjax.workdir import load_config
 
     errors: list[float] = []
-    out = convert_workdir(args.workdir, args.out, args.to, args.num_kv_heads, args.step, args.rank, errors, args.cla)
+    out = convert_workdir(
+        args.workdir, args.out, args.to, args.num_kv_heads, args.step, args.rank, errors, args.cla, args.rope_dim
+    )
     what = (
         f"rank {args.rank} keeps [W^K, W^V] to a relative error |W - W_R|_F / |W|_F"
         if args.rank is not None
@@ -455,6 +457,13 @@ def build_parser(preset=None) -> argparse.ArgumentParser:
     p.add_argument("--to", default=None, help="target scheme (bilinear: exact; mla: truncated SVD, needs --rank)")
     p.add_argument(
         "--rank", type=int, default=None, help="latent rank R of --to mla (full rank min(D, K(H+Hv)) is exact)"
+    )
+    p.add_argument(
+        "--rope-dim",
+        type=int,
+        default=None,
+        help="--to mla of a rotary model: features per head that stay rotated (MHA2MLA's partial RoPE: the "
+        "highest-frequency pairs; the rest lose their rotation: uptrain)",
     )
     p.add_argument("--num-kv-heads", type=int, default=None, help="mean-pool kv heads to K (GQA/MQA)")
     p.add_argument(

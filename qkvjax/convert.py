@@ -94,25 +94,57 @@ def grouped_attention_params(att: dict, cfg: AttentionConfig, num_kv_heads: int)
     return out
 
 
-def latent_attention_params(att: dict, cfg: AttentionConfig, rank: int) -> tuple[dict, float]:
-    """One attention layer's parameters as the ``mla`` scheme's at latent rank ``rank``, and the relative error
-    of the rank-``rank`` approximation of its stacked [W^K, W^V]."""
+def rotary_split(h: int, rope_dim: int, interleaved: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(kept, freed) feature indices of a rotary head of width ``h``: its ``rope_dim / 2`` highest-frequency
+    pairs keep their rotation, laid out as a rotary part of width ``rope_dim`` in the same layout (MHA2MLA's
+    S_high choice); the other features lose it."""
+    r = rope_dim // 2
+    kept = np.arange(2 * r) if interleaved else np.concatenate([np.arange(r), h // 2 + np.arange(r)])
+    return kept, np.setdiff1d(np.arange(h), kept)
+
+
+def latent_attention_params(att: dict, cfg: AttentionConfig, rank: int, rope_dim: int | None = None
+                            ) -> tuple[dict, float]:  # fmt: skip
+    """One attention layer's parameters as the ``mla`` scheme's at latent rank ``rank`` (config:
+    :func:`latent_config`), and the relative error of the rank-``rank`` approximation of its stacked [W^K, W^V].
+
+    A rotary model needs ``rope_dim`` (MHA2MLA's partial RoPE, Ji et al. 2025, arXiv:2502.14837): the
+    ``rope_dim / 2`` highest-frequency pairs of every query and key head stay rotated, as a decoupled rotary part
+    with a key per KV head at their own frequencies; the other features lose their rotation and only their key
+    part joins W^V in the latent. That is the one change to the function besides the truncation (the error
+    reported is the truncation's): measure it with ``qkvjax eval`` and uptrain."""
     scheme = cfg.tying
     if scheme.bilinear or scheme.latent or scheme.normalize_keys or scheme.mask_self:
         raise ValueError(f"scheme {cfg.scheme!r} has no plain W^K and W^V to factor; convert a plain q.k scheme")
-    fixed = [f for f in ("rope", "qk_norm", "v_norm", "relative_bias") if getattr(cfg, f)]
-    if fixed or (cfg.use_bias and not cfg.has_output_bias):
-        what = f"{fixed[0]}={getattr(cfg, fixed[0])!r}" if fixed else "value biases without an output bias"
+    fixed = [f for f in ("qk_norm", "v_norm", "relative_bias") if getattr(cfg, f)]
+    if fixed or (cfg.use_bias and not cfg.has_output_bias) or (cfg.rope and cfg.use_bias):
+        what = (f"{fixed[0]}={getattr(cfg, fixed[0])!r}" if fixed else "value biases without an output bias"
+                if not cfg.rope else "rope=True with biases")  # fmt: skip
         raise ValueError(
-            f"{what}: a rank-R latent cannot carry it exactly (MLA rotates only a decoupled key part, has no K/V "
-            "norms, and its value biases go to the output bias); convert a model without it"
+            f"{what}: a rank-R latent cannot carry it exactly (MLA has no K/V norms, its value biases go to the "
+            "output bias, and its rotary part has none); convert a model without it"
         )
     d, k, h, hv = att["w_o"].shape[-1], cfg.kv_heads, cfg.head_dim, cfg.value_dim
+    if cfg.rope != (rope_dim is not None):
+        raise ValueError(
+            "rope=True: a rank-R latent cannot carry rotated keys whole; keep rope_dim (--rope-dim) features of "
+            f"every head rotated (MHA2MLA's partial RoPE): an even number from 2 to H - 2 = {h - 2}"
+            if cfg.rope else f"rope_dim={rope_dim!r} is for rotary models; this one has rope=False: leave it out"
+        )  # fmt: skip
+    if rope_dim is not None and (isinstance(rope_dim, bool) or not isinstance(rope_dim, int) or rope_dim % 2
+                                 or not 2 <= rope_dim <= h - 2):  # fmt: skip
+        raise ValueError(f"rope_dim={rope_dim!r}; allowed: an even number from 2 to H - 2 = {h - 2}")
+    w_q = np.asarray(att["w_" + scheme.group_of("q")], np.float64)
+    w_k = np.asarray(att["w_" + scheme.group_of("k")], np.float64)
+    w_v = np.asarray(att["w_" + scheme.group_of("v")], np.float64)
+    rotary = {}
+    if rope_dim:  # DNH -> DN(H - H_r) into the latent's side, DNH_r (and DKH_r) stay rotated
+        kept, freed = rotary_split(h, rope_dim, cfg.rope_interleaved)
+        rotary = {"w_q_rope": w_q[..., kept], "w_k_rope": w_k[..., kept]}
+        w_q, w_k, h = w_q[..., freed], w_k[..., freed], h - rope_dim
     full = min(d, k * (h + hv))
     if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= full:
         raise ValueError(f"rank={rank!r}; allowed: 1 <= rank <= min(D, K (H + Hv)) = {full} (the full rank is exact)")
-    w_k = np.asarray(att["w_" + scheme.group_of("k")], np.float64)
-    w_v = np.asarray(att["w_" + scheme.group_of("v")], np.float64)
     stacked = np.concatenate([w_k.reshape(d, k * h), w_v.reshape(d, k * hv)], axis=1)  # DKH, DKH -> D(K(H+Hv))
     u, sv, vt = np.linalg.svd(stacked, full_matrices=False)
     root = np.sqrt(sv[:rank])
@@ -120,12 +152,12 @@ def latent_attention_params(att: dict, cfg: AttentionConfig, rank: int) -> tuple
     error = float(np.sqrt(np.sum(sv[rank:] ** 2) / np.sum(sv**2)))
     dtype = att["w_o"].dtype
     out = {
-        "w_q": att["w_" + scheme.group_of("q")],
+        "w_q": jnp.asarray(w_q, dtype),
         "w_kv_down": jnp.asarray(down, dtype),
         "w_k_up": jnp.asarray(up[:, : k * h].reshape(rank, k, h), dtype),
         "w_v_up": jnp.asarray(up[:, k * h :].reshape(rank, k, hv), dtype),
         "w_o": att["w_o"],
-    }
+    } | {name: jnp.asarray(w, dtype) for name, w in rotary.items()}
     if cfg.use_bias:  # b_k: q . b_k is the same for every key, so the softmax drops it; b_v passes to the output
         out["b_q"] = att["b_" + scheme.group_of("q")]
         b_v = np.repeat(np.asarray(att["b_" + scheme.group_of("v")], np.float64), cfg.group_size, axis=0)  # KV->NV
@@ -231,9 +263,17 @@ def cross_layer_pattern(scheme: str, group: int) -> str:
     return "(" + ", ".join([scheme] + [f"[kv_from=-{j}]" for j in range(1, group)]) + ")*"
 
 
-def latent_config(cfg: AttentionConfig, rank: int) -> AttentionConfig:
-    """The ``mla`` config that :func:`latent_attention_params` fills: rank ``rank``, no latent norm, no rotary."""
-    return dataclasses.replace(cfg, scheme="mla", kv_rank=rank, latent_norm=False, q_rank=None, rope_head_dim=None)
+def latent_config(cfg: AttentionConfig, rank: int, rope_dim: int | None = None) -> AttentionConfig:
+    """The ``mla`` config that :func:`latent_attention_params` fills: rank ``rank``, no latent norm, and for a
+    rotary model a rotary part of ``rope_dim`` per KV head whose base puts its pairs at the frequencies they had
+    (pair i of H_r at base'^(-i / (H_r/2)) = base^(-i / (H/2)): base' = base^(H_r / H))."""
+    rotary = {} if rope_dim is None else dict(
+        head_dim=cfg.head_dim - rope_dim, v_head_dim=cfg.value_dim, rope_key_per_head=True,
+        rope_base=cfg.rope_base ** (rope_dim / cfg.head_dim),
+    )  # fmt: skip
+    return dataclasses.replace(
+        cfg, scheme="mla", kv_rank=rank, latent_norm=False, q_rank=None, rope_head_dim=rope_dim, **rotary
+    )
 
 
 def convert(
@@ -244,9 +284,11 @@ def convert(
     rank: int | None = None,
     errors: list | None = None,
     cross_layer: int | None = None,
+    rope_dim: int | None = None,
 ):
     """(new config, new params) with the scheme ``to`` and/or ``num_kv_heads`` changed; ``rank`` is the latent
-    rank of ``to="mla"``, whose relative approximation error per layer is appended to ``errors`` if given.
+    rank of ``to="mla"``, whose relative approximation error per layer is appended to ``errors`` if given, and
+    ``rope_dim`` its rotary features per head for a rotary model (:func:`latent_attention_params`).
     ``cross_layer`` G: CLA in groups of G layers (last), appending (reader, donor, key error, value-output error)
     per reading layer to ``errors``."""
     att_cfg = model.attention
@@ -255,6 +297,8 @@ def convert(
                          "(separate, GQA, shared_kv, ...)")  # fmt: skip
     if (rank is not None) != (to is not None and get_scheme(to).latent):
         raise ValueError(f"rank={rank!r} goes with a latent target scheme and only there: --to mla --rank R")
+    if rope_dim is not None and rank is None:
+        raise ValueError(f"rope_dim={rope_dim!r} goes with --to mla --rank R (a rotary model's rotated part)")
     if getattr(model, "layers", ""):  # an EncoderConfig (an imported BERT) has one attention config
         raise ValueError(
             f"convert works on runs with one attention config for every layer; this run has the layer pattern "
@@ -281,7 +325,7 @@ def convert(
             block = dict(new[layer])
             error = None
             if target.latent:
-                block["attention"], error = latent_attention_params(block["attention"], att_cfg, rank)
+                block["attention"], error = latent_attention_params(block["attention"], att_cfg, rank, rope_dim)
             elif target.bilinear:
                 block["attention"] = bilinear_attention_params(block["attention"], att_cfg)
             else:
@@ -289,7 +333,7 @@ def convert(
             if errors is not None and error is not None:
                 errors.append(error)
             new[layer] = block
-        att_cfg = latent_config(att_cfg, rank) if target.latent else dataclasses.replace(att_cfg, scheme=to)
+        att_cfg = latent_config(att_cfg, rank, rope_dim) if target.latent else dataclasses.replace(att_cfg, scheme=to)
     out = dataclasses.replace(model, attention=att_cfg)
     if cross_layer is not None:
         out, new = _cross_layer(out, new, cross_layer, errors)
@@ -324,6 +368,7 @@ def convert_workdir(
     rank: int | None = None,
     errors: list | None = None,
     cross_layer: int | None = None,
+    rope_dim: int | None = None,
 ) -> str:
     """Writes a new workdir whose checkpoint holds the converted params (fresh optimizer state, same step and
     data position), so ``qkvjax eval`` / ``sample`` / ``train`` (to uptrain) all work on it. ``errors``: as in
@@ -341,7 +386,7 @@ def convert_workdir(
     if (path(out) / CONFIG_FILE).exists():
         raise ValueError(f"--out {out} already holds a run; choose an empty directory")
     _, params, config, step = restore_params(workdir, step)
-    model_cfg, new_params = convert(config.model, params, to, num_kv_heads, rank, errors, cross_layer)
+    model_cfg, new_params = convert(config.model, params, to, num_kv_heads, rank, errors, cross_layer, rope_dim)
     config = dataclasses.replace(config, model=model_cfg)
     path(out).mkdir(parents=True, exist_ok=True)
     tokenizer = path(workdir) / TOKENIZER

@@ -136,6 +136,31 @@ def test_an_imported_biased_gpt2_converts_to_mla_and_at_full_rank_still_computes
     assert np.isfinite(np.asarray(model_of(half_config).apply({"params": half_params}, jnp.asarray(tokens)))).all()
 
 
+def test_an_imported_llama_converts_to_partial_rope_mla_as_transformers_computes_with_those_frequencies(folders):
+    """MHA2MLA's retrofit of a rotary model (Ji et al. 2025): at full latent rank with 2 of 6 features per head
+    still rotated, the model is transformers' own Llama with the freed pairs' rotary frequencies set to zero."""
+    from qkvjax.convert import convert
+
+    folder, _ = folders["llama_gqa"]
+    config, params = load_pretrained(folder)
+    att = config.attention
+    hr = 2
+    full = min(config.d_model, att.kv_heads * (att.head_dim - hr + att.value_dim))
+    errors: list[float] = []
+    mla_config, mla_params = convert(config, params, to="mla", rank=full, errors=errors, rope_dim=hr)
+    assert max(errors) < 1e-5 and mla_config.attention.rope_key_per_head
+    reference = transformers.LlamaForCausalLM.from_pretrained(folder).eval()
+    with torch.no_grad():  # pair i is features (i, i + H/2) at inv_freq[i]: keep the first hr / 2 pairs only
+        for name, buffer in reference.named_buffers():
+            if name.endswith("inv_freq"):
+                buffer[hr // 2 :] = 0.0
+    tokens, mask = _batch()
+    ours = model_of(mla_config).apply({"params": mla_params}, jnp.asarray(tokens))
+    _close(ours, _reference(reference, tokens, mask, False), mask)
+    unchanged = _reference(folders["llama_gqa"][1], tokens, mask, False)
+    assert np.abs(np.asarray(ours) - unchanged)[mask].max() > 100 * TOL * np.abs(unchanged).max()  # it did change
+
+
 @pytest.mark.parametrize("name", ["gpt2", "llama_gqa", "qwen2_biases_tied"])
 def test_import_decodes_with_the_cache_as_transformers_scores_the_whole_sequence(folders, name):
     """Prefill rows of different lengths (4 and 2 tokens), then one token at a time to position T - 1."""

@@ -17,7 +17,7 @@ from qkvjax import AttentionConfig, DecoderLM, ModelConfig, attention_cost
 from qkvjax.analyze import layer_from_params
 from qkvjax.attention import KV, Attention, LatentAttention, attention_module
 from qkvjax.attention.costs import cost_table
-from qkvjax.convert import convert, latent_attention_params
+from qkvjax.convert import convert, latent_attention_params, latent_config, rotary_split
 from qkvjax.models.lm import DecodeCache, kv_cache_bytes_per_token, param_count
 from tests.test_attention import init_params, inputs, np_rotary, np_softmax, padding_mask
 
@@ -29,6 +29,7 @@ def mla(kv=K, **kw):
 
 
 FULL = dict(rope=True, rope_head_dim=HR, q_rank=RQ, v_head_dim=HV)  # every optional part on
+PER_HEAD = dict(rope=True, rope_head_dim=HR, rope_key_per_head=True, v_head_dim=HV)  # MHA2MLA's rotary keys
 
 
 def np_rms(x, scale):
@@ -56,7 +57,10 @@ def mla_reference(params, cfg, xq, xkv=None, causal=False, mask=None):
         pos_q, pos_k = np.broadcast_to(np.arange(t), xq.shape[:2]), np.broadcast_to(np.arange(s), xkv.shape[:2])
         q_in = c_q if cfg.q_rank else xq
         q_r = np_rotary(np.einsum("btr,rnh->btnh", q_in, p["w_q_rope_up" if cfg.q_rank else "w_q_rope"]), pos_q)
-        k_r = np_rotary((xkv @ p["w_k_rope"])[:, :, None], pos_k)  # one rotary key for all heads
+        if cfg.rope_key_per_head:  # a rotary key per KV head, read by its group's query heads
+            k_r = np.repeat(np_rotary(np.einsum("bsd,dkh->bskh", xkv, p["w_k_rope"]), pos_k), g, axis=2)
+        else:
+            k_r = np_rotary((xkv @ p["w_k_rope"])[:, :, None], pos_k)  # one rotary key for all heads
         q = np.concatenate([q, q_r], -1)
         k = np.concatenate([k, np.broadcast_to(k_r, k.shape[:3] + (cfg.rope_dim,))], -1)
     logits = np.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(cfg.head_dim + cfg.rope_dim)
@@ -65,7 +69,8 @@ def mla_reference(params, cfg, xq, xkv=None, causal=False, mask=None):
 
 
 @pytest.mark.parametrize(
-    "kv,extra", [(None, {}), (K, FULL), (1, dict(rope=True, rope_head_dim=HR)), (K, dict(latent_norm=False))]
+    "kv,extra",
+    [(None, {}), (K, FULL), (1, dict(rope=True, rope_head_dim=HR)), (K, dict(latent_norm=False)), (K, PER_HEAD)],
 )
 def test_matches_the_float64_reference(kv, extra):
     cfg = mla(kv, **extra)
@@ -124,7 +129,7 @@ def test_a_full_rank_latent_holding_wk_wv_is_separate_exactly(kv, hv):
 
 
 @pytest.mark.parametrize("block", [64, 2], ids=["whole_cache", "filled_prefix"])
-@pytest.mark.parametrize("extra", [FULL, dict(latent_norm=False)])
+@pytest.mark.parametrize("extra", [FULL, dict(latent_norm=False), PER_HEAD], ids=["full", "plain", "per_head"])
 def test_absorbed_decoding_equals_the_full_forward_token_by_token(extra, block):
     """The cache holds (latent, rotary key) only; every step scores in the latent space. With blocks of 2 a step
     reads cache slots 0..1, 0..3 or all 5, as far as the rows are filled (``core.within_prefix``)."""
@@ -133,7 +138,8 @@ def test_absorbed_decoding_equals_the_full_forward_token_by_token(extra, block):
     params = init_params(cfg, x, 6)
     model = LatentAttention(cfg)
     full = model.apply({"params": params}, x, causal=True)
-    names = {"latent": (B, T, R)} | ({"k_rope": (B, T, HR)} if cfg.rope_dim else {})
+    names = {"latent": (B, T, R)} | ({"k_rope": (B, K, T, HR) if cfg.rope_key_per_head else (B, T, HR)}
+                                     if cfg.rope_dim else {})  # fmt: skip
     cache = KV({n: jnp.zeros(s) for n, s in names.items()}, jnp.zeros((B,), jnp.int32))
 
     @jax.jit
@@ -182,12 +188,13 @@ def test_decoder_lm_decodes_ragged_prompts_against_the_full_forward():
 
 def test_parameters_and_cache_match_the_accounting():
     for kv in (None, K, 1):
-        for extra in ({}, FULL, dict(rope=True), dict(latent_norm=False, q_rank=RQ)):
+        for extra in ({}, FULL, dict(rope=True), dict(latent_norm=False, q_rank=RQ), PER_HEAD):
             cfg = mla(kv, **extra)
             params = init_params(cfg, inputs(9, B, T, D), 0)
             cost = attention_cost(cfg, D, T)
             assert sum(p.size for p in jax.tree.leaves(params)) == cost.params, (kv, extra)
-            assert cost.kv_cache_bytes_per_token == (R + cfg.rope_dim) * 4
+            rotary_keys = (kv or N) if extra is PER_HEAD else 1
+            assert cost.kv_cache_bytes_per_token == (R + rotary_keys * cfg.rope_dim) * 4
     default = mla(K, rope=True)
     assert default.latent_dim == R and default.rope_dim == H // 2
     assert AttentionConfig(num_heads=N, head_dim=H, scheme="mla").latent_dim == 4 * H  # DeepSeek-V2's d_c = 4 d_h
@@ -253,6 +260,14 @@ def test_svd_conversion_is_exact_at_full_rank_and_reports_its_error():
         (lambda: mla(rope=True, rope_head_dim=3), r"decoupled rotary width .* must be even; got rope_head_dim=3"),
         (lambda: mla(qk_norm=True), r"does not take qk_norm=True"),
         (lambda: mla(latent_norm="yes"), r"latent_norm='yes'; allowed: True or False"),
+        (
+            lambda: mla(rope_key_per_head=True),
+            r"rope_key_per_head=True is for .* \(allowed: a latent scheme with rope=True\)",
+        ),
+        (
+            lambda: AttentionConfig(num_heads=N, head_dim=H, rope=True, rope_key_per_head=True),
+            r"scheme 'separate' with rope=True has none",
+        ),
         (lambda: mla(v_head_dim=0), r"v_head_dim=0; allowed"),
     ],
 )
@@ -294,7 +309,7 @@ def test_conversion_refuses_bad_ranks_and_models_it_cannot_carry():
     for rank in (0, min(D, 2 * K * H) + 1):
         with pytest.raises(ValueError, match=rf"rank={rank}; allowed: 1 <= rank <= min\(D, K \(H \+ Hv\)\) = 11"):
             latent_attention_params(p, sep, rank)
-    with pytest.raises(ValueError, match=r"rope=True: a rank-R latent cannot carry it"):
+    with pytest.raises(ValueError, match=r"rope=True: a rank-R latent cannot carry rotated keys whole"):
         latent_attention_params(p, dataclasses.replace(sep, rope=True), 4)
     model_cfg = ModelConfig(sep, vocab_size=13, d_model=D, num_layers=1, mlp_dim=7, max_len=T)
     with pytest.raises(ValueError, match=r"rank=4 goes with a latent target scheme"):
@@ -310,3 +325,77 @@ def test_the_zoo_picks_the_module_and_lists_mla():
     cost = attention_cost(AttentionConfig(num_heads=12, head_dim=64, scheme="mla", dtype="bfloat16"), 768, 1024)
     assert int(row[-2].replace(",", "")) == cost.kv_cache_bytes_per_token == 4 * 64 * 2  # R = 4 H, bfloat16
     assert int(row[2].replace(",", "")) == cost.params
+
+
+def np_partial_rotary(x, pos, kept_pairs, interleaved, base=10000.0):
+    """Rotary embedding of (B, T, N, H) in float64 with only the first ``kept_pairs`` frequency pairs rotated
+    (pair i at base^(-i / (H/2)), as the original model had it); the other pairs left as they are."""
+    h = x.shape[-1]
+    freq = np.where(np.arange(h // 2) < kept_pairs, base ** (-np.arange(h // 2) / (h // 2)), 0.0)
+    ang = pos[:, :, None, None] * freq
+    cos, sin = np.cos(ang), np.sin(ang)
+    if interleaved:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        out = np.empty_like(x)
+        out[..., 0::2], out[..., 1::2] = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+        return out
+    x1, x2 = x[..., : h // 2], x[..., h // 2 :]
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
+
+
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+def test_a_rotary_model_converts_to_partial_rope_mla(layout):
+    """MHA2MLA (Ji et al. 2025): at full rank the converted layer is the original with only its H_r / 2
+    highest-frequency pairs still rotated, at their own frequencies (a float64 reference); the reported error is
+    the one measured on the latent's factors; the decode cache holds the latent and a rotary key per KV head."""
+    h, hr = 6, 4  # 3 pairs per head, 2 kept rotated: the kept and freed features interleave in both layouts
+    rope = AttentionConfig(num_heads=N, head_dim=h, num_kv_heads=K, v_head_dim=HV, rope=True, rope_layout=layout)
+    x = inputs(17, B, T, D)
+    p = init_params(rope, x, 18)
+    full = min(D, K * (h - hr + HV))
+    out, error = latent_attention_params(p, rope, full, rope_dim=hr)
+    cfg = latent_config(rope, full, hr)
+    assert error < 1e-6 and (cfg.head_dim, cfg.rope_dim, cfg.value_dim, cfg.rope_key_per_head) == (2, hr, HV, True)
+    w = {k: np.asarray(v, np.float64) for k, v in p.items()}
+    pos = np.broadcast_to(np.arange(T), (B, T))
+    xs = np.asarray(x, np.float64)
+    q = np_partial_rotary(np.einsum("btd,dnh->btnh", xs, w["w_q"]), pos, hr // 2, layout == "interleaved")
+    k = np_partial_rotary(np.einsum("btd,dkh->btkh", xs, w["w_k"]), pos, hr // 2, layout == "interleaved")
+    v = np.einsum("btd,dkh->btkh", xs, w["w_v"])
+    g = N // K
+    weights = np_softmax(np.einsum("btnh,bsnh->bnts", q, np.repeat(k, g, 2)) / np.sqrt(h), causal=True)
+    want = np.einsum("btnh,nhd->btd", np.einsum("bnts,bsnh->btnh", weights, np.repeat(v, g, 2)), w["w_o"])
+    model = LatentAttention(cfg)
+    np.testing.assert_allclose(model.apply({"params": out}, x, causal=True), want, rtol=1e-4, atol=1e-4)
+    assert attention_cost(cfg, D, T).kv_cache_bytes_per_token == (full + K * hr) * 4
+    # truncated: the reported error is |[W^K_freed, W^V] - down [up_k, up_v]| / |[W^K_freed, W^V]|
+    kept, freed = rotary_split(h, hr, layout == "interleaved")
+    assert sorted([*kept, *freed]) == list(range(h)) and len(kept) == hr
+    stacked = np.concatenate([w["w_k"][..., freed].reshape(D, -1), w["w_v"].reshape(D, -1)], axis=1)
+    for rank in (1, 3, full - 1):
+        out, error = latent_attention_params(p, rope, rank, rope_dim=hr)
+        rebuilt = [np.einsum("dr,rkh->dkh", out["w_kv_down"], out[f"w_{n}_up"]).reshape(D, -1) for n in "kv"]
+        measured = np.linalg.norm(stacked - np.concatenate(rebuilt, axis=1)) / np.linalg.norm(stacked)
+        assert error > 1e-3 and abs(measured - error) < 1e-5, (rank, measured, error)
+    # a model: converted, it decodes from its (latent, per-head rotary key) cache as its full forward computes
+    model_cfg = ModelConfig(rope, vocab_size=13, d_model=D, num_layers=2, mlp_dim=7, max_len=T, learned_positions=False)
+    tokens = jax.random.randint(jax.random.key(19), (B, T), 0, 13)
+    params = DecoderLM(model_cfg).init(jax.random.key(20), tokens)["params"]
+    new_cfg, new_params = convert(model_cfg, params, to="mla", rank=3, rope_dim=hr)
+    lm = DecoderLM(new_cfg)
+    cache = DecodeCache.empty(new_cfg, B)
+    assert cache.nbytes == 2 * (3 + K * hr) * 4 * B * T
+    logits, cache = lm.apply({"params": new_params}, tokens[:, :2], cache=cache)
+    steps = [logits]
+    for i in range(2, T):
+        logits, cache = lm.apply({"params": new_params}, tokens[:, i : i + 1], cache=cache)
+        steps.append(logits)
+    full_logits = lm.apply({"params": new_params}, tokens)
+    np.testing.assert_allclose(jnp.concatenate(steps, 1), full_logits, rtol=1e-4, atol=1e-4)
+    for bad, match in ((None, r"rope=True: a rank-R latent cannot carry rotated keys whole; keep rope_dim"),
+                       (3, r"rope_dim=3; allowed: an even number from 2 to H - 2 = 4"),
+                       (6, r"rope_dim=6; allowed: an even number from 2 to H - 2 = 4")):  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            latent_attention_params(p, rope, 3, rope_dim=bad)
+    with pytest.raises(ValueError, match=r"rope_dim=2 is for rotary models; this one has rope=False"):
+        latent_attention_params(p, dataclasses.replace(rope, rope=False), 3, rope_dim=2)

@@ -63,10 +63,16 @@ class KV:
 def cache_shapes(config: AttentionConfig, d_model: int, length: int) -> dict[str, tuple[int, ...]]:
     """What one layer's decode cache holds per row, by name, for ``length`` positions: each K/V group's
     (heads, S, width) tensor, ``"x"`` (S, D) for a bilinear key side, or a latent scheme's ``"latent"`` (S, R)
-    and ``"k_rope"`` (S, H_r). The decode caches are built from this, and the accounting counts it."""
+    and ``"k_rope"`` (S, H_r) (or (K, S, H_r), one per KV head). The decode caches are built from this, and the
+    accounting counts it."""
     scheme = config.tying
     if scheme.latent:
-        rope = {"k_rope": (length, config.rope_dim)} if config.rope_dim else {}
+        if not config.rope_dim:
+            rope = {}
+        elif config.rope_key_per_head:  # one rotary key per KV head, laid out as a K/V group's
+            rope = {"k_rope": (config.kv_heads, length, config.rope_dim)}
+        else:
+            rope = {"k_rope": (length, config.rope_dim)}
         return {"latent": (length, config.latent_dim)} | rope
     shapes = {
         g: (scheme.heads(g, config.num_heads, config.kv_heads), length, config.width(g)) for g in scheme.kv_groups

@@ -75,6 +75,9 @@ class AttentionConfig:
       rope_head_dim: H_r, the width of a latent scheme's decoupled rotary part (a rotated key of H_r shared by all
         heads, and H_r more per query head), used when ``rope``; None = H / 2 (DeepSeek-V2). Latent keys cannot
         be rotated themselves: a rotation between W^UQ and W^UK would stop them from being absorbed.
+      rope_key_per_head: a latent scheme's decoupled rotary key per KV head ((D, K, H_r), K H_r more cache per
+        token) instead of one shared by all heads: MHA2MLA's partial RoPE (Ji et al. 2025, arXiv:2502.14837), the
+        form a rotary model converts to (``qkvjax convert --to mla --rope-dim``), whose keys differ per head.
       latent_norm: RMS norm with a learned scale on a latent scheme's latents (as DeepSeek-V2); False makes the
         latent a plain low-rank factor (an MLA converted from MHA by SVD starts so, computing the same function).
     """
@@ -102,6 +105,7 @@ class AttentionConfig:
     kv_rank: int | None = None
     q_rank: int | None = None
     rope_head_dim: int | None = None
+    rope_key_per_head: bool = False
     latent_norm: bool = True
 
     def __post_init__(self):
@@ -196,8 +200,14 @@ class AttentionConfig:
                 )
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"AttentionConfig.{name}={value!r}; allowed: None or an integer >= 1")
-        if not isinstance(self.latent_norm, bool):
-            raise ValueError(f"AttentionConfig.latent_norm={self.latent_norm!r}; allowed: True or False")
+        for name in ("latent_norm", "rope_key_per_head"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"AttentionConfig.{name}={getattr(self, name)!r}; allowed: True or False")
+        if self.rope_key_per_head and not (scheme.latent and self.rope):
+            raise ValueError(
+                "AttentionConfig.rope_key_per_head=True is for a latent scheme's decoupled rotary key; "
+                f"scheme {self.scheme!r} with rope={self.rope} has none (allowed: a latent scheme with rope=True)"
+            )
         if not scheme.latent:
             return
         if self.rope_head_dim is not None and not self.rope:
@@ -232,6 +242,11 @@ class AttentionConfig:
         if not self.rope:
             return 0
         return max(1, self.head_dim // 2) if self.rope_head_dim is None else self.rope_head_dim
+
+    @property
+    def rope_key_heads(self) -> int:
+        """How many decoupled rotary keys a latent scheme makes per token: 1 (shared, DeepSeek-V2) or K."""
+        return self.kv_heads if self.rope_key_per_head else 1
 
     @property
     def rope_interleaved(self) -> bool:

@@ -95,7 +95,7 @@ def _latent_cost(config: AttentionConfig, d: int, seq_len: int, cache_bytes: int
     )
     rq = config.q_rank
     kernels = (d if rq is None else rq) * n * (h + hr) + (0 if rq is None else d * rq)  # queries
-    kernels += d * r + r * k * (h + hv) + d * hr  # w_kv_down, w_k_up, w_v_up, w_k_rope
+    kernels += d * r + r * k * (h + hv) + d * config.rope_key_heads * hr  # w_kv_down, w_k_up, w_v_up, w_k_rope
     norms = (r + (rq or 0)) if config.latent_norm else 0
     biases = (n * h if config.use_bias else 0) + (d if config.has_output_bias else 0)  # b_q, b_o
     return AttentionCost(

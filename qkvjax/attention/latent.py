@@ -3,7 +3,8 @@
 Keys and values of head j come out of one latent per token, shared by K and V and by every head::
 
     c_s = norm(x_s W^DKV)                      w_kv_down: (D, R), kv_norm_scale: (R,)
-    k_{s,j} = [c_s W^UK_j ; rope(x_s W^KR)]     w_k_up: (R, K, H), w_k_rope: (D, H_r)  (the rotary part is shared)
+    k_{s,j} = [c_s W^UK_j ; rope(x_s W^KR)]     w_k_up: (R, K, H), w_k_rope: (D, H_r)  (the rotary part is shared;
+                                                with ``rope_key_per_head``, rope(x_s W^KR_j) and (D, K, H_r))
     v_{s,j} = c_s W^UV_j                        w_v_up: (R, K, Hv)
     q_{t,n} = [x_t W^Q_n ; rope(x_t W^QR_n)]    w_q: (D, N, H), w_q_rope: (D, N, H_r)
                                                 (or from c^Q_t = norm(x_t W^DQ): w_q_down (D, Rq), w_q_up, w_q_rope_up)
@@ -21,7 +22,10 @@ step, scores are taken against the cached latents, the latents are mixed with th
 to the R-wide mixture: no (S, K, H) key or value tensor is ever made from the cache. The rotary part stays apart
 because a position-dependent rotation between ``W^Q`` and ``W^UK`` would not let them merge; that is why
 DeepSeek-V2 decouples it. With R = K (H + Hv) and ``w_kv_down`` = [W^K, W^V] the layer is ``separate`` (or GQA)
-exactly (tested); ``qkvjax convert --to mla --rank R`` starts from there by truncated SVD.
+exactly (tested); ``qkvjax convert --to mla --rank R`` starts from there by truncated SVD. A rotary model's keys
+are rotated per head, so it converts to MHA2MLA's form (Ji et al. 2025, arXiv:2502.14837): a few frequency pairs
+of every head stay rotated, as a rotary key per KV head (``rope_key_per_head``), the rest lose their rotation and
+go into the latent (``convert --rope-dim``).
 """
 
 from __future__ import annotations
@@ -43,7 +47,8 @@ class LatentAttention(AttentionModule):
     """Attention of a latent scheme (``config.tying.latent``), called like :class:`qkvjax.attention.Attention`:
     ``inputs_q`` (B, T, D), ``inputs_kv`` (B, S, D) or None, ``mask``, ``causal``, ``positions`` (B, T),
     ``cache=KV`` (a functional decode cache: ``{"latent": (B, S, R), "k_rope": (B, S, H_r)}`` and each row's
-    start) and ``return_kv``. flax's ``decode=True`` variables and cross-layer ``kv=`` are not supported."""
+    start; ``"k_rope"`` is (B, K, S, H_r) with ``rope_key_per_head``) and ``return_kv``. flax's ``decode=True``
+    variables and cross-layer ``kv=`` are not supported."""
 
     @nn.compact
     def forward(self, call: Call):
@@ -88,14 +93,19 @@ class LatentAttention(AttentionModule):
         q_pos, k_pos, index_q, _ = positions(own, call, x_kv.shape[1])
         if hr:
             w_q_rope = self._kernel(f"w_q_rope{up}", (q_in.shape[-1], n, hr), (q_axis, heads, hd), 0, (1, 2))
-            w_k_rope = self._kernel("w_k_rope", (d, hr), (axes.EMBED, hd), 0, 1)
             q_rope = jnp.einsum("BTC,CNH->BTNH", q_in, w_q_rope)
             q_rope = core.rotary(q_rope, jnp.broadcast_to(q_pos, (b, t)), cfg.rope_base, 1, cfg.rope_interleaved)
             if call.cache is not None:  # the new keys' positions are the queries'
                 k_pos = q_pos
-            k_rope = jnp.einsum("BSD,DH->BSH", x_kv, w_k_rope)[:, :, None]  # BSH -> BS1H, one head for all
+            if cfg.rope_key_per_head:
+                w_k_rope = self._kernel("w_k_rope", (d, kh, hr), (axes.EMBED, kv_heads, hd), 0, (1, 2))
+                k_rope = jnp.einsum("BSD,DKH->BSKH", x_kv, w_k_rope)
+            else:
+                w_k_rope = self._kernel("w_k_rope", (d, hr), (axes.EMBED, hd), 0, 1)
+                k_rope = jnp.einsum("BSD,DH->BSH", x_kv, w_k_rope)[:, :, None]  # BSH -> BS1H, one head for all
             k_pos = jnp.broadcast_to(k_pos, k_rope.shape[:2])
-            fresh["k_rope"] = core.rotary(k_rope, k_pos, cfg.rope_base, 1, cfg.rope_interleaved)[:, :, 0]
+            k_rope = core.rotary(k_rope, k_pos, cfg.rope_base, 1, cfg.rope_interleaved)
+            fresh["k_rope"] = k_rope if cfg.rope_key_per_head else k_rope[:, :, 0]
 
         # 3. cache: the latents (and rotated rotary keys) are what a row keeps
         side = KV.fresh(fresh) if call.cache is None else write(call.cache, fresh, t)
@@ -113,7 +123,11 @@ class LatentAttention(AttentionModule):
 
             def attend(p: int) -> Array:  # over cache slots 0..p-1
                 logits = jnp.einsum("BKQR,BSR->BKQS", q_lat, latent[:, :p])
-                if hr:
+                if hr and cfg.rope_key_per_head:  # the cached rotary keys: (B, K, S, H_r)
+                    logits = logits + jnp.einsum(
+                        "BKQE,BKSE->BKQS", core.fold_queries(q_rope * scale, kh), side.tensors["k_rope"][:, :, :p]
+                    )
+                elif hr:  # one rotary key for every head: (B, S, H_r)
                     logits = logits + jnp.einsum(
                         "BKQE,BSE->BKQS", core.fold_queries(q_rope * scale, kh), side.tensors["k_rope"][:, :p]
                     )
@@ -134,8 +148,9 @@ class LatentAttention(AttentionModule):
         else:  # as written: keys and values up-projected from the latents of this call, then any kernel
             k = jnp.einsum("BSR,RKH->BSKH", latent, w_k_up)
             v = jnp.einsum("BSR,RKH->BSKH", latent, w_v_up)
-            if hr:  # BSH -> BSKH: the rotary key part is the same for every head
-                k_rope = jnp.broadcast_to(fresh["k_rope"][:, :, None], k.shape[:3] + (hr,))
+            if hr:  # BSH -> BSKH: a shared rotary key part is the same for every head
+                k_rope = fresh["k_rope"] if cfg.rope_key_per_head else fresh["k_rope"][:, :, None]
+                k_rope = jnp.broadcast_to(k_rope, k.shape[:3] + (hr,))
                 q, k = jnp.concatenate([q, q_rope], -1), jnp.concatenate([k, k_rope], -1)
             scores = kernels.Scores(
                 q=q, x_q=None, w_qk=None, read=lambda p: (k[:, :p], v[:, :p]), layout=FRESH, length=v.shape[1], t=t,
