@@ -2,17 +2,20 @@
 against GQA pooling and the least-squares K = V retrofit.
 
     python experiments/mla_convert.py --out experiments/results/mla_convert_cpu [--seeds 0,1,2] [--ranks 16,32,64,128]
-        [--kv-heads 2,1] [--shared-kv] [--uptrain-steps 200] [--config experiments/configs/compare_cpu.py]
+        [--kv-heads 2,1] [--shared-kv] [--cla 2] [--uptrain-steps 200] [--config experiments/configs/compare_cpu.py]
 
 For each seed: trains the ``separate`` source run of ``--config`` (or reuses it), then for each conversion —
 ``qkvjax convert --to mla --rank R``, at the same cache sizes ``--num-kv-heads K`` (GQA by mean-pooling,
 Ainslie et al. 2023), and with ``--shared-kv`` ``--to shared_kv`` (keys kept, values least squares through
-them; half the cache, as K = N/2) — writes the converted run, evaluates it on the whole validation split as
-converted, uptrains it for ``--uptrain-steps`` with the run's own optimiser settings (fresh AdamW state, the
-schedule stretched to the new step count) and evaluates again. The control ``none`` is the source itself
-uptrained the same way (a fresh AdamW state too), so it differs from the others by the conversion alone.
+them; half the cache, as K = N/2) and with ``--cla G`` Cross-Layer Attention in groups of G layers (a reading
+layer's W^Q and W^O absorb least-squares maps from its donor's K/V; 1/G of the cache) — writes the converted run,
+evaluates it on the whole validation split as converted, uptrains it for ``--uptrain-steps`` with the run's own
+optimiser settings (fresh AdamW state, the schedule stretched to the new step count) and evaluates again. The
+control ``none`` is the source itself uptrained the same way (a fresh AdamW state too), so it differs from the
+others by the conversion alone.
 Each finished (seed, conversion) appends a row to ``OUT/results.csv`` (with the relative reconstruction error of
-[W^K, W^V] per layer for MLA); a rerun skips finished rows, so a killed sweep loses one conversion at most.
+[W^K, W^V] per layer for MLA, of W^V W^O for K = V, of the keys and value-output maps per reading layer for
+CLA); a rerun skips finished rows, so a killed sweep loses one conversion at most.
 """
 
 from __future__ import annotations
@@ -84,7 +87,8 @@ def summary(path: Path) -> str:
         rows = list(csv.DictReader(f))
     order = list(dict.fromkeys(r["conversion"] for r in rows))
     lines = [
-        "| conversion | KV cache B/token | rel. error (layer mean; mla: [W^K, W^V], kv-lsq: W^V W^O) | "
+        "| conversion | KV cache B/token | rel. error (layer mean; mla: [W^K, W^V], kv-lsq: W^V W^O, "
+        "cla: keys / W^V W^O of the reading layers) | "
         "val loss converted | "
         "val loss after uptraining | Δ after uptraining vs none, paired by seed | seeds |",
         "|---|---:|---:|---:|---:|---:|---:|",
@@ -100,10 +104,12 @@ def summary(path: Path) -> str:
 
     for name in order:
         group = [r for r in rows if r["conversion"] == name]
-        errors = [statistics.fmean(float(e) for e in r["layer_errors"].split()) for r in group if r["layer_errors"]]
+        parts = [[e.split("/") for e in r["layer_errors"].split()] for r in group if r["layer_errors"]]
+        errors = " / ".join(stat([statistics.fmean(float(e[i]) for e in p) for p in parts])
+                            for i in range(len(parts[0][0]))) if parts else "-"  # fmt: skip
         paired = [r for r in group if r["seed"] in control]
         lines.append(
-            f"| {name} | {group[0]['kv_cache_bytes_per_token']} | {stat(errors) if errors else '-'} | "
+            f"| {name} | {group[0]['kv_cache_bytes_per_token']} | {errors} | "
             f"{stat([float(r['converted_val_loss']) for r in group])} | "
             f"{stat([float(r['uptrained_val_loss']) for r in group])} | "
             f"{stat([float(r['uptrained_val_loss']) - control[r['seed']] for r in paired], '+')} | "
@@ -133,6 +139,7 @@ def sweep(argv=None) -> int:
     p.add_argument("--ranks", type=_ints, default=[16, 32, 64, 128])
     p.add_argument("--kv-heads", type=_ints, default=[2, 1], help="GQA conversions at the same cache sizes")
     p.add_argument("--shared-kv", action="store_true", help="also the least-squares K = V retrofit (--to shared_kv)")
+    p.add_argument("--cla", type=_ints, default=[], help="also CLA retrofits in groups of these sizes (e.g. 2)")
     p.add_argument("--uptrain-steps", type=int, default=200)
     p.add_argument("--corpus", default=str(REPO.parent / "shared/data/tinyshakespeare/input.txt"))
     args = p.parse_args(argv)
@@ -143,6 +150,8 @@ def sweep(argv=None) -> int:
     conversions = [("none", None, None, None)] + [(f"mla-r{r}", "mla", r, None) for r in args.ranks]
     conversions += [(f"gqa-k{k}", None, None, k) for k in args.kv_heads]
     conversions += [("kv-lsq", "shared_kv", None, None)] if args.shared_kv else []
+    conversions += [(f"cla-g{g}", None, None, None, g) for g in args.cla]
+    conversions = [c if len(c) == 5 else (*c, None) for c in conversions]  # (name, to, rank, kv heads, CLA group)
     att = base.model.attention
     full = min(base.model.d_model, att.kv_heads * (att.head_dim + att.value_dim))
     for rank in args.ranks:  # refused here, before anything trains
@@ -153,6 +162,10 @@ def sweep(argv=None) -> int:
         "machine": f"{platform.machine()}, {platform.node()}",
         "config": args.config,
     }
+    previous = json.loads((out / "protocol.json").read_text()) if (out / "protocol.json").exists() else {}
+    meta["earlier_commands"] = previous.get("earlier_commands", []) + (
+        [previous["command"]] if previous.get("command") not in (None, meta["command"]) else []
+    )  # rows appended by other commands (e.g. --shared-kv, --cla) keep theirs on record
     (out / "protocol.json").write_text(json.dumps(meta, indent=2) + "\n")
     results = out / "results.csv"
     done = _done(results)
@@ -162,7 +175,7 @@ def sweep(argv=None) -> int:
         train(config, str(source))  # trains, or finds the run finished (resumes an interrupted one)
         source_loss = evaluate(str(source))["loss"]
         steps = config.train.num_steps + args.uptrain_steps
-        for name, to, rank, kv_heads in conversions:
+        for name, to, rank, kv_heads, group in conversions:
             if (str(seed), name) in done:
                 continue
             work = out / "work" / f"{name}-seed{seed}"
@@ -171,7 +184,7 @@ def sweep(argv=None) -> int:
             # "none" converts to the same head count, a no-op on the weights: every row then uptrains from a fresh
             # AdamW state, as a converted run must, so the control differs from the others only by the conversion
             kv_heads = kv_heads or (None if to else config.model.attention.kv_heads)
-            convert_workdir(str(source), str(work), to, kv_heads, rank=rank, errors=errors)
+            convert_workdir(str(source), str(work), to, kv_heads, rank=rank, errors=errors, cross_layer=group)
             converted = load_config(str(work))
             converted_loss = evaluate(str(work))["loss"]
             train(
@@ -183,7 +196,9 @@ def sweep(argv=None) -> int:
                 "rank": rank or "",
                 "kv_heads": converted.model.attention.kv_heads,
                 "kv_cache_bytes_per_token": kv_cache_bytes_per_token(converted.model),
-                "layer_errors": " ".join(f"{e:.4f}" for e in errors),
+                "layer_errors": " ".join(  # CLA: "key/value-output" per reading layer
+                    f"{e[2]:.4f}/{e[3]:.4f}" if isinstance(e, tuple) else f"{e:.4f}" for e in errors
+                ),
                 "source_val_loss": f"{source_loss:.4f}",
                 "converted_val_loss": f"{converted_loss:.4f}",
                 "uptrain_steps": args.uptrain_steps,
