@@ -385,10 +385,11 @@ def test_a_rotary_model_converts_to_partial_rope_mla(layout):
     lm = DecoderLM(new_cfg)
     cache = DecodeCache.empty(new_cfg, B)
     assert cache.nbytes == 2 * (3 + K * hr) * 4 * B * T
-    logits, cache = lm.apply({"params": new_params}, tokens[:, :2], cache=cache)
+    apply = jax.jit(lambda tok, c: lm.apply({"params": new_params}, tok, cache=c))  # one compile per input length
+    logits, cache = apply(tokens[:, :2], cache)
     steps = [logits]
     for i in range(2, T):
-        logits, cache = lm.apply({"params": new_params}, tokens[:, i : i + 1], cache=cache)
+        logits, cache = apply(tokens[:, i : i + 1], cache)
         steps.append(logits)
     full_logits = lm.apply({"params": new_params}, tokens)
     np.testing.assert_allclose(jnp.concatenate(steps, 1), full_logits, rtol=1e-4, atol=1e-4)
