@@ -218,11 +218,11 @@ def format_report(report: dict) -> str:
                  "head n's Q against head n+1's K and V" + ("; initial: this run's own W_0" if "initial" in report
                                                            else "") + ")")  # fmt: skip
     if report.get("drift"):
-        names = [k for k in report["drift"][0] if k != "layer"]
+        names = list(dict.fromkeys(k for r in report["drift"] for k in r if k != "layer"))  # every layer's kernels
         lines.append("relative drift |W - W_0|_F / |W_0|_F:")
         lines.append(f"{'layer':<11}" + "".join(f"{n:>12}" for n in names))
-        for r in report["drift"]:
-            lines.append(f"{r['layer']:<11}" + "".join(f"{r.get(n, float('nan')):>12.3f}" for n in names))
+        for r in report["drift"]:  # a kernel a layer does not have (a CLA reader's w_k, w_v) is "-"
+            lines.append(f"{r['layer']:<11}" + "".join(f"{r[n]:>12.3f}" if n in r else f"{'-':>12}" for n in names))
     return "\n".join(lines)
 
 

@@ -21,7 +21,7 @@ from qkvjax.analyze import (
     principal_cosines,
 )
 from qkvjax.sources import load_safetensors
-from tests.helpers import metrics, run_in_process, train_args
+from tests.helpers import REPO, metrics, run_in_process, train_args
 
 STRICT_DTYPE_PROMOTION = False  # the training test uses optax
 
@@ -232,3 +232,16 @@ def test_kv_rank_error_is_the_eckart_young_residual_of_keys_and_values_side_by_s
     assert np.all(np.isnan(head_measures(layer, shift=1)["kv_rank_err"]))
     merged = LayerWeights(v=values[:1], qk_merged=RNG.standard_normal((2, d, d)))
     assert np.all(np.isnan(head_measures(merged)["kv_rank_err"]))
+
+
+def test_a_cla_readers_absent_kernels_print_as_a_dash():
+    """The committed analysis of a CLA run (layers 1 and 3 read the K/V of 0 and 2): its drift table names every
+    kernel any layer has, and a reader's w_k, w_v print as '-', not 'nan'."""
+    from qkvjax.analyze import format_report
+
+    report = json.loads((REPO / "experiments/results/mechanisms_cpu/analyze/cla2.json").read_text())
+    assert [sorted(r) for r in report["drift"]][1] == ["layer", "w_o", "w_q"]  # a reader has no K/V kernels
+    table = format_report(report).split("relative drift |W - W_0|_F / |W_0|_F:\n")[1].splitlines()
+    assert table[0].split() == ["layer", "w_k", "w_o", "w_q", "w_v"]
+    assert table[2].split()[1] == "-" and table[2].split()[4] == "-" and "nan" not in "".join(table)
+    assert all(float(x) > 0.3 for x in table[1].split()[1:])  # a producer's kernels all moved
