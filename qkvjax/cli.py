@@ -462,8 +462,8 @@ def build_parser(preset=None) -> argparse.ArgumentParser:
         "--rope-dim",
         type=int,
         default=None,
-        help="--to mla of a rotary model: features per head that stay rotated (MHA2MLA's partial RoPE: the "
-        "highest-frequency pairs; the rest lose their rotation: uptrain)",
+        help="--to mla of a rotary model: features per head kept rotated (MHA2MLA's partial RoPE, the pairs of "
+        "highest frequency; the others lose their rotation: uptrain)",
     )
     p.add_argument("--num-kv-heads", type=int, default=None, help="mean-pool kv heads to K (GQA/MQA)")
     p.add_argument(
