@@ -7,7 +7,8 @@ Each rows file is one study (its rows in the file's order; a row may sit in seve
 the paired difference to ``separate`` with its 95% t interval and whether it is inside the seed spread (as
 ``report.py``), the paired difference to the row that a ``# reference: NAME`` line of the rows file names
 (``shared_qk`` for Reformer's parts), and the early phase: the difference to ``separate`` at a few early
-evaluations (mean over seeds) and the last evaluation at which the row was still ahead of ``separate``. Plots per
+evaluations (mean over seeds), the last evaluation at which the row was still ahead of ``separate``, and the
+steps each row takes to reach the losses ``separate`` reaches at 10%, 30% and 100% of the run. Plots per
 study: ``DIR/<study>_delta.png``, the difference to ``separate`` at every evaluation (the early steps and the
 whole run), and where a study's rows differ in cache, ``DIR/<study>_cache.png``, final loss against cache size.
 """
@@ -31,6 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 DEFAULT_ROWS = [REPO / f"experiments/configs/rows_{name}.txt" for name in ("reformer", "equal_cache", "mla_lr")]
 EARLY_EVALUATIONS = 3  # the early phase's columns: the first few evaluations after the first
 EARLY_FRACTION = 0.3  # the early panel of the plots: this much of the run
+TARGET_FRACTIONS = (0.1, 0.3, 1.0)  # steps-to-loss: the losses separate reaches at these fractions of the run
 
 
 def val_curves(curves: list[dict]) -> dict[str, dict[int, dict[int, float]]]:
@@ -56,6 +58,32 @@ def paired(rows: list[dict], scheme: str, reference: str) -> tuple[float, int] |
     by = {(r["scheme"], int(r["seed"])): float(r["final_val_loss"]) for r in rows}
     diffs = [by[scheme, s] - by[reference, s] for (n, s) in by if n == scheme and (reference, s) in by]
     return (statistics.fmean(diffs), len(diffs)) if diffs else None
+
+
+def steps_to_loss(curves, order: list[str]) -> list[str]:
+    """A table: for each target, the loss ``separate`` reaches (mean over seeds) at its evaluation at
+    TARGET_FRACTIONS of the run, the first evaluation at which each row is at or below it (mean over the seeds that
+    got there; how many did, when not all): does a row train faster early, and until when?"""
+    ref = curves.get("separate", {})
+    if not ref:
+        return []
+    last = max(t for s in ref.values() for t in s)
+    common = sorted(set.intersection(*(set(s) for s in ref.values())))
+    marks = sorted({next(t for t in common if t >= f * last) for f in TARGET_FRACTIONS})
+    targets = [(t, statistics.fmean(s[t] for s in ref.values())) for t in marks]
+    lines = ["Steps to `separate`'s loss (first evaluation at or below it; mean over seeds):", "",
+             "| row | " + " | ".join(f"to {loss:.3f} (separate's @{t})" for t, loss in targets) + " |",
+             "|---|" + "---|" * len(targets)]  # fmt: skip
+    for scheme in (s for s in order if s in curves):
+        cells = []
+        for _, loss in targets:
+            reached = [min((t for t, v in c.items() if v <= loss), default=None) for c in curves[scheme].values()]
+            got = [t for t in reached if t is not None]
+            n = len(reached)
+            cells.append("not reached" if not got else f"{statistics.fmean(got):.0f}"
+                         + ("" if len(got) == n else f" ({len(got)} of {n} seeds)"))  # fmt: skip
+        lines.append(f"| {scheme} | " + " | ".join(cells) + " |")
+    return lines + [""]
 
 
 def study_markdown(
@@ -193,6 +221,7 @@ def write(out: Path, studies: dict[str, tuple[list[str], str | None]]) -> Path:
     ]
     for name, (order, own) in studies.items():
         lines += study_markdown(name, order, own, entries, rows, curves, full)
+        lines += steps_to_loss(curves, order)
         plots = [f"{name}_delta.png"]
         plot_deltas(out, name, order, curves, out / plots[0])
         if len({entries[s]["kv_cache_bytes_per_token"] for s in order if s in entries}) > 1:

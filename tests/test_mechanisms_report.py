@@ -41,7 +41,9 @@ def test_tables_give_paired_differences_the_early_phase_and_rows_not_run(folder,
     args = [str(folder), "--rows", str(folder / "rows_ties.txt"), "--rows", str(folder / "rows_cache.txt")]
     assert mechanisms_report.main(args) == 0
     text = (folder / "mechanisms.md").read_text()
-    lines = {line.split(" | ")[0].strip("| "): line for line in text.splitlines() if line.startswith("| ")}
+    lines = {}  # each row's first line: its line in the study's main table
+    for line in (x for x in text.splitlines() if x.startswith("| ")):
+        lines.setdefault(line.split(" | ")[0].strip("| "), line)
     tied = lines["tied"].split(" | ")
     assert tied[4] == "2.5000 ± 0.2828"  # mean ± sample std over seeds
     assert tied[5] == "+0.4000"  # (0.3 + 0.5) / 2, paired by seed
@@ -49,6 +51,10 @@ def test_tables_give_paired_differences_the_early_phase_and_rows_not_run(folder,
     assert tied[-1].strip(" |") == "20"  # the last evaluation with the row ahead of separate
     assert "| tied | " in text and "Δ vs tied" in text and "Δ sep. @20" in text
     assert "| missing | | | 0 | not run yet |" in text
+    # steps to separate's mean loss at step 10 (4.1) and at the end (2.1): separate's seed 1 needs step 20 for the
+    # first and never gets to the second; tied is there at step 10 on both seeds, and never at 2.1
+    assert "| row | to 4.100 (separate's @10) | to 2.100 (separate's @30) |" in text
+    assert "| separate | 15 | 30 (1 of 2 seeds) |" in text and "| tied | 10 | not reached |" in text
     assert (folder / "ties_delta.png").read_bytes().startswith(PNG)
     assert (folder / "cache_cache.png").read_bytes().startswith(PNG)
     assert not (folder / "ties_cache.png").exists()  # one cache size: nothing to plot
