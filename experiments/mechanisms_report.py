@@ -174,21 +174,31 @@ def plot_cache(out: Path, name: str, order: list[str], entries: dict, full: int,
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(9, 5.5))
-    fractions = sorted({entries[s]["kv_cache_bytes_per_token"] / full for s in order if s in entries})
-    for i, scheme in enumerate(s for s in order if s in entries):
+    fig, ax = plt.subplots(figsize=(10, 6))
+    shown = [s for s in order if s in entries]
+    fractions = sorted({entries[s]["kv_cache_bytes_per_token"] / full for s in shown})
+    means = [entries[s]["mean"] for s in shown]
+    gap = 0.045 * ((max(means) - min(means)) or 1.0)  # the least vertical distance between two labels
+    label_y = {}
+    for f in fractions:  # per cache size, labels in the points' order, pushed apart where they would collide
+        column = sorted((entries[s]["mean"], s) for s in shown if entries[s]["kv_cache_bytes_per_token"] / full == f)
+        low = -math.inf
+        for y, scheme in column:
+            label_y[scheme] = low = max(y, low + gap)
+    for i, scheme in enumerate(shown):
         e = entries[scheme]
         x = fractions.index(e["kv_cache_bytes_per_token"] / full)
-        jitter = (i % 7 - 3) * 0.08  # rows at one cache size side by side, each labelled
+        jitter = (i % 5 - 2) * 0.05  # rows at one cache size side by side
         err = None if math.isnan(e["std"]) else e["std"]
         ax.errorbar(x + jitter, e["mean"], yerr=err, fmt="o", color=_color(i), ms=6, capsize=3)
-        ax.annotate(f"{scheme} ({len(e['seeds'])})", (x + jitter, e["mean"]), textcoords="offset points",
-                    xytext=(5, 2 + 9 * (i % 3)), fontsize=7, rotation=20)  # fmt: skip
+        ax.annotate(f"{scheme} ({len(e['seeds'])})", (x + jitter, e["mean"]), xytext=(x + 0.2, label_y[scheme]),
+                    fontsize=7, va="center", color=_color(i),
+                    arrowprops={"arrowstyle": "-", "color": _color(i), "lw": 0.6})  # fmt: skip
     if "separate" in entries:
         ax.axhline(entries["separate"]["mean"], color="gray", lw=0.8, ls="--", label="separate (full cache)")
         ax.legend(fontsize=8)
     ax.set_xticks(range(len(fractions)), [f"{f:g} x separate's" for f in fractions])
-    ax.set_xlim(-0.5, len(fractions) - 0.3)
+    ax.set_xlim(-0.4, len(fractions) - 0.1)
     ax.margins(y=0.15)  # room for the labels above the highest point
     ax.set_xlabel("KV-cache bytes per token (all layers)")
     ax.set_ylabel("final validation loss (nats/byte), mean ± std (seeds)")
