@@ -81,12 +81,25 @@ def test_a_scheme_without_separate_k_and_v_is_refused():
         convert(config, _params(config), to="shared_kv")
 
 
+def _assert_exact_reader(reader: dict, donor: dict, att_cfg) -> None:
+    """The CLA conversion of ``reader`` onto ``donor``'s K/V reports no error, and the converted reader attending
+    over the donor's K/V computes what the reader computed with its own (on the donor's input)."""
+    from qkvjax.attention import Attention
+    from qkvjax.convert import cross_layer_attention_params
+
+    new, key_error, value_error = cross_layer_attention_params(reader, donor, att_cfg)
+    assert key_error < 1e-5 and value_error < 1e-5
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((2, 7, 15)), jnp.float32)
+    own = Attention(att_cfg).apply({"params": reader}, x, causal=True)
+    _, kv = Attention(att_cfg).apply({"params": donor}, x, causal=True, return_kv=True)
+    shared = Attention(att_cfg).apply({"params": new}, x, kv=kv, causal=True)
+    np.testing.assert_allclose(shared, own, atol=2e-4 * float(jnp.abs(own).max()))
+
+
 @pytest.mark.parametrize(("kv_heads", "use_bias"), [(None, True), (1, False)])
 def test_cross_layer_reader_is_exact_on_the_same_input_when_its_kv_lie_in_the_donors_span(kv_heads, use_bias):
     """A reader whose W^K, W^V are the donor's times invertible maps computes, on the donor's input, what it
     computed with its own K/V; the model-level conversion halves the cache and yields the pattern's tree."""
-    from qkvjax.attention import Attention
-    from qkvjax.convert import cross_layer_attention_params
 
     config = _model(kv_heads, use_bias)
     att_cfg = config.attention
@@ -97,13 +110,7 @@ def test_cross_layer_reader_is_exact_on_the_same_input_when_its_kv_lie_in_the_do
     for name in ("w_k", "w_v"):
         maps = rng.standard_normal((donor[name].shape[1], h, h)).astype(np.float32) + 2 * np.eye(h, dtype=np.float32)
         reader[name] = np.einsum("DKH,KHE->DKE", donor[name], maps)
-    new, key_error, value_error = cross_layer_attention_params(reader, donor, att_cfg)
-    assert key_error < 1e-5 and value_error < 1e-5
-    x = jnp.asarray(np.random.default_rng(2).standard_normal((2, 7, 15)), jnp.float32)
-    own = Attention(att_cfg).apply({"params": reader}, x, causal=True)
-    _, kv = Attention(att_cfg).apply({"params": donor}, x, causal=True, return_kv=True)
-    shared = Attention(att_cfg).apply({"params": new}, x, kv=kv, causal=True)
-    np.testing.assert_allclose(shared, own, atol=2e-4 * float(jnp.abs(own).max()))
+    _assert_exact_reader(reader, donor, att_cfg)
 
     errors = []
     new_config, new_params = convert(config, params, num_kv_heads=None, errors=errors, cross_layer=2)
@@ -122,7 +129,6 @@ def test_cross_layer_under_rotary_positions_fits_maps_that_commute_with_every_ro
     """Rotary keys arrive at a reader already rotated: its key map must commute with every rotation (a complex
     number per frequency pair). With the reader's W^K = the donor's times such a map the conversion is exact on
     the donor's input; with a generic map (which does not commute) the reported key error is the one measured."""
-    from qkvjax.attention import Attention
     from qkvjax.convert import cross_layer_attention_params
 
     config = _model(kv_heads, use_bias=False, rope=True)
@@ -141,13 +147,7 @@ def test_cross_layer_under_rotary_positions_fits_maps_that_commute_with_every_ro
     reader["w_k"] = np.einsum("DKH,KHE->DKE", donor["w_k"], turn)
     generic = rng.standard_normal((k, h, h)).astype(np.float32) + 2 * np.eye(h, dtype=np.float32)
     reader["w_v"] = np.einsum("DKH,KHE->DKE", donor["w_v"], generic)  # values are not rotated: any map
-    new, key_error, value_error = cross_layer_attention_params(reader, donor, att_cfg)
-    assert key_error < 1e-5 and value_error < 1e-5
-    x = jnp.asarray(np.random.default_rng(2).standard_normal((2, 7, 15)), jnp.float32)
-    own = Attention(att_cfg).apply({"params": reader}, x, causal=True)
-    _, kv = Attention(att_cfg).apply({"params": donor}, x, causal=True, return_kv=True)
-    shared = Attention(att_cfg).apply({"params": new}, x, kv=kv, causal=True)
-    np.testing.assert_allclose(shared, own, atol=2e-4 * float(jnp.abs(own).max()))
+    _assert_exact_reader(reader, donor, att_cfg)
 
     reader["w_k"] = np.einsum("DKH,KHE->DKE", donor["w_k"], generic)  # no commuting map reaches this exactly
     new, key_error, _ = cross_layer_attention_params(reader, donor, att_cfg)
