@@ -146,12 +146,11 @@ def sweep(argv=None) -> int:
     out = Path(args.out)
     (out / "work").mkdir(parents=True, exist_ok=True)
     base = apply_overrides(load_config_file(args.config), {"data.source_path": args.corpus})
-    # (name, target scheme, rank, kv heads)
-    conversions = [("none", None, None, None)] + [(f"mla-r{r}", "mla", r, None) for r in args.ranks]
-    conversions += [(f"gqa-k{k}", None, None, k) for k in args.kv_heads]
-    conversions += [("kv-lsq", "shared_kv", None, None)] if args.shared_kv else []
+    # (name, target scheme, rank, kv heads, CLA group)
+    conversions = [("none", None, None, None, None)] + [(f"mla-r{r}", "mla", r, None, None) for r in args.ranks]
+    conversions += [(f"gqa-k{k}", None, None, k, None) for k in args.kv_heads]
+    conversions += [("kv-lsq", "shared_kv", None, None, None)] if args.shared_kv else []
     conversions += [(f"cla-g{g}", None, None, None, g) for g in args.cla]
-    conversions = [c if len(c) == 5 else (*c, None) for c in conversions]  # (name, to, rank, kv heads, CLA group)
     att = base.model.attention
     full = min(base.model.d_model, att.kv_heads * (att.head_dim + att.value_dim))
     for rank in args.ranks:  # refused here, before anything trains

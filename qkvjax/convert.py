@@ -10,8 +10,9 @@
   ``separate``'s function up to the dropped singular values. The relative error ``|W - W_R|_F / |W|_F`` is reported
   per layer (Eckart-Young: the best rank-R approximation); the result is meant to be uptrained. Biases carry over
   exactly: the query bias stays, a key bias adds q . b_k to every score of a query alike (the softmax drops it),
-  and a value bias reaches the output as sum_n b_v W^O_n (added to the output bias). Rotary models are refused: the
-  latent keys cannot be rotated (MHA2MLA's partial RoPE, Ji et al. 2025, is not implemented).
+  and a value bias reaches the output as sum_n b_v W^O_n (added to the output bias). A rotary model's latent keys
+  cannot be rotated, so it takes ``rope_dim`` (MHA2MLA's partial RoPE, Ji et al. 2025): the highest-frequency pairs
+  of every head stay rotated as a rotary key per KV head, the others lose their rotation and go into the latent.
 
 * ``to_shared_kv`` (least squares, exact when W^V's columns lie in W^K's span): one tensor per kv head plays
   key and value (K = V). Keys stay exactly as they were (``w_kv = W^K``) and the values become ``x W^K C`` with
