@@ -139,6 +139,7 @@ def test_decoding_token_by_token_matches_the_full_forward(pattern, rope, kv):
     np.testing.assert_allclose(logits, full, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow  # ~25 s of compiles (out of CI: pytest -m slow; test_latent, test_lm decode ragged rows in CI)
 def test_a_ragged_batch_decodes_each_row_as_if_alone():
     cfg = lm("separate, [kv_from=-1], shared_kv[kv=2,qk_norm], [kv=2]", rope=True)
     model, params = DecoderLM(cfg), params_of(cfg)

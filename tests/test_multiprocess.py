@@ -7,6 +7,7 @@ import sys
 import time
 
 import numpy as np
+import pytest
 
 from tests.helpers import REPO, metrics, run_in_process, train_args
 
@@ -52,6 +53,7 @@ def _process(i, port, args, timeout_s):
     return subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+@pytest.mark.slow  # ~40 s: two processes, one killed, both resumed (out of CI for time: pytest -m slow)
 def test_a_killed_peer_stops_the_other_process_within_the_timeout_and_both_resume(tmp_path, small_text, data_dir):
     timeout_s = 10
     w = tmp_path / "run"
