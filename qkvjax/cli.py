@@ -69,11 +69,12 @@ def _train(args: argparse.Namespace, overrides: dict[str, str]) -> int:
 
 def _plan(args: argparse.Namespace, overrides: dict[str, str]) -> int:
     from qkvjax.plan import format_plan, plan
-    from qkvjax.train.config import apply_overrides, load_config_file
+    from qkvjax.train.config import apply_overrides, load_config_file, require_decoder
 
     if args.per_device_memory is not None and not args.per_device_memory > 0:
         raise ValueError(f"--per-device-memory={args.per_device_memory}; allowed: GiB > 0")
     config = apply_overrides(load_config_file(args.config), overrides)
+    require_decoder(config, "plan")
     print(format_plan(config, plan(config, args.devices), args.per_device_memory))
     return 0
 
@@ -99,9 +100,11 @@ def _sample(args: argparse.Namespace) -> int:
     from qkvjax.data.tokenizer import check_vocab, load_tokenizer
     from qkvjax.evaluate import restore_params
     from qkvjax.sample import check_request, encode, generate_batch
+    from qkvjax.train.config import require_decoder
     from qkvjax.workdir import load_config
 
     saved = load_config(args.workdir)
+    require_decoder(saved, "sample")
     tokenizer = load_tokenizer(saved.data.tokenizer, args.workdir)
     if saved.data.tokenizer is not None:
         check_vocab(tokenizer, saved.model.vocab_size)
@@ -151,6 +154,7 @@ def _info(args: argparse.Namespace) -> int:
 
 def _convert(args: argparse.Namespace) -> int:
     from qkvjax.convert import convert_workdir
+    from qkvjax.models.encoder import EncoderConfig
     from qkvjax.models.lm import kv_cache_bytes_per_token
     from qkvjax.workdir import load_config
 
@@ -172,22 +176,26 @@ def _convert(args: argparse.Namespace) -> int:
         )
     before, after = (kv_cache_bytes_per_token(load_config(w).model) for w in (args.workdir, out))
     print(f"KV cache: {before:,} -> {after:,} bytes per token ({after / before:.2f}x)")
-    print(
-        f"converted checkpoint written to {out}; uptrain it with: qkvjax train --config {out}/config.json "
-        f"--workdir {out} --config.train.num_steps=N (N above the step it starts from)"
-    )
+    if isinstance(load_config(out).model, EncoderConfig):
+        print(f"converted encoder written to {out}; read it with qkvjax info / analyze / export")
+    else:
+        print(
+            f"converted checkpoint written to {out}; uptrain it with: qkvjax train --config {out}/config.json "
+            f"--workdir {out} --config.train.num_steps=N (N above the step it starts from)"
+        )
     return 0
 
 
 def _import(args: argparse.Namespace) -> int:
     from qkvjax.hf import import_folder
-    from qkvjax.models.lm import param_count
+    from qkvjax.models.encoder import EncoderConfig, parameter_count
 
     config = import_folder(args.folder, args.workdir, args.max_len)
     m = config.model
+    kind = " as an encoder (hidden states: info, analyze, convert, export)" if isinstance(m, EncoderConfig) else ""
     print(
-        f"imported {args.folder}: {m.num_layers} layers, D={m.d_model}, N={m.attention.num_heads}, "
-        f"K={m.attention.kv_heads}, V={m.vocab_size}, {param_count(m):,} parameters, tokenizer "
+        f"imported {args.folder}{kind}: {m.num_layers} layers, D={m.d_model}, N={m.attention.num_heads}, "
+        f"K={m.attention.kv_heads}, V={m.vocab_size}, {parameter_count(m):,} parameters, tokenizer "
         f"{config.data.tokenizer or 'bytes'} -> {args.workdir}"
     )
     return 0
@@ -498,10 +506,11 @@ def build_parser(preset=None) -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "import",
-        help="a Hugging Face model folder (gpt2, llama, mistral, qwen2) as a workdir",
+        help="a Hugging Face model folder (gpt2, llama, mistral, qwen2, bert) as a workdir",
         description="Reads config.json and the safetensors weights (sharded or not; no torch) into an ordinary "
         "workdir: config.json, params/0 and the folder's tokenizer.json. eval, sample, info, analyze and convert "
-        "read it; train --workdir OUT --config OUT/config.json uptrains from it.",
+        "read it; train --workdir OUT --config OUT/config.json uptrains from it. BERT becomes an encoder "
+        "(hidden states, no LM head): info, analyze, convert and export read it; eval, sample and train refuse it.",
     )
     p.add_argument("folder", help="a Hugging Face model folder (config.json + model.safetensors)")
     p.add_argument("--workdir", required=True, help="a new workdir")
@@ -510,14 +519,19 @@ def build_parser(preset=None) -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "export",
-        help="a workdir's model as a Hugging Face folder (gpt2 or llama layout)",
+        help="a workdir's model as a Hugging Face folder (gpt2 or llama layout; bert for an imported encoder)",
         description="Writes config.json and model.safetensors that transformers' from_pretrained loads. Tied "
         "projections are written out per role (the same function, without the tie's savings); schemes the layout "
         "cannot express (bilinear, reformer_qk, mla, CLA layers, QK-norm) are refused.",
     )
     p.add_argument("folder", help="a new folder for the Hugging Face model")
     p.add_argument("--workdir", required=True, help="the run to export")
-    p.add_argument("--format", default=None, choices=["gpt2", "llama"], help="default: llama if rotary, else gpt2")
+    p.add_argument(
+        "--format",
+        default=None,
+        choices=["gpt2", "llama", "bert"],
+        help="default: bert if an encoder, llama if rotary, else gpt2",
+    )
     p.add_argument("--step", type=int, default=None, help="checkpoint step (None: the newest)")
     p.set_defaults(func=_export)
 

@@ -300,7 +300,9 @@ def convert(
         raise ValueError(f"rank={rank!r} goes with a latent target scheme and only there: --to mla --rank R")
     if rope_dim is not None and rank is None:
         raise ValueError(f"rope_dim={rope_dim!r} goes with --to mla --rank R (a rotary model's rotated part)")
-    if getattr(model, "layers", ""):  # an EncoderConfig (an imported BERT) has one attention config
+    if cross_layer is not None and "layers" not in {f.name for f in dataclasses.fields(model)}:
+        raise ValueError(f"--cla {cross_layer!r}: an encoder (EncoderConfig) has no layer patterns; allowed: decoders")
+    if model.layers:  # an EncoderConfig (an imported BERT) has none
         raise ValueError(
             f"convert works on runs with one attention config for every layer; this run has the layer pattern "
             f"{model.layers!r} (convert its layers by hand, or train the pattern you want)"

@@ -12,9 +12,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from qkvjax.data.builders import SPLITS, load_splits
 from qkvjax.data.tokenizer import check_vocab, load_tokenizer, tokenize_splits
-from qkvjax.models.lm import DecoderLM
+from qkvjax.models.encoder import model_of
 from qkvjax.train import checkpoint
-from qkvjax.train.config import Config, MeshConfig, from_dict
+from qkvjax.train.config import Config, MeshConfig, from_dict, require_decoder
 from qkvjax.train.mesh import batch_sharding, make_mesh
 from qkvjax.train.state import abstract_state, make_optimizer
 from qkvjax.train.step import make_eval_step, mean_loss
@@ -67,7 +67,7 @@ def restore_params(workdir: str, step: int | None = None, mesh=None):
     for candidate in candidates:
         try:
             config = checkpoint_config(mngr, candidate)
-            model = DecoderLM(config.model)
+            model = model_of(config.model)
             abstract = nn.meta.unbox(abstract_state(model, config, make_optimizer(config.train)))
             target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), abstract)
             state, _, _ = checkpoint.restore(mngr, candidate, target)
@@ -87,7 +87,7 @@ def _restore_exported(workdir: str, step: int | None, mesh):
     if step is not None and step not in steps:
         raise ValueError(f"params step {step} does not exist in {path(workdir)}/params; available steps: {steps}")
     step = steps[-1] if step is None else step
-    model = DecoderLM(config.model)
+    model = model_of(config.model)  # an imported BERT's workdir holds an encoder
     abstract = nn.meta.unbox(abstract_state(model, config, make_optimizer(config.train))).params
     replicated = NamedSharding(mesh, PartitionSpec())
     target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), abstract)
@@ -113,6 +113,7 @@ def evaluate(
         raise ValueError(f"split={split!r}; allowed: {list(SPLITS)}")
     mesh = make_mesh(MeshConfig(data=-1, fsdp=1, tensor=1))
     model, params, config, step = restore_params(workdir, step, mesh)
+    require_decoder(config, "eval")
     splits = load_splits(
         config.data.dataset,
         source_path or config.data.source_path,

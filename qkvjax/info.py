@@ -13,7 +13,7 @@ from etils import epath
 
 from qkvjax.attention import stack_cost
 from qkvjax.evaluate import resolve_step
-from qkvjax.models.lm import DecoderLM, param_count
+from qkvjax.models.encoder import EncoderConfig, model_of, parameter_count
 from qkvjax.train import checkpoint
 from qkvjax.train.config import to_dict
 from qkvjax.workdir import exported_steps, load_config, params_only, path, read_metrics
@@ -52,7 +52,7 @@ def describe(workdir: str) -> dict:
                 "bytes": _size(folder),
             }
         )
-    model = DecoderLM(config.model)
+    model = model_of(config.model)
     abstract = jax.eval_shape(model.init, jax.random.PRNGKey(0), jnp.zeros((1, config.seq_len), jnp.int32))
     breakdown = parameter_breakdown(nn.meta.unbox(abstract)["params"])
     train_records, eval_records = read_metrics(workdir)
@@ -68,12 +68,13 @@ def describe(workdir: str) -> dict:
     ]  # fmt: skip
     return {
         "workdir": os.fspath(path(workdir)),
+        "model": "encoder" if isinstance(m, EncoderConfig) else "decoder",
         "scheme": m.attention.scheme,
         "layers": m.layers,
         "attention_by_layer": layers,
         "kv_cache_bytes_per_token": sum(x["kv_cache_bytes_per_token"] for x in layers),
         "checkpoints": checkpoints,
-        "parameters": {"total": param_count(config.model), "by_component": breakdown},
+        "parameters": {"total": parameter_count(config.model), "by_component": breakdown},
         "last_train_metrics": last_train,
         "last_eval_metrics": last_eval,
         "config": to_dict(config),
@@ -81,7 +82,7 @@ def describe(workdir: str) -> dict:
 
 
 def format_description(info: dict) -> str:
-    lines = [f"workdir {info['workdir']}  scheme {info['scheme']}", "checkpoints:"]
+    lines = [f"workdir {info['workdir']}  {info['model']}  scheme {info['scheme']}", "checkpoints:"]
     for c in info["checkpoints"]:
         lines.append(f"  step {c['step']:>8}  {c['time']}  {c['bytes'] / 2**20:10.2f} MiB")
     pattern = f"  layers {info['layers']!r}" if info["layers"] else ""

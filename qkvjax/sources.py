@@ -144,7 +144,7 @@ def initial_params(workdir: str, config):
     import flax.linen as nn
     import jax
 
-    from qkvjax.models.lm import DecoderLM
+    from qkvjax.models.encoder import model_of
     from qkvjax.train.state import init_fn, make_optimizer
     from qkvjax.workdir import exported_steps
 
@@ -154,7 +154,7 @@ def initial_params(workdir: str, config):
         from qkvjax.train.mesh import make_mesh
 
         return _restore_exported(workdir, 0, make_mesh(MeshConfig(data=-1, fsdp=1, tensor=1)))[1]
-    init = init_fn(DecoderLM(config.model), config, make_optimizer(config.train))
+    init = init_fn(model_of(config.model), config, make_optimizer(config.train))
     return nn.meta.unbox(jax.jit(init)(jax.random.PRNGKey(config.seed)).params)
 
 

@@ -403,3 +403,54 @@ def test_cli_import_sample_uptrain_and_export_with_the_models_tokenizer(folders,
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     tokens, mask = _batch()
     _close(_reference(back, tokens, mask, False), _reference(ref_model, tokens, mask, False), mask)
+
+
+def test_an_imported_bert_workdir_is_read_converted_and_exported_and_refused_where_it_has_no_lm_head(
+    folders, tmp_path, capsys
+):
+    """BERT into a workdir: info and analyze read it, convert retrofits K = V (transformers' BertModel computes what
+    qkvjax's converted encoder computes once exported) and MLA; eval, sample, train, CLA and the decoder layouts
+    refuse it in one line."""
+    from qkvjax.cli import main
+    from qkvjax.evaluate import restore_params
+
+    folder, ref_model = folders["bert"]
+    w, kv = str(tmp_path / "w"), str(tmp_path / "kv")
+    assert main(["import", folder, "--workdir", w]) == 0
+    assert "as an encoder" in capsys.readouterr().out
+    assert main(["info", "--workdir", w]) == 0
+    info = capsys.readouterr().out
+    assert info.splitlines()[0].endswith("encoder  scheme separate")
+    assert f"parameters: {encoder_param_count(load_pretrained(folder)[0]):,}" in info
+    assert main(["analyze", "--workdir", w]) == 0 and "kv_rank_err" in capsys.readouterr().out
+    assert main(["convert", "--workdir", w, "--to", "shared_kv", "--out", kv]) == 0
+    printed = capsys.readouterr().out
+    errors = [float(line.rsplit("= ", 1)[1]) for line in printed.splitlines() if "relative error" in line]
+    assert len(errors) == 2 and all(0 < e < 1 for e in errors) and "240 -> 120 bytes" in printed
+
+    tokens, mask = _batch()
+    for workdir, reference in ((w, ref_model), (kv, None)):  # the import, then the K = V retrofit
+        out = tmp_path / ("hf_" + os.path.basename(workdir))
+        assert export_workdir(workdir, str(out)) == "bert"
+        back = transformers.BertModel.from_pretrained(out).eval()
+        if reference is not None:
+            _close(_reference(back, tokens, mask, True), _reference(reference, tokens, mask, True), mask)
+        model, params, _, _ = restore_params(workdir)
+        ours = model.apply({"params": params}, jnp.asarray(tokens), mask=jnp.asarray(mask))
+        _close(ours, _reference(back, tokens, mask, True), mask)
+
+    refusals = [
+        (["eval", "--workdir", w], "qkvjax eval needs a decoder LM; this run's model is an encoder"),
+        (["sample", "--workdir", w, "--prompt", "a"], "qkvjax sample needs a decoder LM"),
+        (["train", "--config", f"{w}/config.json", "--workdir", w], "qkvjax train needs a decoder LM"),
+        (["convert", "--workdir", w, "--cla", "2", "--out", str(tmp_path / "c")], "--cla 2: an encoder"),
+        (["export", str(tmp_path / "g"), "--workdir", w, "--format", "gpt2"], "allowed: bert"),
+    ]
+    assert main(["convert", "--workdir", w, "--num-kv-heads", "1", "--out", str(tmp_path / "mqa")]) == 0
+    refusals.append((["export", str(tmp_path / "m"), "--workdir", str(tmp_path / "mqa")], "num_kv_heads=1 (GQA)"))
+    capsys.readouterr()
+    for argv, message in refusals:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err
+    assert not (tmp_path / "c").exists() and not (tmp_path / "g").exists() and not (tmp_path / "m").exists()

@@ -3,11 +3,13 @@
 * :func:`load_pretrained` reads a model folder (``config.json`` + safetensors, sharded or not) into a qkvjax
   config and parameter tree that compute the same function (a ``DecoderLM``, or for BERT an ``Encoder`` that
   returns the hidden states).
-* :func:`import_folder` writes a decoder into an ordinary workdir (``config.json``, ``params/0``, and the
-  folder's ``tokenizer.json`` when it has one): ``qkvjax eval``, ``sample``, ``info``, ``analyze``, ``convert``
-  read it and ``qkvjax train --workdir`` uptrains from it.
-* :func:`export_workdir` writes a workdir's model back in the GPT-2 or Llama layout where that layout can express
-  it (:mod:`qkvjax.hf.export`).
+* :func:`import_folder` writes the model into an ordinary workdir (``config.json``, ``params/0``, and the
+  folder's ``tokenizer.json`` when it has one). A decoder: ``qkvjax eval``, ``sample``, ``info``, ``analyze``,
+  ``convert`` read it and ``qkvjax train --workdir`` uptrains from it. BERT's encoder (no LM head: its masked-LM
+  head is not imported): ``info``, ``analyze``, ``convert`` (K = V, GQA, MLA retrofits with their errors) and
+  ``export``; ``eval``, ``sample`` and ``train`` refuse it in one line.
+* :func:`export_workdir` writes a workdir's model back in the GPT-2, Llama or BERT layout where that layout can
+  express it (:mod:`qkvjax.hf.export`).
 
 No torch or transformers at run time: ``safetensors`` and ``tokenizers`` only.
 """
@@ -25,8 +27,7 @@ import numpy as np
 from qkvjax.hf.export import EXPORTERS, check_exportable, infer_format
 from qkvjax.hf.folder import TOKENIZER, Tensors, read_config, read_tensors, write_folder
 from qkvjax.hf.layouts import LAYOUTS, MODEL_TYPES
-from qkvjax.models.encoder import Encoder, EncoderConfig
-from qkvjax.models.lm import DecoderLM, ModelConfig
+from qkvjax.models.encoder import model_of
 
 
 def layout_of(hf: dict):
@@ -34,11 +35,6 @@ def layout_of(hf: dict):
     if model_type not in MODEL_TYPES:
         raise ValueError(f"config.json model_type={model_type!r} is not supported; allowed: {sorted(MODEL_TYPES)}")
     return LAYOUTS[MODEL_TYPES[model_type]]
-
-
-def model_of(config):
-    """The qkvjax module for a config: ``DecoderLM`` or ``Encoder``."""
-    return Encoder(config) if isinstance(config, EncoderConfig) else DecoderLM(config)
 
 
 def expected_shapes(config) -> dict[str, tuple[int, ...]]:
@@ -78,7 +74,7 @@ def load_pretrained(folder: str, max_len: int | None = None):
 
 
 def import_folder(folder: str, workdir: str, max_len: int | None = None):
-    """Writes the decoder of ``folder`` as a workdir and returns its run Config."""
+    """Writes the model of ``folder`` (a decoder LM, or BERT's encoder) as a workdir; returns its run Config."""
     from qkvjax.train.config import Config, DataConfig, to_json
     from qkvjax.workdir import CONFIG_FILE, export_params, path, write_text
 
@@ -86,10 +82,6 @@ def import_folder(folder: str, workdir: str, max_len: int | None = None):
     if (out / CONFIG_FILE).exists():
         raise ValueError(f"--workdir {out} already holds a run; choose an empty directory")
     model, params = load_pretrained(folder, max_len)
-    if not isinstance(model, ModelConfig):
-        raise ValueError(
-            f"{folder} is an encoder (BERT): workdirs hold decoder LMs; read it with qkvjax.hf.load_pretrained"
-        )
     tokenizer = os.path.join(folder, TOKENIZER)
     has_tokenizer = os.path.isfile(tokenizer)
     data = DataConfig(tokenizer=TOKENIZER if has_tokenizer else None)

@@ -1,21 +1,26 @@
-"""qkvjax decoder LMs out to the Hugging Face GPT-2 or Llama layout, where that layout can express the model.
+"""qkvjax models out to the Hugging Face GPT-2 or Llama layout (decoder LMs) or BERT's (encoders), where that
+layout can express the model.
 
 A tying scheme that is a plain partition of {q, k, v} computes ``q = x W^Q``, ``k = x W^K``, ``v = x W^V`` with
 some of the three equal, so each role's kernel is written out (the shared one copied into every role it plays):
 the exported model computes the same function, without the tie's savings. Schemes whose scores are not plain
 ``q . k`` of linear projections (a bilinear form, Reformer's unit keys and self-mask, a latent cache), QK-norm,
 V-norm, relative biases and layers reading another layer's K/V (CLA) have no place in either layout and are
-refused with one line. Missing biases (qkvjax's own models have none) are written as zeros; GPT-2 needs K = N.
+refused with one line. Missing biases (qkvjax's own models have none) are written as zeros; GPT-2 and BERT need
+K = N. BERT is written as a ``BertModel`` with one token type (the import folded type 0 into the positions) and
+without a pooler (never imported: transformers initialises it afresh; the hidden states do not use it).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from qkvjax.models.encoder import EncoderConfig
 from qkvjax.models.lm import ModelConfig
 
-FORMATS = ("gpt2", "llama")
+FORMATS = ("gpt2", "llama", "bert")
 GPT2_ACTIVATIONS = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu"}
+BERT_ACTIVATIONS = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu"}
 
 
 def _require(ok: bool, what: str, fmt: str) -> None:
@@ -23,10 +28,14 @@ def _require(ok: bool, what: str, fmt: str) -> None:
         raise ValueError(f"{what}: the Hugging Face {fmt} layout cannot express it; nothing was exported")
 
 
-def check_exportable(cfg: ModelConfig, fmt: str) -> None:
+def check_exportable(cfg: ModelConfig | EncoderConfig, fmt: str) -> None:
     """Raises one line naming the first part of ``cfg`` that the ``fmt`` layout cannot express."""
     if fmt not in FORMATS:
         raise ValueError(f"--format {fmt!r}; allowed: {list(FORMATS)}")
+    encoder = isinstance(cfg, EncoderConfig)
+    if encoder != (fmt == "bert"):
+        what = "an encoder (EncoderConfig)" if encoder else "a decoder LM"
+        raise ValueError(f"--format {fmt!r} for {what}; allowed: {'bert' if encoder else 'gpt2, llama'}")
     fam = cfg.family
     for i, layer in enumerate(cfg.layer_attention):
         att, scheme = layer.config, layer.config.tying
@@ -37,14 +46,21 @@ def check_exportable(cfg: ModelConfig, fmt: str) -> None:
             _require(not getattr(att, name), f"layer {i}: {name}={getattr(att, name)!r}", fmt)
         _require(att.value_dim == att.head_dim, f"layer {i}: v_head_dim={att.v_head_dim}", fmt)
         _require(att.kv_heads == cfg.attention.kv_heads, f"layer {i}: num_kv_heads={att.num_kv_heads} varies", fmt)
-        if fmt == "gpt2":
-            _require(not att.rope, f"layer {i}: rope=True (GPT-2 has learned positions)", fmt)
+        if fmt in ("gpt2", "bert"):
+            _require(not att.rope, f"layer {i}: rope=True ({fmt} has learned positions)", fmt)
             _require(att.kv_heads == att.num_heads, f"layer {i}: num_kv_heads={att.num_kv_heads} (GQA)", fmt)
             _require(att.num_heads * att.head_dim == cfg.d_model, f"layer {i}: N H != D", fmt)
         else:
             _require(att.rope, f"layer {i}: rope=False (the llama layout has rotary positions only)", fmt)
             _require(att.rope_layout == "half", f"layer {i}: rope_layout={att.rope_layout!r}", fmt)
             _require(att.rope_base == cfg.attention.rope_base, f"layer {i}: rope_base varies", fmt)
+    if fmt == "bert":
+        _require(fam.norm == "layernorm", f"norm={fam.norm!r}", fmt)
+        _require(fam.mlp in BERT_ACTIVATIONS, f"mlp={fam.mlp!r}", fmt)
+        _require(cfg.learned_positions, "learned_positions=False", fmt)
+        _require(fam.norm_position == "post" and fam.embed_norm, "pre-norm or no embedding norm", fmt)
+        _require(cfg.num_classes == 0, f"num_classes={cfg.num_classes} (a token classifier head)", fmt)
+        return
     if fmt == "gpt2":
         _require(fam.norm == "layernorm", f"norm={fam.norm!r}", fmt)
         _require(fam.mlp in GPT2_ACTIVATIONS, f"mlp={fam.mlp!r}", fmt)
@@ -165,9 +181,53 @@ def to_llama(cfg: ModelConfig, params: dict) -> tuple[dict, dict]:
     return config, tensors
 
 
-EXPORTERS = {"gpt2": to_gpt2, "llama": to_llama}
+def to_bert(cfg: EncoderConfig, params: dict) -> tuple[dict, dict]:
+    """(config.json, tensors) of a ``BertModel`` (one token type, all zeros; no pooler)."""
+    d, f, att = cfg.d_model, cfg.mlp_width, cfg.attention
+    ln = lambda name, p: dict(zip((name + ".weight", name + ".bias"), _norm(p, d), strict=True))  # noqa: E731
+    tensors = {
+        "embeddings.word_embeddings.weight": params["embed"],
+        "embeddings.position_embeddings.weight": params["pos_embed"],
+        "embeddings.token_type_embeddings.weight": np.zeros((1, d), np.float32),
+        **ln("embeddings.LayerNorm", params["ln_embed"]),
+    }
+    for i, layer in enumerate(cfg.layer_attention):
+        block, p = params[f"block_{i}"], f"encoder.layer.{i}."
+        r = _roles(block["attention"], layer.config)
+        for x, name in (("q", "query"), ("k", "key"), ("v", "value")):
+            tensors[f"{p}attention.self.{name}.weight"] = r["w_" + x].reshape(d, -1).T
+            tensors[f"{p}attention.self.{name}.bias"] = r["b_" + x].reshape(-1)
+        tensors[p + "attention.output.dense.weight"] = np.asarray(block["attention"]["w_o"]).reshape(-1, d).T
+        tensors[p + "attention.output.dense.bias"] = r["b_o"]
+        tensors |= ln(p + "attention.output.LayerNorm", block["ln_attention"])
+        mlp = block["mlp"]
+        tensors[p + "intermediate.dense.weight"] = np.asarray(mlp["w_in"]).T
+        tensors[p + "intermediate.dense.bias"] = mlp.get("b_in", np.zeros(f))
+        tensors[p + "output.dense.weight"] = np.asarray(mlp["w_out"]).T
+        tensors[p + "output.dense.bias"] = mlp.get("b_out", np.zeros(d))
+        tensors |= ln(p + "output.LayerNorm", block["ln_mlp"])
+    config = {
+        "architectures": ["BertModel"],
+        "model_type": "bert",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": d,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": att.num_heads,
+        "intermediate_size": f,
+        "hidden_act": BERT_ACTIVATIONS[cfg.family.mlp],
+        "max_position_embeddings": cfg.max_len,
+        "type_vocab_size": 1,
+        "layer_norm_eps": cfg.family.norm_eps,
+        "position_embedding_type": "absolute",
+        "hidden_dropout_prob": 0.0,
+        "attention_probs_dropout_prob": 0.0,
+    }
+    return config, tensors
 
 
-def infer_format(cfg: ModelConfig) -> str:
-    """'llama' for a rotary model, else 'gpt2'."""
-    return "llama" if cfg.attention.rope else "gpt2"
+EXPORTERS = {"gpt2": to_gpt2, "llama": to_llama, "bert": to_bert}
+
+
+def infer_format(cfg: ModelConfig | EncoderConfig) -> str:
+    """'bert' for an encoder, 'llama' for a rotary decoder, else 'gpt2'."""
+    return "bert" if isinstance(cfg, EncoderConfig) else "llama" if cfg.attention.rope else "gpt2"

@@ -17,8 +17,19 @@ from jax import Array
 
 from qkvjax import axes
 from qkvjax.attention import AttentionConfig, attention_cost
+from qkvjax.attention.layers import LayerAttention, expand
 from qkvjax.models.family import Family
-from qkvjax.models.lm import Block, BlockShape, _dense_init, _layer_norm, position_table, token_table
+from qkvjax.models.lm import (
+    Block,
+    BlockShape,
+    DecoderLM,
+    ModelConfig,
+    _dense_init,
+    _layer_norm,
+    param_count,
+    position_table,
+    token_table,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +64,16 @@ class EncoderConfig(BlockShape):
         self._check_shape(("vocab_size", "d_model", "num_layers", "max_len"))
         if isinstance(self.num_classes, bool) or not isinstance(self.num_classes, int) or self.num_classes < 0:
             raise ValueError(f"EncoderConfig.num_classes={self.num_classes!r}; allowed: 0 (no head) or an integer >= 1")
+
+    # The decoder's per-layer view, so tools that read a workdir (info, analyze, convert) read an encoder's too:
+    # every layer has ``attention`` and its own K/V (no layer pattern, no cross-layer sharing).
+    @property
+    def layers(self) -> str:
+        return ""
+
+    @property
+    def layer_attention(self) -> tuple[LayerAttention, ...]:
+        return expand("", self.attention, self.num_layers)
 
 
 class Encoder(nn.Module):
@@ -96,3 +117,13 @@ def encoder_param_count(config: EncoderConfig) -> int:
     per_layer = attention_cost(config.attention, d, config.max_len).params + family.block_params(d, config.mlp_width)
     total = config.num_layers * per_layer + config.vocab_size * d + family.outer_params(d) + d * config.num_classes
     return total + (config.max_len * d if config.learned_positions else 0)
+
+
+def model_of(config: ModelConfig | EncoderConfig) -> nn.Module:
+    """The module a config describes: ``Encoder`` or ``DecoderLM``."""
+    return Encoder(config) if isinstance(config, EncoderConfig) else DecoderLM(config)
+
+
+def parameter_count(config: ModelConfig | EncoderConfig) -> int:
+    """Parameters of either model, from the configuration alone."""
+    return encoder_param_count(config) if isinstance(config, EncoderConfig) else param_count(config)

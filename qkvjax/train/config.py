@@ -14,6 +14,7 @@ import typing
 from typing import Any
 
 from qkvjax.attention import AttentionConfig
+from qkvjax.models.encoder import EncoderConfig
 from qkvjax.models.lm import ModelConfig
 from qkvjax.parse import BOOLEAN_SPELLINGS, parse_bool
 
@@ -148,7 +149,8 @@ class Config:
     """A training run.
 
     Attributes:
-      model: the model (its ``attention`` section is the attention layer).
+      model: the model (its ``attention`` section is the attention layer); an ``EncoderConfig`` only in a workdir
+        that ``qkvjax import`` wrote from a BERT folder (info, analyze, convert and export read it).
       data: the corpus.
       train: optimisation and the loop's cadence.
       mesh: the device mesh (with ``parallelism='jit'``).
@@ -156,7 +158,7 @@ class Config:
       seed: initialisation, data order and dropout.
     """
 
-    model: ModelConfig
+    model: ModelConfig | EncoderConfig
     data: DataConfig = DataConfig()
     train: TrainConfig = TrainConfig()
     mesh: MeshConfig = MeshConfig()
@@ -172,6 +174,16 @@ class Config:
     @property
     def seq_len(self) -> int:
         return self.model.max_len if self.data.seq_len is None else self.data.seq_len
+
+
+def require_decoder(config: Config, command: str) -> None:
+    """Refuses ``command`` in one line for an encoder (an imported BERT: hidden states, no LM head to train,
+    score or sample with)."""
+    if isinstance(config.model, EncoderConfig):
+        raise ValueError(
+            f"qkvjax {command} needs a decoder LM; this run's model is an encoder (EncoderConfig, an imported BERT "
+            "without an LM head); on an encoder workdir: info, analyze, convert, export --format bert"
+        )
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -195,7 +207,7 @@ def from_dict(cls, data: dict[str, Any]):
         raise ValueError(f"unknown {cls.__name__} fields {sorted(unknown)}; allowed: {sorted(names)}")
     kwargs = {}
     for key, value in data.items():
-        sub = _dataclass_of(hints[key])
+        sub = _dataclass_of(hints[key], value)
         kwargs[key] = from_dict(sub, value) if sub is not None and isinstance(value, dict) else value
     return cls(**kwargs)
 
@@ -241,7 +253,7 @@ def apply_overrides(config: Config, overrides: dict[str, str]) -> Config:
                     f"--config.{dotted}: {cls.__name__} has no field {key!r}; {hint}allowed: {sorted(names)}"
                 )
             hint = typing.get_type_hints(cls)[key]
-            sub = _dataclass_of(hint)
+            sub = _dataclass_of(hint, node.get(key) if isinstance(node, dict) else None)
             if depth < len(keys) - 1:
                 if sub is None:
                     raise ValueError(f"--config.{dotted}: {key!r} is a value, not a section")
@@ -316,11 +328,13 @@ def format_fields(config: Config | None = None, width: int = 120) -> str:
     return "\n".join(lines).lstrip("\n")
 
 
-def _dataclass_of(hint):
-    for t in typing.get_args(hint) or (hint,):
-        if dataclasses.is_dataclass(t):
-            return t
-    return None
+def _dataclass_of(hint, value=None):
+    """The dataclass a field holds; of a union of several (``Config.model``), the first whose fields hold every
+    key of ``value`` (an encoder's ``num_classes`` picks ``EncoderConfig``)."""
+    classes = [t for t in typing.get_args(hint) or (hint,) if dataclasses.is_dataclass(t)]
+    if len(classes) > 1 and isinstance(value, dict):
+        classes = [c for c in classes if set(value) <= {f.name for f in dataclasses.fields(c)}] or classes
+    return classes[0] if classes else None
 
 
 def _parse(raw: str, hint, name: str):

@@ -33,7 +33,7 @@ from qkvjax.models.lm import DecoderLM, param_count, train_flops_per_token
 from qkvjax.perf import measure_peak_flops
 from qkvjax.train import checkpoint
 from qkvjax.train.checks import check_resume, check_splits, check_workdir
-from qkvjax.train.config import Config, to_dict, to_json
+from qkvjax.train.config import Config, require_decoder, to_dict, to_json
 from qkvjax.train.mesh import batch_sharding, data_parallel_size, make_mesh, shardings_for
 from qkvjax.train.progress import TrainProgress
 from qkvjax.train.state import abstract_state, create_state, learning_rate_schedule, make_optimizer
@@ -217,6 +217,7 @@ def train(config: Config, workdir: str, *, overwrite: bool = False) -> dict:
     the same workdir refuses to start and names the holder. Raises :class:`Interrupted` when SIGTERM or SIGINT
     stopped the run (after its checkpoint is saved).
     """
+    require_decoder(config, "train")
     workdir = workdir_path(workdir)
     if workdir.exists() and not workdir.is_dir():
         raise ValueError(f"--workdir={workdir} is a file; pass a folder (it is created if missing)")
