@@ -206,9 +206,12 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
         color = f"C{VARIANT_ORDER.index(variant)}"  # one colour per scheme in every plot
         xs, ys = [p for p, _, _ in pts], [d for _, d, _ in pts]
         err = [[d - ci[0] if ci else 0 for _, d, ci in pts], [ci[1] - d if ci else 0 for _, d, ci in pts]]
-        seeds = sorted({e["delta_n"] for e in entries if e and "delta" in e})
-        label = f"{variant} (seeds per point: {'/'.join(map(str, seeds))})"  # 1 seed: no interval drawn
-        ax.errorbar(xs, ys, yerr=err, marker="o", ms=5, capsize=3, color=color, label=label)
+        seeds = [
+            e["delta_n"] for e in sorted((e for e in entries if e and "delta" in e), key=lambda e: e["ref_params"])
+        ]
+        label = f"{variant} (seeds, small to large: {'/'.join(map(str, seeds))})"  # 1 seed: no interval drawn
+        dodge = 1.025 ** (VARIANT_ORDER.index(variant) - len(VARIANT_ORDER) / 2)  # schemes side by side at a size
+        ax.errorbar([x * dodge for x in xs], ys, yerr=err, marker="o", ms=5, capsize=3, color=color, label=label)
         fit = trend([(p, d) for p, d, _ in pts])
         if fit:
             mx, my = statistics.fmean(math.log10(x) for x in xs), statistics.fmean(ys)
@@ -216,7 +219,7 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
             ax.plot(grid, [my + fit[0] * (math.log10(g) - mx) for g in grid], color=color, ls="--", lw=0.8)
     ax.axhline(0, color="black", lw=0.8)
     ax.set_xscale("log")
-    ax.set_xlabel("parameters (separate's at each size; log)")
+    ax.set_xlabel("parameters (separate's at each size; log; the schemes drawn side by side)")
     ax.set_ylabel("Δ final validation loss vs separate (nats/byte)")
     sizes = len({s for c, s, v in cells if c == "shakespeare" and "delta" in (paired(cells, c, s, v) or {})})
     ax.set_title(f"Tying penalty against model size: Tiny Shakespeare, {sizes} of 3 sizes so far\n"
