@@ -24,6 +24,8 @@ from experiments.report import _read, t_quantile
 
 BYTES_PER_TOKEN = (3.5, 4.5)  # GPT-2-style BPE on English prose: the range used to convert to per-token units
 SHARED_LR = 2e-3
+KAYYAM_KV = (("300M", 3.1), ("1.2B", 2.5))  # K = V's per-token perplexity penalty in Kayyam et al. 2026
+KAYYAM_PARAMS = (300e6, 1.2e9)
 
 
 def best_rates(rows: list[dict]) -> dict[tuple, float]:
@@ -76,7 +78,7 @@ def paired(cells: dict, corpus: str, size: int, variant: str) -> dict | None:
         out["ref_params"] = int(next(iter(ref.values()))["params"])  # the size's x position on plots
     diffs = [float(runs[s]["final_val_loss"]) - float(ref[s]["final_val_loss"]) for s in runs if s in ref]
     if variant != "separate" and diffs:
-        out["delta"], out["delta_n"] = statistics.fmean(diffs), len(diffs)
+        out["delta"], out["delta_n"], out["diffs"] = statistics.fmean(diffs), len(diffs), diffs
         if len(diffs) > 1:
             half = t_quantile(len(diffs) - 1) * statistics.stdev(diffs) / math.sqrt(len(diffs))
             out["ci"] = (out["delta"] - half, out["delta"] + half)
@@ -98,17 +100,23 @@ def _fmt_delta(e: dict) -> str:
     return text + f"; ppl/byte {ppl:+.1f}%"
 
 
-def trend(points: list[tuple[float, float]]) -> tuple[float, float] | None:
-    """Least-squares slope of delta against log10(params) and its standard error (None below three points)."""
-    if len(points) < 3:
+def trend(points: list[tuple[float, float]]) -> dict | None:
+    """Least-squares line of Δ against log10(params) through every seed's paired difference (so the seed spread
+    enters the uncertainty): slope per decade, its standard error and 95% t interval (n - 2 degrees of freedom),
+    the mean log10(params) and Δ it passes through, n and the number of sizes. None below two sizes or three
+    points."""
+    sizes = {p for p, _ in points}
+    if len(sizes) < 2 or len(points) < 3:
         return None
     xs, ys = [math.log10(p) for p, _ in points], [d for _, d in points]
     mx, my = statistics.fmean(xs), statistics.fmean(ys)
     sxx = sum((x - mx) ** 2 for x in xs)
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
     resid = [y - (my + slope * (x - mx)) for x, y in zip(xs, ys, strict=True)]
-    se = math.sqrt(sum(r * r for r in resid) / (len(xs) - 2) / sxx) if len(xs) > 2 else float("nan")
-    return slope, se
+    se = math.sqrt(sum(r * r for r in resid) / (len(xs) - 2) / sxx)
+    half = t_quantile(len(xs) - 2) * se
+    return {"slope": slope, "se": se, "ci": (slope - half, slope + half), "mx": mx, "my": my,
+            "n": len(xs), "sizes": len(sizes)}  # fmt: skip
 
 
 def summary_markdown(rows: list[dict]) -> str:
@@ -147,7 +155,7 @@ def summary_markdown(rows: list[dict]) -> str:
                 f"{e['std']:.3f} | {_fmt_delta(e)} | {e['tokens']:,} | {e['epochs']:.2f} |"
             )
             if "delta" in e and corpus == "shakespeare":
-                points[e["variant"]].append((e["ref_params"], e["delta"], e.get("ci")))
+                points[e["variant"]] += [(e["ref_params"], d) for d in e["diffs"]]
         lines.append("")
     shared = _shared_rate_ranking(rows, best)
     if shared:
@@ -159,10 +167,29 @@ def summary_markdown(rows: list[dict]) -> str:
     lines += ["## Overfitting", "",
               f"{len(over)} of {len(rows)} runs end more than 0.01 nats/byte above their best evaluation"
               + (": " + ", ".join(r["run"] for r in over) if over else ".")]  # fmt: skip
-    slopes = [(v, t) for v in VARIANT_ORDER if (t := trend([(p, d) for p, d, _ in points.get(v, [])]))]
+    slopes = [(v, t) for v in VARIANT_ORDER if (t := trend(points.get(v, [])))]
     if slopes:
-        lines += ["", "## Trend of Δ with size (slope per decade of parameters ± standard error, 3 sizes)", ""]
-        lines += [f"- {v}: {s:+.3f} ± {se:.3f} nats/byte per 10x parameters" for v, (s, se) in slopes]
+        lines += ["", "## Trend of Δ with size (Tiny Shakespeare)", "",
+                  "Least squares of every seed's paired Δ against log10(parameters): the slope per 10x parameters, "
+                  "± its standard error, [95% t interval]. Negative: the penalty shrinks with size.", ""]  # fmt: skip
+        for v, t in slopes:
+            lo, hi = t["ci"]
+            verdict = "shrinks" if hi < 0 else "grows" if lo > 0 else "no trend told apart from zero"
+            lines.append(f"- {v}: {t['slope']:+.3f} ± {t['se']:.3f} [{lo:+.3f}, {hi:+.3f}] nats/byte per 10x "
+                         f"parameters ({t['n']} paired runs at {t['sizes']} sizes): {verdict}")  # fmt: skip
+    lines += ["", "## Kayyam et al. (2026) in these units", "",
+              "They report K = V's per-token perplexity penalty: +3.1% at 300M parameters and +2.5% at 1.2B. As a "
+              "loss, ln(1 + p) nats per token, divided by b bytes per token (b = "
+              f"{BYTES_PER_TOKEN[0]}-{BYTES_PER_TOKEN[1]}):", ""]  # fmt: skip
+    for size, pct in KAYYAM_KV:
+        per_token = math.log1p(pct / 100)
+        lines.append(f"- {size}: +{pct}% ppl/token = {per_token:.4f} nats/token = {per_token / BYTES_PER_TOKEN[1]:.4f}"
+                     f"-{per_token / BYTES_PER_TOKEN[0]:.4f} nats/byte")  # fmt: skip
+    (small, p_small), (large, p_large) = KAYYAM_KV
+    decades = math.log10(KAYYAM_PARAMS[1] / KAYYAM_PARAMS[0])
+    slope = (math.log1p(p_large / 100) - math.log1p(p_small / 100)) / decades
+    lines.append(f"- their trend, {small} -> {large}: {slope / BYTES_PER_TOKEN[1]:+.4f} to "
+                 f"{slope / BYTES_PER_TOKEN[0]:+.4f} nats/byte per 10x parameters (2 points)")  # fmt: skip
     lines += ["", "## Per-token units", "",
               f"A difference of Δ nats/byte is Δ x b nats per token for b bytes per token; at b = {BYTES_PER_TOKEN[0]}"
               f"-{BYTES_PER_TOKEN[1]} (GPT-2-style BPE on English) per-token perplexity changes by exp(Δ b) - 1, e.g. "
@@ -212,11 +239,11 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
         label = f"{variant} (seeds, small to large: {'/'.join(map(str, seeds))})"  # 1 seed: no interval drawn
         dodge = 1.025 ** (VARIANT_ORDER.index(variant) - len(VARIANT_ORDER) / 2)  # schemes side by side at a size
         ax.errorbar([x * dodge for x in xs], ys, yerr=err, marker="o", ms=5, capsize=3, color=color, label=label)
-        fit = trend([(p, d) for p, d, _ in pts])
-        if fit:
-            mx, my = statistics.fmean(math.log10(x) for x in xs), statistics.fmean(ys)
+        fit = trend([(e["ref_params"], d) for e in entries if e and "delta" in e for d in e["diffs"]])
+        if fit and fit["sizes"] >= 3:  # through two sizes the line would only repeat the segment
             grid = [min(xs) * (max(xs) / min(xs)) ** (k / 20) for k in range(21)]
-            ax.plot(grid, [my + fit[0] * (math.log10(g) - mx) for g in grid], color=color, ls="--", lw=0.8)
+            ax.plot(grid, [fit["my"] + fit["slope"] * (math.log10(g) - fit["mx"]) for g in grid], color=color,
+                    ls="--", lw=0.8)  # fmt: skip
     ax.axhline(0, color="black", lw=0.8)
     ax.set_xscale("log")
     ax.set_xlabel("parameters (separate's at each size; log; the schemes drawn side by side)")

@@ -164,3 +164,43 @@ def test_more_seeds_go_where_the_first_seeds_cannot_tell_a_difference(tmp_path, 
     ]  # fmt: skip
     sweep.rows.append({"run": planned[0].name, "final_val_loss": "1.52"})  # finished runs leave the plan
     assert [r.name for r in sweep.stage_runs("more")] == [r.name for r in planned[1:]]
+
+
+def test_the_report_pairs_seeds_and_fits_the_trend_through_every_seed(tmp_path):
+    """scaling_report on constructed rows: Δ paired by seed with its t interval, the trend through every seed's
+    Δ equal to numpy's least squares (float64), a penalty built to shrink reported as shrinking, PNGs written."""
+    import numpy as np
+    from scipy import stats
+
+    from experiments import scaling_report
+
+    rng = np.random.default_rng(5)
+    sizes = {48: 129_456, 96: 480_096, 160: 1_291_680}
+    rows, truth = [], []
+    for size, params in sizes.items():
+        for seed in range(3):
+            base = 2.0 - 0.3 * np.log10(params) + 0.02 * rng.standard_normal()  # shared by both: paired
+            delta = 0.40 - 0.06 * np.log10(params) + 0.003 * rng.standard_normal()
+            truth.append((np.log10(params), delta))
+            for variant, loss in (("separate", base), ("shared_kv", base + delta)):
+                rows.append({"stage": "final", "corpus": "shakespeare", "size": str(size), "variant": variant,
+                             "seed": str(seed), "learning_rate": "0.004", "params": str(params), "epochs": "1.5",
+                             "tokens": str(10 * params), "kv_cache_bytes_per_token": "96", "final_val_loss": str(loss),
+                             "best_eval_loss": str(loss), "last_eval_loss": str(loss),
+                             "run": f"{variant}-{size}-{seed}", "tokens_per_s": "1000"})  # fmt: skip
+    cells = scaling_report.finals(rows)
+    e = scaling_report.paired(cells, "shakespeare", 96, "shared_kv")
+    d = [x for lp, x in truth[3:6]]
+    half = stats.t.ppf(0.975, 2) * np.std(d, ddof=1) / np.sqrt(3)
+    np.testing.assert_allclose([e["delta"], *e["ci"]], [np.mean(d), np.mean(d) - half, np.mean(d) + half])
+    deltas = [x for _, x in truth]  # in the rows' order: size, then seed
+    fit = scaling_report.trend([(sizes[int(r["size"])], x) for r, x in zip(rows[1::2], deltas, strict=True)])
+    x, y = np.array(truth).T
+    (slope, intercept), cov = np.polyfit(x, y, 1, cov="unscaled")
+    se = np.sqrt(np.sum((y - np.polyval([slope, intercept], x)) ** 2) / (len(x) - 2) * cov[0, 0])
+    np.testing.assert_allclose([fit["slope"], fit["se"]], [slope, se], rtol=1e-9)
+    assert fit["sizes"] == 3 and fit["n"] == 9 and fit["ci"][1] < 0
+    summary = scaling_report.summary_markdown(rows)
+    assert f"- shared_kv: {slope:+.3f} ± {se:.3f}" in summary and "(9 paired runs at 3 sizes): shrinks" in summary
+    for png in scaling_report.plot(rows, tmp_path):
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
