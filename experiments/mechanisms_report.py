@@ -137,9 +137,10 @@ def plot_deltas(out: Path, name: str, order: list[str], curves, path: Path) -> N
     import matplotlib.pyplot as plt
     import numpy as np
 
-    fig, axes = plt.subplots(1, 2, figsize=(13, 5.2))
+    fig, axes = plt.subplots(1, 2, figsize=(15, 5.2))
     last = max((t for seeds in curves.values() for s in seeds.values() for t in s), default=1)
-    for i, scheme in enumerate(s for s in order if s != "separate"):
+    for scheme in (s for s in order if s != "separate"):
+        i = order.index(scheme)  # a row's colour is the same in every plot of its study
         steps, deltas = delta_curve(curves, scheme)
         if not steps:
             continue
@@ -160,11 +161,13 @@ def plot_deltas(out: Path, name: str, order: list[str], curves, path: Path) -> N
         ax.set_title(title, fontsize=10)
         ax.grid(alpha=0.3)
     if axes[1].get_lines():
-        axes[1].legend(fontsize=7, title="row (seeds); band: min-max", title_fontsize=7, loc="upper right")
+        # outside the axes: inside, a dozen rows would cover the curves they name
+        axes[1].legend(fontsize=7, title="row (seeds); band: min-max", title_fontsize=7, loc="upper left",
+                       bbox_to_anchor=(1.01, 1.0))  # fmt: skip
     fig.suptitle(f"{out.name}, {name}: each row minus separate at every evaluation (paired by seed; below 0 = ahead)",
                  fontsize=11)  # fmt: skip
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
 
 
@@ -185,10 +188,10 @@ def plot_cache(out: Path, name: str, order: list[str], entries: dict, full: int,
         low = -math.inf
         for y, scheme in column:
             label_y[scheme] = low = max(y, low + gap)
-    for i, scheme in enumerate(shown):
-        e = entries[scheme]
+    for j, scheme in enumerate(shown):
+        i, e = order.index(scheme), entries[scheme]
         x = fractions.index(e["kv_cache_bytes_per_token"] / full)
-        jitter = (i % 5 - 2) * 0.05  # rows at one cache size side by side
+        jitter = (j % 5 - 2) * 0.05  # rows at one cache size side by side
         err = None if math.isnan(e["std"]) else e["std"]
         ax.errorbar(x + jitter, e["mean"], yerr=err, fmt="o", color=_color(i), ms=6, capsize=3)
         ax.annotate(f"{scheme} ({len(e['seeds'])})", (x + jitter, e["mean"]), xytext=(x + 0.2, label_y[scheme]),
