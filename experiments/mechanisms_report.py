@@ -195,7 +195,8 @@ def plot_cache(out: Path, name: str, order: list[str], entries: dict, full: int,
         err = None if math.isnan(e["std"]) else e["std"]
         ax.errorbar(x + jitter, e["mean"], yerr=err, fmt="o", color=_color(i), ms=6, capsize=3)
         ax.annotate(f"{scheme} ({len(e['seeds'])})", (x + jitter, e["mean"]), xytext=(x + 0.2, label_y[scheme]),
-                    fontsize=7, va="center", color=_color(i),
+                    fontsize=7, va="center", color=_color(i), zorder=3,
+                    bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.5, "alpha": 0.85},
                     arrowprops={"arrowstyle": "-", "color": _color(i), "lw": 0.6})  # fmt: skip
     if "separate" in entries:
         ax.axhline(entries["separate"]["mean"], color="gray", lw=0.8, ls="--", label="separate (full cache)")
