@@ -14,6 +14,7 @@ Timings are medians over repeated steps after compiling; compile time is reporte
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import json
@@ -123,6 +124,18 @@ def write_rows(path: str | None, script: str, argv: list[str] | None, rows: list
     machine = f"{platform.node()} ({jax.devices()[0].device_kind}, {os.cpu_count()} cores)"
     out = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine, "command": command, "rows": rows}
     Path(path).write_text(json.dumps(out, indent=2) + "\n")
+
+
+@contextlib.contextmanager
+def replaced(obj, name: str, value):
+    """``obj.name`` set to ``value`` inside the block, put back after it: a lever traced (and compiled) inside the
+    block with one library function swapped, while the library itself stays as it is."""
+    old = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        setattr(obj, name, old)
 
 
 def alternate(runners: dict, rounds: int) -> dict[str, list[float]]:

@@ -66,11 +66,8 @@ def main(argv=None) -> int:
         lib, red = [], []
         for _ in range(args.rounds):
             lib.append(bench.bench_decode_on_device(model, params, cfg, b, 64))
-            core.qk_logits, core.mix_values = qk_reduce, mix_reduce
-            try:  # traced inside, with the replaced functions
-                red.append(bench.bench_decode_on_device(model, params, cfg, b, 64))
-            finally:
-                core.qk_logits, core.mix_values = QK, MIX
+            with bench.replaced(core, "qk_logits", qk_reduce), bench.replaced(core, "mix_values", mix_reduce):
+                red.append(bench.bench_decode_on_device(model, params, cfg, b, 64))  # traced with the replacements
         row = {"config": args.config, "batch": b, "matmul_tokens_per_s": statistics.median(lib),
                "reduce_tokens_per_s": statistics.median(red)}  # fmt: skip
         row["x_matmul"] = row["reduce_tokens_per_s"] / row["matmul_tokens_per_s"]

@@ -60,7 +60,6 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=30, help="timed steps per form (in turns)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    original = core.causal_attention
     rows = []
     if args.config:
         cfg = bench.timing_config(args.config)
@@ -71,11 +70,8 @@ def main(argv=None) -> int:
                  args.variants.split(",")]  # fmt: skip
     for size, variant, cfg in cases:
         runs = {"deferred": bench.prepare_train(DecoderLM(cfg.model), cfg)}
-        core.causal_attention = weights_causal_attention
-        try:  # traced and compiled here, with the former function
+        with bench.replaced(core, "causal_attention", weights_causal_attention):  # traced with the former one
             runs["weights"] = bench.prepare_train(DecoderLM(cfg.model), cfg)
-        finally:
-            core.causal_attention = original
         times = bench.alternate({v: r["step"] for v, r in runs.items()}, args.steps)
         losses = {v: r["last_loss"]() for v, r in runs.items()}
         if abs(losses["weights"] - losses["deferred"]) > 1e-4 * abs(losses["weights"]):

@@ -55,13 +55,9 @@ def main(argv=None) -> int:
         }
         runs = {"separate": bench.prepare_train(DecoderLM(configs["separate"].model), configs["separate"])}
         runs["folded"] = bench.prepare_train(DecoderLM(configs["gqa"].model), configs["gqa"])
-        kernels.KERNELS = tuple(
-            kernels.Kernel(k.name, k.applies, _repeat_blocks) if k.name == "blocks" else k for k in original
-        )
-        try:  # traced and compiled here, with the replaced kernel
+        repeat = tuple(kernels.Kernel(k.name, k.applies, _repeat_blocks) if k.name == "blocks" else k for k in original)
+        with bench.replaced(kernels, "KERNELS", repeat):  # traced and compiled here, with the replaced kernel
             runs["repeat"] = bench.prepare_train(DecoderLM(configs["gqa"].model), configs["gqa"])
-        finally:
-            kernels.KERNELS = original
         times = bench.alternate({v: r["step"] for v, r in runs.items()}, args.steps)
         losses = {v: r["last_loss"]() for v, r in runs.items()}
         if abs(losses["folded"] - losses["repeat"]) > 1e-4 * abs(losses["folded"]):
