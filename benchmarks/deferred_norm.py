@@ -80,7 +80,7 @@ def main(argv=None) -> int:
         for form, t in times.items():
             m = statistics.median(t)
             row = {"size": size, "variant": variant, "form": form, "tokens_per_s": runs[form]["tokens"] / m,
-                   "x_weights": ref / m, "loss_after_2_steps": losses[form]}  # fmt: skip
+                   "x_weights": ref / m, "last_loss": losses[form]}  # fmt: skip
             rows.append(row)
             print(f"d{size:<4d} {variant:12s} {form:9s} {row['tokens_per_s']:>9,.0f} tok/s  "
                   f"x{row['x_weights']:.3f}", flush=True)  # fmt: skip

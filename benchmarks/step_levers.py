@@ -110,7 +110,7 @@ def main(argv=None) -> int:
             m = statistics.median(t)
             loss = runs[name]["last_loss"]()
             row = {"size": size, "variant": name, "tokens_per_s": runs[name]["tokens"] / m, "x_base": ref / m,
-                   "loss_after_2_steps": loss, "loss_diff": loss - base_loss}  # fmt: skip
+                   "last_loss": loss, "loss_diff": loss - base_loss}  # fmt: skip
             rows.append(row)
             print(f"d{size:<4d} {name:18s} {row['tokens_per_s']:>9,.0f} tok/s  x{row['x_base']:.3f}  "
                   f"loss {loss:.6f} ({loss - base_loss:+.1e})", flush=True)  # fmt: skip
