@@ -5,12 +5,14 @@
 Each rows file is one study (its rows in the file's order; a row may sit in several, ``separate`` in all). Writes
 ``DIR/mechanisms.md``: per study a table of the final whole-split validation loss (mean ± sample std over seeds),
 the paired difference to ``separate`` with its 95% t interval and whether it is inside the seed spread (as
-``report.py``), the paired difference to the row that a ``# reference: NAME`` line of the rows file names
-(``shared_qk`` for Reformer's parts), and the early phase: the difference to ``separate`` at a few early
-evaluations (mean over seeds), the last evaluation at which the row was still ahead of ``separate``, and the
-steps each row takes to reach the losses ``separate`` reaches at 10%, 30% and 100% of the run. Plots per
-study: ``DIR/<study>_delta.png``, the difference to ``separate`` at every evaluation (the early steps and the
-whole run), and where a study's rows differ in cache, ``DIR/<study>_cache.png``, final loss against cache size.
+``report.py``), the paired difference (with its interval) to each row's control: the row a ``# control: ROW =
+CONTROL`` line of the rows file names for it, else the study's ``# reference: NAME`` row (``shared_qk`` for
+Reformer's parts, ``separate_norms`` for K = V under Gemma's norms), and the early phase: the difference to
+``separate`` at a few early evaluations (mean over seeds), the last evaluation at which the row was still
+ahead of ``separate``, and the steps each row takes to reach the losses ``separate`` reaches at 10%, 30% and
+100% of the run. Plots per study: ``DIR/<study>_delta.png``, the difference to ``separate`` at every evaluation
+(the early steps and the whole run), and where a study's rows differ in cache, ``DIR/<study>_cache.png``, final
+loss against cache size.
 """
 
 from __future__ import annotations
@@ -54,10 +56,17 @@ def delta_curve(curves, scheme: str, reference: str = "separate") -> tuple[list[
     return steps, [[a[s][t] - b[s][t] for t in steps] for s in seeds]
 
 
-def paired(rows: list[dict], scheme: str, reference: str) -> tuple[float, int] | None:
+def paired(rows: list[dict], scheme: str, reference: str) -> str:
+    """``scheme - reference`` in final loss, paired by seed: mean, 95% t interval (2+ seeds), the reference, seeds."""
     by = {(r["scheme"], int(r["seed"])): float(r["final_val_loss"]) for r in rows}
     diffs = [by[scheme, s] - by[reference, s] for (n, s) in by if n == scheme and (reference, s) in by]
-    return (statistics.fmean(diffs), len(diffs)) if diffs else None
+    if not diffs:
+        return "—"
+    n, mean = len(diffs), statistics.fmean(diffs)
+    if n < 2:
+        return f"{mean:+.4f} ({reference}, n=1)"
+    half = report.t_quantile(n - 1) * statistics.stdev(diffs) / math.sqrt(n)
+    return f"{mean:+.4f} [{mean - half:+.4f}, {mean + half:+.4f}] ({reference}, n={n})"
 
 
 def steps_to_loss(curves, order: list[str]) -> list[str]:
@@ -87,13 +96,13 @@ def steps_to_loss(curves, order: list[str]) -> list[str]:
 
 
 def study_markdown(
-    name: str, order: list[str], own: str | None, entries: dict, rows: list[dict], curves, full: int
+    name: str, order: list[str], controls: dict[str, str], entries: dict, rows: list[dict], curves, full: int
 ) -> list[str]:
     steps_all = sorted({t for seeds in curves.values() for s in seeds.values() for t in s})
     early = steps_all[1 : 1 + EARLY_EVALUATIONS]
     header = (
-        f"| row | params | KV cache x separate | seeds | val loss | Δ vs separate | 95% interval | inside spread | "
-        f"Δ vs {own or '—'} | " + " | ".join(f"Δ sep. @{t}" for t in early) + " | last step ahead of separate |"
+        "| row | params | KV cache x separate | seeds | val loss | Δ vs separate | 95% interval | inside spread | "
+        "Δ vs its control [95%] | " + " | ".join(f"Δ sep. @{t}" for t in early) + " | last step ahead of separate |"
     )
     lines = [f"## {name}", "", header, "|" + "---|" * (9 + len(early) + 1)]
     for scheme in order:
@@ -108,8 +117,7 @@ def study_markdown(
             inside = ("yes" if e["inside_spread"] else "**no**") if "inside_spread" in e else "n/a"
         else:
             delta = ci = inside = "—"
-        vs_own = paired(rows, scheme, own) if own and scheme not in ("separate", own) else None
-        vs_own = f"{vs_own[0]:+.4f} (n={vs_own[1]})" if vs_own else "—"
+        vs_own = paired(rows, scheme, controls[scheme]) if scheme in controls else "—"
         steps, deltas = delta_curve(curves, scheme)
         means = [statistics.fmean(col) for col in zip(*deltas, strict=True)]
         at = dict(zip(steps, means, strict=True))
@@ -213,8 +221,8 @@ def plot_cache(out: Path, name: str, order: list[str], entries: dict, full: int,
     plt.close(fig)
 
 
-def write(out: Path, studies: dict[str, tuple[list[str], str | None]]) -> Path:
-    """``studies``: name -> (its rows in order, the row its own Δ column is against, or None)."""
+def write(out: Path, studies: dict[str, tuple[list[str], dict[str, str]]]) -> Path:
+    """``studies``: name -> (its rows in order, each row's control where it has one)."""
     rows = [r for r in report._read(out / "runs.csv") if r["matching"] == "given"]
     if not rows:
         raise ValueError(f"{out} has no finished rows (no 'given' rows in {out / 'runs.csv'})")
@@ -233,8 +241,8 @@ def write(out: Path, studies: dict[str, tuple[list[str], str | None]]) -> Path:
         "evaluation at which the row's mean Δ was below 0.",
         "",
     ]
-    for name, (order, own) in studies.items():
-        lines += study_markdown(name, order, own, entries, rows, curves, full)
+    for name, (order, controls) in studies.items():
+        lines += study_markdown(name, order, controls, entries, rows, curves, full)
         lines += steps_to_loss(curves, order)
         plots = [f"{name}_delta.png"]
         plot_deltas(out, name, order, curves, out / plots[0])
@@ -247,13 +255,21 @@ def write(out: Path, studies: dict[str, tuple[list[str], str | None]]) -> Path:
     return path
 
 
-def read_study(path: Path) -> tuple[list[str], str | None]:
-    """A rows file's rows in order, and the row a ``# reference: NAME`` comment names (None without one)."""
+def read_study(path: Path) -> tuple[list[str], dict[str, str]]:
+    """A rows file's rows in order, and each row's control: a ``# control: ROW = CONTROL`` line's, else the row a
+    ``# reference: NAME`` comment names (for every row but ``separate`` and the reference itself)."""
     rows = [row for row, _ in _rows_file(str(path))]
-    marks = [line.split(":", 1)[1].strip() for line in path.read_text().splitlines() if line.startswith("# reference:")]
+    lines = path.read_text().splitlines()
+    marks = [line.split(":", 1)[1].strip() for line in lines if line.startswith("# reference:")]
     if marks and marks[0] not in rows:
         raise argparse.ArgumentTypeError(f"{path}: '# reference: {marks[0]}' names no row; allowed: {rows}")
-    return rows, (marks[0] if marks else None)
+    controls = {row: marks[0] for row in rows if marks and row not in ("separate", marks[0])}
+    for line in (x for x in lines if x.startswith("# control:")):
+        row, _, control = (part.strip() for part in line.split(":", 1)[1].partition("="))
+        if row not in rows or control not in rows:
+            raise argparse.ArgumentTypeError(f"{path}: '{line}' names no row; allowed: {rows}")
+        controls[row] = control
+    return rows, controls
 
 
 def main(argv: list[str] | None = None) -> int:

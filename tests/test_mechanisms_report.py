@@ -33,7 +33,9 @@ def folder(tmp_path):
               for (s, seed) in final for step in (10, 20, 30)]  # fmt: skip
     _write(tmp_path / "curves.csv", compare_schemes.CURVE_COLUMNS, curves)
     (tmp_path / "rows_ties.txt").write_text("# reference: tied\nseparate=\ntied=model.attention.scheme=shared_qk\n")
-    (tmp_path / "rows_cache.txt").write_text("separate=\nhalf=model.attention.num_kv_heads=2\nmissing=\n")
+    (tmp_path / "rows_cache.txt").write_text(
+        "# control: half = tied\nseparate=\nhalf=model.attention.num_kv_heads=2\nmissing=\ntied=\n"
+    )
     return tmp_path
 
 
@@ -49,7 +51,13 @@ def test_tables_give_paired_differences_the_early_phase_and_rows_not_run(folder,
     assert tied[5] == "+0.4000"  # (0.3 + 0.5) / 2, paired by seed
     assert tied[9:11] == ["-0.100", "+0.400"]  # Δ vs separate at the early evaluations after the first
     assert tied[-1].strip(" |") == "20"  # the last evaluation with the row ahead of separate
-    assert "| tied | " in text and "Δ vs tied" in text and "Δ sep. @20" in text
+    assert tied[8] == "—"  # the study's reference has no control
+    # against its control, paired by seed, with a t interval: half - tied is (-0.2, -0.2), half - separate
+    # (+0.1, +0.3): mean +0.2, t(1) = 12.706 x std 0.1414 / sqrt(2) = 1.2706
+    half = lines["half"].split(" | ")
+    assert half[8] == "-0.2000 [-0.2000, -0.2000] (tied, n=2)"
+    assert half[5:7] == ["+0.2000", "[-1.0706, +1.4706]"]
+    assert "Δ vs its control [95%]" in text and "Δ sep. @20" in text
     assert "| missing | | | 0 | not run yet |" in text
     # steps to separate's mean loss at step 10 (4.1) and at the end (2.1): separate's seed 1 needs step 20 for the
     # first and never gets to the second; tied is there at step 10 on both seeds, and never at 2.1
@@ -64,3 +72,6 @@ def test_a_reference_that_names_no_row_is_refused(folder, capsys):
     (folder / "rows_bad.txt").write_text("# reference: nope\nseparate=\n")
     assert mechanisms_report.main([str(folder), "--rows", str(folder / "rows_bad.txt")]) == 2
     assert "'# reference: nope' names no row" in capsys.readouterr().err
+    (folder / "rows_bad.txt").write_text("# control: tied = nope\nseparate=\ntied=\n")
+    assert mechanisms_report.main([str(folder), "--rows", str(folder / "rows_bad.txt")]) == 2
+    assert "'# control: tied = nope' names no row" in capsys.readouterr().err
