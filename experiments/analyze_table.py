@@ -1,0 +1,90 @@
+"""One markdown table from several ``qkvjax analyze --json`` files: each measure trained / initial / random.
+
+    python experiments/analyze_table.py experiments/results/scaling_cpu/analyze/d160-*.json
+
+A row per file (its scheme from the analysis' ``source``); each similarity cell reads *trained / the run's own
+initialisation W_0 / Gaussian control* (means over heads and layers, as ``qkvjax analyze`` prints them on its
+``all layers``, ``initial`` and ``random`` lines), so a reader can tell training from the initial statistics
+(experiments/README.md, "How similar do W^Q, W^K, W^V become?"). A measure that is 1 in every head and layer is
+fixed by the scheme's tie and shows as ``(1)`` (and the Gaussian control of the K/V rank error, which
+draws W^K and W^V apart, as ``—`` where K = V); one the scheme does not have (``bilinear`` has no W^Q, W^K) as
+``—``. Drift is |W - W_0|_F / |W_0|_F over the attention's input kernels (every kernel but ``w_o``): the mean
+over kernels and layers, and its range.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+MEASURES = ("qk_cos", "kv_cos", "symmetry", "trace_ratio", "effective_rank", "kv_rank_err")
+HEADER = ("qk_cos", "kv_cos", "symmetry", "trace ratio", "eff. rank of W^Q W^K^T", "kv_rank_err")
+TIED = 1e-9  # a std over heads and layers this small, at 1.0: the tie fixes the measure
+
+
+def _fixed(a: dict, key: str) -> bool:
+    return abs((a["mean"].get(key) or 0.0) - 1.0) < TIED and (a["mean"].get(f"{key}_std") or 0.0) < TIED
+
+
+def _label(a: dict) -> str:
+    """``'<run> step N (scheme)'`` -> ``scheme``, with ``K=k`` where the keys have fewer heads than the queries."""
+    source = a["source"]
+    scheme = source.rsplit("(", 1)[-1].rstrip(")") if source.endswith(")") else source
+    return scheme + (f" (K={a['num_kv_heads']})" if a.get("num_kv_heads", 0) < a.get("num_heads", 0) else "")
+
+
+def _cell(a: dict, key: str) -> str:
+    trained = a["mean"].get(key)
+    if trained is None:
+        return "—"
+    if _fixed(a, key):
+        return "(1)"
+    fmt = "{:.1f}" if key == "effective_rank" else "{:.3f}"
+    cells = [fmt.format(trained)]
+    for control in ("initial", "random"):
+        value = (a.get(control) or {}).get(key)
+        if control == "random" and key == "kv_rank_err" and _fixed(a, "kv_cos"):
+            value = None  # the Gaussian control draws W^K and W^V apart; the run's own W_0 is the control of K = V
+        cells.append("—" if value is None else fmt.format(value))
+    text = " / ".join(cells)
+    return f"{text} (of {a['max_rank']})" if key == "effective_rank" else text
+
+
+def _drift(a: dict) -> str:
+    values = [v for layer in a.get("drift") or [] for k, v in layer.items() if k not in ("layer", "w_o")]
+    if not values:
+        return "—"
+    return f"{statistics.fmean(values):.2f} ({min(values):.2f}-{max(values):.2f})"
+
+
+def table(analyses: list[dict]) -> str:
+    lines = ["| scheme | drift | " + " | ".join(HEADER) + " |", "|---|---|" + "---|" * len(HEADER)]
+    for a in analyses:
+        lines.append(f"| {_label(a)} | {_drift(a)} | " + " | ".join(_cell(a, k) for k in MEASURES) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("json", nargs="+", help="files written by qkvjax analyze --json")
+    args = p.parse_args(argv)
+    analyses = []
+    for name in args.json:
+        try:
+            analyses.append(json.loads(Path(name).read_text()))
+        except (OSError, ValueError) as e:
+            print(f"analyze_table: error: {name}: {e}; allowed: a qkvjax analyze --json file", file=sys.stderr)
+            return 2
+        if "mean" not in analyses[-1] or "source" not in analyses[-1]:
+            print(f"analyze_table: error: {name} has no 'mean'/'source'; allowed: a qkvjax analyze --json file",
+                  file=sys.stderr)  # fmt: skip
+            return 2
+    print(table(analyses))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

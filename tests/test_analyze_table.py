@@ -1,0 +1,38 @@
+"""experiments/analyze_table.py: one markdown row per `qkvjax analyze --json` file, trained / initial / random."""
+
+import json
+
+from experiments import analyze_table
+
+
+def _analysis(source, mean, num_kv_heads=5, drift=None):
+    controls = {"qk_cos": 0.43, "kv_cos": 0.44, "symmetry": 0.5, "trace_ratio": 0.0, "effective_rank": 11.0,
+                "kv_rank_err": 0.7}  # fmt: skip
+    return {"source": source, "num_heads": 5, "num_kv_heads": num_kv_heads, "max_rank": 13, "mean": mean,
+            "initial": dict(controls, kv_rank_err=0.6), "random": controls, "drift": drift or []}  # fmt: skip
+
+
+def test_rows_tell_training_from_initialisation_and_mark_ties(tmp_path, capsys):
+    free = {"qk_cos": 0.55, "qk_cos_std": 0.07, "kv_cos": 0.52, "kv_cos_std": 0.03, "symmetry": 0.53,
+            "symmetry_std": 0.07, "trace_ratio": 0.066, "trace_ratio_std": 0.2, "effective_rank": 9.25,
+            "effective_rank_std": 2.0, "kv_rank_err": 0.481, "kv_rank_err_std": 0.07}  # fmt: skip
+    tied = dict(free, kv_cos=1.0, kv_cos_std=0.0)
+    drift = [{"layer": 0, "w_q": 0.5, "w_k": 1.5, "w_v": 1.0, "w_o": 9.0}, {"layer": 1, "w_q": 0.7, "w_k": 1.3}]
+    files = []
+    for name, a in {"gqa": _analysis("run step 7 (separate)", free, 1, drift),
+                    "kv": _analysis("run step 7 (shared_kv)", tied)}.items():  # fmt: skip
+        files.append(tmp_path / f"{name}.json")
+        files[-1].write_text(json.dumps(a))
+    assert analyze_table.main([str(f) for f in files]) == 0
+    rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines()[2:]]
+    # drift: w_o left out, mean of (0.5, 1.5, 1.0, 0.7, 1.3) = 1.0, range over kernels and layers
+    assert rows[0][:4] == ["| separate (K=1)", "1.00 (0.50-1.50)", "0.550 / 0.430 / 0.430", "0.520 / 0.440 / 0.440"]
+    assert rows[0][6] == "9.2 / 11.0 / 11.0 (of 13)"
+    assert rows[1][0] == "| shared_kv" and rows[1][3] == "(1)"  # fixed by the tie
+    assert rows[1][7] == "0.481 / 0.600 / — |"  # the Gaussian control draws K and V apart: not K = V's control
+
+
+def test_a_file_that_is_not_an_analysis_is_refused(tmp_path, capsys):
+    (tmp_path / "x.json").write_text("{}")
+    assert analyze_table.main([str(tmp_path / "x.json")]) == 2
+    assert "has no 'mean'/'source'" in capsys.readouterr().err
