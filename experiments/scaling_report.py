@@ -151,8 +151,9 @@ def summary_markdown(rows: list[dict]) -> str:
                   "perplexity | tokens | epochs |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
         for e in entries:
             lines.append(
-                f"| {e['variant']} | {e['params']:,} | {e['kv']:,} | {e['lr']:g} | {e['n']} | {e['mean']:.3f} ± "
-                f"{e['std']:.3f} | {_fmt_delta(e)} | {e['tokens']:,} | {e['epochs']:.2f} |"
+                f"| {e['variant']} | {e['params']:,} | {e['kv']:,} | {e['lr']:g} | {e['n']} | {e['mean']:.3f}"
+                + ("" if e["n"] < 2 else f" ± {e['std']:.3f}")  # one seed has no spread
+                + f" | {_fmt_delta(e)} | {e['tokens']:,} | {e['epochs']:.2f} |"
             )
             if "delta" in e and corpus == "shakespeare":
                 points[e["variant"]] += [(e["ref_params"], d) for d in e["diffs"]]

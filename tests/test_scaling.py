@@ -202,5 +202,7 @@ def test_the_report_pairs_seeds_and_fits_the_trend_through_every_seed(tmp_path):
     assert fit["sizes"] == 3 and fit["n"] == 9 and fit["ci"][1] < 0
     summary = scaling_report.summary_markdown(rows)
     assert f"- shared_kv: {slope:+.3f} ± {se:.3f}" in summary and "(9 paired runs at 3 sizes): shrinks" in summary
+    one_seed = [r for r in rows if r["size"] != "160" or r["seed"] == "0"]  # a size begun: one seed so far
+    assert "nan" not in scaling_report.summary_markdown(one_seed)
     for png in scaling_report.plot(rows, tmp_path):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
