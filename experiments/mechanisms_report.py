@@ -56,17 +56,25 @@ def delta_curve(curves, scheme: str, reference: str = "separate") -> tuple[list[
     return steps, [[a[s][t] - b[s][t] for t in steps] for s in seeds]
 
 
-def paired(rows: list[dict], scheme: str, reference: str) -> str:
-    """``scheme - reference`` in final loss, paired by seed: mean, 95% t interval (2+ seeds), the reference, seeds."""
+def paired_stats(rows: list[dict], scheme: str, reference: str) -> tuple[float, float, float, int] | None:
+    """``scheme - reference`` in final loss, paired by seed: mean, its 95% t interval (nan with one seed), seeds."""
     by = {(r["scheme"], int(r["seed"])): float(r["final_val_loss"]) for r in rows}
     diffs = [by[scheme, s] - by[reference, s] for (n, s) in by if n == scheme and (reference, s) in by]
     if not diffs:
-        return "—"
+        return None
     n, mean = len(diffs), statistics.fmean(diffs)
-    if n < 2:
-        return f"{mean:+.4f} ({reference}, n=1)"
-    half = report.t_quantile(n - 1) * statistics.stdev(diffs) / math.sqrt(n)
-    return f"{mean:+.4f} [{mean - half:+.4f}, {mean + half:+.4f}] ({reference}, n={n})"
+    half = report.t_quantile(n - 1) * statistics.stdev(diffs) / math.sqrt(n) if n > 1 else math.nan
+    return mean, mean - half, mean + half, n
+
+
+def paired(rows: list[dict], scheme: str, reference: str, digits: int = 4) -> str:
+    """``paired_stats`` as a cell: ``+0.0123 [-0.0100, +0.0346] (reference, n=3)``."""
+    stats = paired_stats(rows, scheme, reference)
+    if stats is None:
+        return "—"
+    mean, lo, hi, n = stats
+    interval = "" if n < 2 else f" [{lo:+.{digits}f}, {hi:+.{digits}f}]"
+    return f"{mean:+.{digits}f}{interval} ({reference}, n={n})"
 
 
 def steps_to_loss(curves, order: list[str]) -> list[str]:
