@@ -7,11 +7,17 @@ paired by seed and its 95% t interval, in nats/byte and as relative per-byte per
 ranking at one shared rate against each scheme's own, epochs and overfitting, the conversion to per-token units)
 and ``delta_vs_params.png`` (the difference against parameters, log axis, one line per scheme, with a fitted
 trend in log parameters where three sizes are in) and ``frontier.png`` (final loss against training compute).
+Speed is not taken from the sweep (its runs share the machine with other work): ``summary.md``'s speed table
+copies each variant's train-step tokens/s at each size from a benchmark run (``--speed``, by default
+``benchmarks/results/scaling_speed_cpu_deferred.json`` from ``benchmarks/scaling_speed.py``), with its command,
+machine and date.
 """
 
 from __future__ import annotations
 
+import argparse
 import collections
+import json
 import math
 import statistics
 import sys
@@ -26,6 +32,7 @@ BYTES_PER_TOKEN = (3.5, 4.5)  # GPT-2-style BPE on English prose: the range used
 SHARED_LR = 2e-3
 KAYYAM_KV = (("300M", 3.1), ("1.2B", 2.5))  # K = V's per-token perplexity penalty in Kayyam et al. 2026
 KAYYAM_PARAMS = (300e6, 1.2e9)
+SPEED = Path(__file__).resolve().parents[1] / "benchmarks/results/scaling_speed_cpu_deferred.json"
 
 
 def best_rates(rows: list[dict]) -> dict[tuple, float]:
@@ -280,23 +287,51 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
     return written
 
 
-def write_report(out: Path | str) -> Path:
+def speed_markdown(path: Path) -> str:
+    """Each variant's train-step tokens/s at each size, from a ``benchmarks/scaling_speed.py --json`` file."""
+    bench = json.loads(path.read_text())
+    by = {(r["variant"], int(r["size"])): r for r in bench["rows"]}
+    sizes = sorted({size for _, size in by})
+    lines = ["## Speed per variant (from benchmarks/, not from the sweep)", "",
+             f"Train step, tokens/s (x `separate` at the same size; what the saved FLOPs predict), measured by "
+             f"`{bench['command']}` on {bench['machine']}, {bench['date']}, the variants timed in turns.", "",
+             "| variant | " + " | ".join(f"d={d} tok/s | x separate (FLOPs predict)" for d in sizes) + " |",
+             "|---|" + "---:|---|" * len(sizes)]  # fmt: skip
+    for variant in sorted({v for v, _ in by}, key=lambda v: VARIANT_ORDER.index(v) if v in VARIANT_ORDER else 99):
+        cells = []
+        for d in sizes:
+            r = by.get((variant, d))
+            ratio = "" if r is None else f"x{r['x_separate']:.3f} (x{r['flop_ratio_predicts']:.3f})"
+            cells += ["", ""] if r is None else [f"{r['tokens_per_s']:,.0f}", ratio]
+        lines.append(f"| {variant} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_report(out: Path | str, speed: Path | None = SPEED) -> Path:
     out = Path(out)
     rows = _read(out / "runs.csv")
     if not rows:
         raise ValueError(f"{out / 'runs.csv'} has no finished runs yet")
-    (out / "summary.md").write_text(summary_markdown(rows))
+    text = summary_markdown(rows)
+    if speed is not None and speed.exists():
+        text += "\n" + speed_markdown(speed)
+    (out / "summary.md").write_text(text)
     plot(rows, out)
     return out / "summary.md"
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        print("usage: python experiments/scaling_report.py RESULTS_DIR", file=sys.stderr)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("out", help="the results folder of experiments/scaling.py")
+    p.add_argument("--speed", type=Path, default=SPEED, help="a benchmarks/scaling_speed.py --json file "
+                   "(default: %(default)s)")  # fmt: skip
+    args = p.parse_args(argv)
+    if not args.speed.exists():
+        print(f"scaling_report: error: --speed {args.speed}: no such file; allowed: a benchmarks/scaling_speed.py "
+              "--json file", file=sys.stderr)  # fmt: skip
         return 2
     try:
-        print(write_report(argv[0]))
+        print(write_report(args.out, args.speed))
     except ValueError as e:
         print(f"scaling_report: error: {e}", file=sys.stderr)
         return 2

@@ -2,6 +2,7 @@
 
 import csv
 import hashlib
+import json
 import os
 import signal
 import subprocess
@@ -206,3 +207,18 @@ def test_the_report_pairs_seeds_and_fits_the_trend_through_every_seed(tmp_path):
     assert "nan" not in scaling_report.summary_markdown(one_seed)
     for png in scaling_report.plot(rows, tmp_path):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_report_copies_speed_from_a_benchmark_file_and_refuses_a_missing_one(tmp_path, capsys):
+    """summary.md's speed table comes from benchmarks/scaling_speed.py's JSON (command, machine, date named)."""
+    from experiments import scaling_report
+
+    bench = {"date": "2026-11-24 20:53", "machine": "vm (cpu, 2 cores)", "command": "python benchmarks/x.py",
+             "rows": [{"size": 48, "variant": v, "tokens_per_s": t, "x_separate": t / 3000, "flop_ratio_predicts": f}
+                      for v, t, f in (("separate", 3000.0, 1.0), ("shared_kv", 3300.0, 1.067))]}  # fmt: skip
+    (tmp_path / "speed.json").write_text(json.dumps(bench))
+    text = scaling_report.speed_markdown(tmp_path / "speed.json")
+    assert "`python benchmarks/x.py` on vm (cpu, 2 cores), 2026-11-24 20:53" in text
+    assert "| shared_kv | 3,300 | x1.100 (x1.067) |" in text
+    assert scaling_report.main([str(tmp_path), "--speed", str(tmp_path / "nope.json")]) == 2
+    assert "--speed" in capsys.readouterr().err
