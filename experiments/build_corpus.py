@@ -86,7 +86,13 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 deb = args.deb
                 if deb is None:
-                    subprocess.run(["apt-get", "download", f"{PACKAGE}={VERSION}"], cwd=tmp, check=True)
+                    download = ["apt-get", "download", f"{PACKAGE}={VERSION}"]
+                    if subprocess.run(download, cwd=tmp).returncode != 0:
+                        raise ValueError(
+                            f"{' '.join(download)} failed: the package index may be stale (run `apt-get update` "
+                            f"first) or the version no longer served (snapshot.debian.org keeps every version; "
+                            f"--deb FILE takes a downloaded .deb)"
+                        )
                     deb = next(Path(tmp).glob(f"{PACKAGE}_*.deb"))
                 elif not deb.is_file():
                     raise ValueError(f"--deb={deb}: no such file")
