@@ -4,7 +4,9 @@
 
 Writes ``summary.md`` (the learning-rate sweeps, each size's final losses with the difference to ``separate``
 paired by seed and its 95% t interval, in nats/byte and as relative per-byte perplexity exp(delta) - 1, the
-ranking at one shared rate against each scheme's own, epochs and overfitting, the conversion to per-token units)
+ranking at one shared rate against each scheme's own, epochs and overfitting: each variant's training loss beside
+its validation loss, since at many epochs a tie that fits the training text worse can still generalise as well;
+the conversion to per-token units)
 and ``delta_vs_params.png`` (the difference against parameters, log axis, one line per scheme, with a fitted
 trend in log parameters where three sizes are in) and ``frontier.png`` (final loss against training compute).
 Speed is not taken from the sweep (its runs share the machine with other work): ``summary.md``'s speed table
@@ -126,8 +128,55 @@ def trend(points: list[tuple[float, float]]) -> dict | None:
             "n": len(xs), "sizes": len(sizes)}  # fmt: skip
 
 
-def summary_markdown(rows: list[dict]) -> str:
+def tail_train_loss(curves: list[dict], tail: float = 0.05) -> dict[str, float]:
+    """run -> its training loss averaged over the last ``tail`` of its logged steps (one batch per step is noisy;
+    the mean over the tail is not)."""
+    train = collections.defaultdict(list)
+    for c in curves:
+        if c["train_loss"]:
+            train[c["run"]].append((int(c["step"]), float(c["train_loss"])))
+    out = {}
+    for run, steps in train.items():
+        last = max(step for step, _ in steps)
+        out[run] = statistics.fmean(x for step, x in steps if step >= (1 - tail) * last)
+    return out
+
+
+def generalisation(cells: dict, train: dict[str, float]) -> list[dict]:
+    """Per (corpus, size), over the runs the protocol chose: epochs, the tail training loss, the final validation
+    loss, their difference val - train (the generalisation gap, mean ± std over the runs), and how many runs end
+    above their best evaluation (validation loss rising: overfitting in the strict sense)."""
+    by_size = collections.defaultdict(list)
+    for (corpus, size, _), runs in cells.items():
+        for r in runs.values():
+            if r["run"] in train:
+                by_size[corpus, size].append((r, train[r["run"]]))
+    out = []
+    for (corpus, size), runs in sorted(by_size.items()):
+        gaps = [float(r["final_val_loss"]) - t for r, t in runs]
+        rising = sum(float(r["last_eval_loss"]) > float(r["best_eval_loss"]) for r, _ in runs if r["best_eval_loss"])
+        out.append({
+            "corpus": corpus, "size": size, "runs": len(runs), "epochs": float(runs[0][0]["epochs"]),
+            "train": statistics.fmean(t for _, t in runs),
+            "val": statistics.fmean(float(r["final_val_loss"]) for r, _ in runs),
+            "gap": statistics.fmean(gaps), "gap_std": statistics.stdev(gaps) if len(gaps) > 1 else 0.0,
+            "rising": rising,
+        })  # fmt: skip
+    return out
+
+
+def train_delta(cells: dict, train: dict[str, float], corpus: str, size: int, variant: str) -> float | None:
+    """The tail training loss's difference to separate, paired by seed and averaged: what the tie costs in
+    fitting the training data, beside what it costs on held-out text."""
+    runs, ref = cells.get((corpus, size, variant), {}), cells.get((corpus, size, "separate"), {})
+    diffs = [train[runs[s]["run"]] - train[ref[s]["run"]] for s in runs
+             if s in ref and runs[s]["run"] in train and ref[s]["run"] in train]  # fmt: skip
+    return statistics.fmean(diffs) if diffs and variant != "separate" else None
+
+
+def summary_markdown(rows: list[dict], curves: list[dict] = ()) -> str:
     cells = finals(rows)
+    train = tail_train_loss(curves)
     best = best_rates(rows)
     lines = [f"# Scaling sweep: {len(rows)} finished runs", ""]
     sweep = collections.defaultdict(dict)
@@ -155,12 +204,14 @@ def summary_markdown(rows: list[dict]) -> str:
         entries = [e for v in VARIANT_ORDER if (e := paired(cells, corpus, size, v))]
         lines += [f"## {corpus}, d_model {size}: final validation loss at each scheme's rate", "",
                   "| variant | params | KV B/tok | lr | seeds | loss mean ± std | Δ vs separate [95%]; per-byte "
-                  "perplexity | tokens | epochs |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+                  "perplexity | Δ train loss | tokens | epochs |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
         for e in entries:
+            dt = train_delta(cells, train, corpus, size, e["variant"])
             lines.append(
                 f"| {e['variant']} | {e['params']:,} | {e['kv']:,} | {e['lr']:g} | {e['n']} | {e['mean']:.3f}"
                 + ("" if e["n"] < 2 else f" ± {e['std']:.3f}")  # one seed has no spread
-                + f" | {_fmt_delta(e)} | {e['tokens']:,} | {e['epochs']:.2f} |"
+                + f" | {_fmt_delta(e)} | {'—' if dt is None else f'{dt:+.3f}'} | {e['tokens']:,} | {e['epochs']:.2f} |"
             )
             if "delta" in e and corpus == "shakespeare":
                 points[e["variant"]] += [(e["ref_params"], d) for d in e["diffs"]]
@@ -175,6 +226,15 @@ def summary_markdown(rows: list[dict]) -> str:
     lines += ["## Overfitting", "",
               f"{len(over)} of {len(rows)} runs end more than 0.01 nats/byte above their best evaluation"
               + (": " + ", ".join(r["run"] for r in over) if over else ".")]  # fmt: skip
+    gen = generalisation(cells, train)
+    if gen:
+        lines += ["", "The chosen runs of each size: training loss (mean over each run's last 5% of steps) against the "
+                  "final validation loss; the gap is val - train, mean ± std over the runs; 'rising' counts runs "
+                  "whose last evaluation is above their best.", "",
+                  "| corpus | d | epochs | runs | train loss | val loss | gap | rising |",
+                  "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        lines += [f"| {g['corpus']} | {g['size']} | {g['epochs']:.2f} | {g['runs']} | {g['train']:.3f} | "
+                  f"{g['val']:.3f} | {g['gap']:+.3f} ± {g['gap_std']:.3f} | {g['rising']} |" for g in gen]  # fmt: skip
     slopes = [(v, t) for v in VARIANT_ORDER if (t := trend(points.get(v, [])))]
     if slopes:
         lines += ["", "## Trend of Δ with size (Tiny Shakespeare)", "",
@@ -312,7 +372,8 @@ def write_report(out: Path | str, speed: Path | None = SPEED) -> Path:
     rows = _read(out / "runs.csv")
     if not rows:
         raise ValueError(f"{out / 'runs.csv'} has no finished runs yet")
-    text = summary_markdown(rows)
+    curves = _read(out / "curves.csv") if (out / "curves.csv").exists() else []
+    text = summary_markdown(rows, curves)
     if speed is not None and speed.exists():
         text += "\n" + speed_markdown(speed)
     (out / "summary.md").write_text(text)

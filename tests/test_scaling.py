@@ -5,6 +5,7 @@ import hashlib
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -222,3 +223,35 @@ def test_the_report_copies_speed_from_a_benchmark_file_and_refuses_a_missing_one
     assert "| shared_kv | 3,300 | x1.100 (x1.067) |" in text
     assert scaling_report.main([str(tmp_path), "--speed", str(tmp_path / "nope.json")]) == 2
     assert "--speed" in capsys.readouterr().err
+
+
+def test_the_report_sets_training_loss_beside_validation_loss():
+    """The tail training loss (mean over the last 5% of logged steps, not the last batch alone), its paired Δ to
+    separate and the generalisation gap val - train per size, from constructed curves with known values."""
+    from experiments import scaling_report
+
+    rows, curves = [], []
+    for seed, (sep_val, kv_val) in enumerate(((1.50, 1.53), (1.56, 1.57), (1.52, 1.58))):
+        for variant, val, train_end in (("separate", sep_val, 1.20 + 0.01 * seed), ("shared_kv", kv_val, 1.31)):
+            run = f"{variant}-{seed}"
+            rows.append({"stage": "final", "corpus": "shakespeare", "size": "160", "variant": variant,
+                         "seed": str(seed), "learning_rate": "0.004", "params": "1000", "epochs": "12.9",
+                         "tokens": "10000", "kv_cache_bytes_per_token": "96", "final_val_loss": str(val),
+                         "best_eval_loss": str(val - 0.005 * (variant == "shared_kv")), "last_eval_loss": str(val),
+                         "run": run, "tokens_per_s": "1000"})  # fmt: skip
+            # steps 0..1000 by 10: the last 5% (steps 950..1000, 6 points) hold train_end, the 7th from last an
+            # outlier that a tail of 5% must leave out; the validation column is empty as in the real file
+            curves += [{"run": run, "step": str(step), "train_loss": str(train_end if step >= 950 else 9.0),
+                        "val_loss": ""} for step in range(0, 1001, 10)]  # fmt: skip
+    train = scaling_report.tail_train_loss(curves)
+    assert train["separate-2"] == pytest.approx(1.22) and train["shared_kv-0"] == pytest.approx(1.31)
+    cells = scaling_report.finals(rows)
+    assert scaling_report.train_delta(cells, train, "shakespeare", 160, "shared_kv") == pytest.approx(0.10)
+    (gen,) = scaling_report.generalisation(cells, train)
+    gaps = [1.50 - 1.20, 1.56 - 1.21, 1.52 - 1.22, 1.53 - 1.31, 1.57 - 1.31, 1.58 - 1.31]
+    assert gen["runs"] == 6 and gen["rising"] == 3
+    assert gen["gap"] == pytest.approx(statistics.fmean(gaps)) and gen["gap_std"] == pytest.approx(
+        statistics.stdev(gaps)
+    )
+    summary = scaling_report.summary_markdown(rows, curves)
+    assert "| shared_kv | 1,000 | 96 | 0.004 | 3 | " in summary and " | +0.100 | 10,000 | 12.90 |" in summary
