@@ -216,6 +216,7 @@ def summary_markdown(rows: list[dict], curves: list[dict] = ()) -> str:
             if "delta" in e and corpus == "shakespeare":
                 points[e["variant"]] += [(e["ref_params"], d) for d in e["diffs"]]
         lines.append("")
+    lines += _delta_by_size(cells, train, by_size)
     shared = _shared_rate_ranking(rows, best)
     if shared:
         lines += ["## One shared rate (2e-3) against each scheme's own (seed 0, Δ vs separate at the same rule)", "",
@@ -264,6 +265,35 @@ def summary_markdown(rows: list[dict], curves: list[dict] = ()) -> str:
               f"Δ = 0.01 is +{math.expm1(0.01 * BYTES_PER_TOKEN[0]) * 100:.1f}% to "
               f"+{math.expm1(0.01 * BYTES_PER_TOKEN[1]) * 100:.1f}%."]  # fmt: skip
     return "\n".join(lines) + "\n"
+
+
+def _delta_by_size(cells: dict, train: dict[str, float], by_size: list[tuple]) -> list[str]:
+    """One table of every variant's Δ vs separate across the sizes and corpora (validation, with the 95% interval
+    and the number of paired seeds), and the same for the tail training loss."""
+    n_sizes = collections.Counter(c for c, _ in by_size)
+    cols = sorted(by_size, key=lambda cs: (-n_sizes[cs[0]], cs[0], cs[1]))  # the main corpus (most sizes) first
+    head = "| variant | " + " | ".join(f"{c} d={s}" for c, s in cols) + " |"
+    rule = "|---|" + "---|" * len(cols)
+    val, fit = [head, rule], [head, rule]
+    for v in VARIANT_ORDER[1:]:
+        cells_val, cells_fit = [], []
+        for c, s in cols:
+            e = paired(cells, c, s, v)
+            if e is None or "delta" not in e:
+                cells_val.append("")
+            else:
+                ci = f" [{e['ci'][0]:+.3f}, {e['ci'][1]:+.3f}]" if "ci" in e else ""
+                cells_val.append(f"{e['delta']:+.3f}{ci} ({e['delta_n']})")
+            dt = train_delta(cells, train, c, s, v)
+            cells_fit.append("" if dt is None else f"{dt:+.3f}")
+        if any(cells_val):
+            val.append(f"| {v} | " + " | ".join(cells_val) + " |")
+            fit.append(f"| {v} | " + " | ".join(cells_fit) + " |")
+    out = ["## Δ vs separate by size", "",
+           "Final validation loss, paired by seed: mean [95% t interval] (paired seeds).", "", *val, ""]  # fmt: skip
+    if len(fit) > 2 and any(train):
+        out += ["Training loss (mean over each run's last 5% of steps), paired by seed: mean.", "", *fit, ""]
+    return out
 
 
 VARIANT_ORDER = ("separate", "gqa", "shared_kv", "bilinear", "shared_qk", "reformer_qk", "shared_qkv")

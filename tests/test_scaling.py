@@ -255,3 +255,4 @@ def test_the_report_sets_training_loss_beside_validation_loss():
     )
     summary = scaling_report.summary_markdown(rows, curves)
     assert "| shared_kv | 1,000 | 96 | 0.004 | 3 | " in summary and " | +0.100 | 10,000 | 12.90 |" in summary
+    assert "| shared_kv | +0.033 [" in summary and "] (3) |" in summary and "| shared_kv | +0.100 |" in summary
