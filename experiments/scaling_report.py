@@ -125,7 +125,15 @@ def trend(points: list[tuple[float, float]]) -> dict | None:
     se = math.sqrt(sum(r * r for r in resid) / (len(xs) - 2) / sxx)
     half = t_quantile(len(xs) - 2) * se
     return {"slope": slope, "se": se, "ci": (slope - half, slope + half), "mx": mx, "my": my,
-            "n": len(xs), "sizes": len(sizes)}  # fmt: skip
+            "n": len(xs), "sizes": len(sizes), "sxx": sxx, "s2": se * se * sxx}  # fmt: skip
+
+
+def trend_band(fit: dict, log10_params: float) -> tuple[float, float, float]:
+    """The fitted line at log10(params) and its 95% confidence band: t * s * sqrt(1/n + (x - mean x)^2 / Sxx)."""
+    x = log10_params - fit["mx"]
+    y = fit["my"] + fit["slope"] * x
+    half = t_quantile(fit["n"] - 2) * math.sqrt(fit["s2"] * (1 / fit["n"] + x * x / fit["sxx"]))
+    return y, y - half, y + half
 
 
 def tail_train_loss(curves: list[dict], tail: float = 0.05) -> dict[str, float]:
@@ -322,7 +330,7 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
 
     cells = finals(rows)
     written = []
-    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    fig, ax = plt.subplots(figsize=(10, 5))
     for variant in (v for v in VARIANT_ORDER if v != "separate"):
         entries = [paired(cells, c, s, v) for c, s, v in cells if c == "shakespeare" and v == variant]
         pts = sorted((e["ref_params"], e["delta"], e.get("ci")) for e in entries if e and "delta" in e)
@@ -334,23 +342,26 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
         seeds = [
             e["delta_n"] for e in sorted((e for e in entries if e and "delta" in e), key=lambda e: e["ref_params"])
         ]
-        label = f"{variant} (seeds, small to large: {'/'.join(map(str, seeds))})"  # 1 seed: no interval drawn
-        dodge = 1.025 ** (VARIANT_ORDER.index(variant) - len(VARIANT_ORDER) / 2)  # schemes side by side at a size
-        ax.errorbar([x * dodge for x in xs], ys, yerr=err, marker="o", ms=5, capsize=3, color=color, label=label)
+        label = f"{variant}: seeds {'/'.join(map(str, seeds))}"  # 1 seed: no interval drawn
         fit = trend([(e["ref_params"], d) for e in entries if e and "delta" in e for d in e["diffs"]])
         if fit and fit["sizes"] >= 3:  # through two sizes the line would only repeat the segment
-            grid = [min(xs) * (max(xs) / min(xs)) ** (k / 20) for k in range(21)]
-            ax.plot(grid, [fit["my"] + fit["slope"] * (math.log10(g) - fit["mx"]) for g in grid], color=color,
-                    ls="--", lw=0.8)  # fmt: skip
+            label += f", trend {fit['slope']:+.3f} ± {fit['se']:.3f} per 10x"
+            grid = [min(xs) * (max(xs) / min(xs)) ** (k / 40) for k in range(41)]
+            line, lo, hi = zip(*(trend_band(fit, math.log10(g)) for g in grid), strict=True)
+            ax.plot(grid, line, color=color, ls="--", lw=0.8)
+            ax.fill_between(grid, lo, hi, color=color, alpha=0.07, lw=0)
+        dodge = 1.025 ** (VARIANT_ORDER.index(variant) - len(VARIANT_ORDER) / 2)  # schemes side by side at a size
+        ax.errorbar([x * dodge for x in xs], ys, yerr=err, marker="o", ms=5, capsize=3, color=color, label=label)
     ax.axhline(0, color="black", lw=0.8)
     ax.set_xscale("log")
     ax.set_xlabel("parameters (separate's at each size; log; the schemes drawn side by side)")
     ax.set_ylabel("Δ final validation loss vs separate (nats/byte)")
     sizes = len({s for c, s, v in cells if c == "shakespeare" and "delta" in (paired(cells, c, s, v) or {})})
     ax.set_title(f"Tying penalty against model size: Tiny Shakespeare, {sizes} of 3 sizes so far\n"
-                 "mean over seeds; 95% t intervals where a point has 2 or more seeds", fontsize=9)  # fmt: skip
+                 "mean over seeds with 95% t intervals (2 or more seeds)\n"
+                 "dashed: least-squares trend through every seed's Δ; shaded: its 95% band", fontsize=9)  # fmt: skip
     ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1), title="seeds small to large", title_fontsize=8)
     fig.tight_layout()
     written.append(out / "delta_vs_params.png")
     fig.savefig(written[-1], dpi=120)

@@ -202,6 +202,12 @@ def test_the_report_pairs_seeds_and_fits_the_trend_through_every_seed(tmp_path):
     se = np.sqrt(np.sum((y - np.polyval([slope, intercept], x)) ** 2) / (len(x) - 2) * cov[0, 0])
     np.testing.assert_allclose([fit["slope"], fit["se"]], [slope, se], rtol=1e-9)
     assert fit["sizes"] == 3 and fit["n"] == 9 and fit["ci"][1] < 0
+    s2 = np.sum((y - np.polyval([slope, intercept], x)) ** 2) / (len(x) - 2)  # the band: a mean's 95% interval
+    half = stats.t.ppf(0.975, len(x) - 2) * np.sqrt(
+        s2 * (1 / len(x) + (6.5 - x.mean()) ** 2 / np.sum((x - x.mean()) ** 2))
+    )
+    at = np.polyval([slope, intercept], 6.5)
+    np.testing.assert_allclose(scaling_report.trend_band(fit, 6.5), [at, at - half, at + half], rtol=1e-9)
     summary = scaling_report.summary_markdown(rows)
     assert f"- shared_kv: {slope:+.3f} ± {se:.3f}" in summary and "(9 paired runs at 3 sizes): shrinks" in summary
     one_seed = [r for r in rows if r["size"] != "160" or r["seed"] == "0"]  # a size begun: one seed so far
