@@ -94,14 +94,17 @@ def paired(cells: dict, corpus: str, size: int, variant: str) -> dict | None:
     return out
 
 
+def _delta_ci(e: dict) -> str:
+    """``+0.045 [-0.011, +0.100]``, or the mean alone where one seed gives no interval."""
+    return f"{e['delta']:+.3f}" + (f" [{e['ci'][0]:+.3f}, {e['ci'][1]:+.3f}]" if "ci" in e else "")
+
+
 def _fmt_delta(e: dict) -> str:
     if "delta" not in e:
         return "—"
-    text = f"{e['delta']:+.3f}"
+    text = _delta_ci(e)
     if "ci" in e:
-        lo, hi = e["ci"]
-        text += f" [{lo:+.3f}, {hi:+.3f}]"
-        if lo <= 0 <= hi:
+        if e["ci"][0] <= 0 <= e["ci"][1]:
             text += " (interval holds 0)"
     else:
         text += f" (n={e['delta_n']}, no interval)"
@@ -122,10 +125,11 @@ def trend(points: list[tuple[float, float]]) -> dict | None:
     sxx = sum((x - mx) ** 2 for x in xs)
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
     resid = [y - (my + slope * (x - mx)) for x, y in zip(xs, ys, strict=True)]
-    se = math.sqrt(sum(r * r for r in resid) / (len(xs) - 2) / sxx)
+    s2 = sum(r * r for r in resid) / (len(xs) - 2)  # the residual variance
+    se = math.sqrt(s2 / sxx)
     half = t_quantile(len(xs) - 2) * se
     return {"slope": slope, "se": se, "ci": (slope - half, slope + half), "mx": mx, "my": my,
-            "n": len(xs), "sizes": len(sizes), "sxx": sxx, "s2": se * se * sxx}  # fmt: skip
+            "n": len(xs), "sizes": len(sizes), "sxx": sxx, "s2": s2}  # fmt: skip
 
 
 def trend_band(fit: dict, log10_params: float) -> tuple[float, float, float]:
@@ -287,11 +291,7 @@ def _delta_by_size(cells: dict, train: dict[str, float], by_size: list[tuple]) -
         cells_val, cells_fit = [], []
         for c, s in cols:
             e = paired(cells, c, s, v)
-            if e is None or "delta" not in e:
-                cells_val.append("")
-            else:
-                ci = f" [{e['ci'][0]:+.3f}, {e['ci'][1]:+.3f}]" if "ci" in e else ""
-                cells_val.append(f"{e['delta']:+.3f}{ci} ({e['delta_n']})")
+            cells_val.append("" if e is None or "delta" not in e else f"{_delta_ci(e)} ({e['delta_n']})")
             dt = train_delta(cells, train, c, s, v)
             cells_fit.append("" if dt is None else f"{dt:+.3f}")
         if any(cells_val):
@@ -299,7 +299,7 @@ def _delta_by_size(cells: dict, train: dict[str, float], by_size: list[tuple]) -
             fit.append(f"| {v} | " + " | ".join(cells_fit) + " |")
     out = ["## Δ vs separate by size", "",
            "Final validation loss, paired by seed: mean [95% t interval] (paired seeds).", "", *val, ""]  # fmt: skip
-    if len(fit) > 2 and any(train):
+    if len(fit) > 2 and train:
         out += ["Training loss (mean over each run's last 5% of steps), paired by seed: mean.", "", *fit, ""]
     return out
 
@@ -378,7 +378,9 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
     ax.set_xscale("log")
     ax.set_xlabel("training compute, 6 x params x tokens (FLOPs; log)")
     ax.set_ylabel("final validation loss (nats/byte)")
-    ax.set_title("Loss against compute (Tiny Shakespeare, every seed)", fontsize=9)
+    widths = ", ".join(str(s) for s in sorted({s for c, s, _ in cells if c == "shakespeare"}))
+    ax.set_title(f"Loss against compute (Tiny Shakespeare, every seed; the clusters are d_model {widths},\n"
+                 "each trained on 10 tokens per separate parameter)", fontsize=9)  # fmt: skip
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -413,8 +415,7 @@ def write_report(out: Path | str, speed: Path | None = SPEED) -> Path:
     rows = _read(out / "runs.csv")
     if not rows:
         raise ValueError(f"{out / 'runs.csv'} has no finished runs yet")
-    curves = _read(out / "curves.csv") if (out / "curves.csv").exists() else []
-    text = summary_markdown(rows, curves)
+    text = summary_markdown(rows, _read(out / "curves.csv"))
     if speed is not None and speed.exists():
         text += "\n" + speed_markdown(speed)
     (out / "summary.md").write_text(text)
