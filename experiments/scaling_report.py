@@ -357,7 +357,8 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
     ax.set_xlabel("parameters (separate's at each size; log; the schemes drawn side by side)")
     ax.set_ylabel("Δ final validation loss vs separate (nats/byte)")
     sizes = len({s for c, s, v in cells if c == "shakespeare" and "delta" in (paired(cells, c, s, v) or {})})
-    ax.set_title(f"Tying penalty against model size: Tiny Shakespeare, {sizes} of 3 sizes so far\n"
+    so_far = " so far" if sizes < 3 else ""
+    ax.set_title(f"Tying penalty against model size: Tiny Shakespeare, {sizes} of 3 sizes{so_far}\n"
                  "mean over seeds with 95% t intervals (2 or more seeds)\n"
                  "dashed: least-squares trend through every seed's Δ; shaded: its 95% band", fontsize=9)  # fmt: skip
     ax.grid(alpha=0.3, which="both")
