@@ -119,13 +119,22 @@ def make_optimizer(model: TorchLM, tc: TrainConfig) -> torch.optim.Optimizer:
     decay = [p for p in model.parameters() if p.ndim >= 2]
     rest = [p for p in model.parameters() if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": tc.weight_decay}, {"params": rest, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=tc.learning_rate, betas=(tc.b1, tc.b2), eps=1e-8)
+    fused = next(model.parameters()).is_cuda  # one kernel for the whole update on a GPU (as nanoGPT does)
+    return torch.optim.AdamW(groups, lr=tc.learning_rate, betas=(tc.b1, tc.b2), eps=1e-8, fused=fused)
 
 
-def train_step_fn(model: TorchLM, opt: torch.optim.Optimizer, tc: TrainConfig):
+def train_step_fn(model: TorchLM, opt: torch.optim.Optimizer, tc: TrainConfig, dtype: str = "float32", forward=None):
+    """One AdamW step. ``dtype`` 'bfloat16' runs the forward under autocast (float32 parameters, bfloat16
+    matmuls and attention: what qkvjax's ``dtype='bfloat16'`` computes); ``forward`` is the model or its
+    ``torch.compile``d form."""
+    device_type = next(model.parameters()).device.type
+    autocast = dtype != "float32"
+    forward = model if forward is None else forward  # a compiled module refuses bool()
+
     def step(inputs: torch.Tensor, targets: torch.Tensor) -> float:
-        logits = model(inputs)
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        with torch.autocast(device_type, dtype=getattr(torch, dtype), enabled=autocast):
+            logits = forward(inputs)
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
@@ -135,23 +144,34 @@ def train_step_fn(model: TorchLM, opt: torch.optim.Optimizer, tc: TrainConfig):
     return step
 
 
-def runner(config: Config, batch_size: int, seed: int = 0):
+def runner(config: Config, batch_size: int, seed: int = 0, device: str = "cpu", compile: bool = False):
     """A zero-argument function that runs one timed train step on random bytes and returns its seconds (after
-    two warm-up steps), for ``benchmarks/bench.py`` to interleave with the qkvjax step."""
+    two warm-up steps, whose seconds, compiling included, are its ``warmup_s``), for ``benchmarks/bench.py`` to
+    interleave with the qkvjax step. On a GPU the config's compute dtype runs under autocast, attention is
+    ``scaled_dot_product_attention`` (flash attention where it applies), AdamW is fused; ``compile`` wraps the
+    model in ``torch.compile``."""
     torch.manual_seed(seed)
-    model = TorchLM(config.model)
-    step = train_step_fn(model, make_optimizer(model, config.train), config.train)
+    if device == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True  # as JAX's default precision on a GPU
+        torch.backends.cudnn.allow_tf32 = True
+    model = TorchLM(config.model).to(device)
+    forward = torch.compile(model) if compile else model
+    dtype = config.model.attention.dtype
+    step = train_step_fn(model, make_optimizer(model, config.train), config.train, dtype, forward)
     rng = np.random.default_rng(seed)
-    tokens = torch.from_numpy(rng.integers(0, config.model.vocab_size, (batch_size, config.seq_len + 1)))
+    tokens = torch.from_numpy(rng.integers(0, config.model.vocab_size, (batch_size, config.seq_len + 1))).to(device)
     inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    start = time.perf_counter()
     for _ in range(2):
         step(inputs, targets)
+    warmup_s = time.perf_counter() - start
 
     def one_step() -> float:
         start = time.perf_counter()
         step(inputs, targets)
         return time.perf_counter() - start
 
+    one_step.warmup_s = warmup_s
     return one_step
 
 

@@ -424,11 +424,12 @@ def print_bill(out: Path, base: Config, todo: list[Run]) -> float:
 def _csv_list(kind):
     def parse(text: str):
         items = [x.strip() for x in text.split(",") if x.strip()]
-        if kind is int:
+        if kind in (int, float):
             try:
-                return [int(x) for x in items]
+                return [kind(x) for x in items]
             except ValueError:
-                raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+                what = f"a comma-separated list of {kind.__name__}s"
+                raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
         return items
 
     return parse

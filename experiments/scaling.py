@@ -15,8 +15,9 @@ next-byte cross-entropy over the whole validation split.
 Variants (``VARIANTS``: data, not branches): the tying schemes of the registry plus ``gqa`` (``separate`` with N/2
 KV heads: ``shared_kv``'s cache). Stages, in this order (``--stages`` picks; each skips what is finished):
 
-  lr-small   every variant at the smallest size, seed 0, at LR_GRID; a rate at the grid's edge that wins is
-             followed by the next factor of 2 beyond it (twice at most)
+  lr-small   every variant at the smallest size at each rate of ``--lr-grid`` (LR_GRID), with the seeds of
+             ``--sweep-seeds`` (seed 0; 0,1 picks each rate on the mean of two seeds); a rate at the grid's edge
+             that wins is followed by the next factor of 2 beyond it (twice at most)
   lr-middle  the same at the middle size
   small      the other seeds at the smallest size, each variant at its own best rate (seed 0 is the sweep's run)
   middle     the same at the middle size
@@ -25,7 +26,10 @@ KV heads: ``shared_kv``'s cache). Stages, in this order (``--stages`` picks; eac
              ``separate`` under twice the seed spread (the larger of the two losses' standard deviations), with
              ``separate`` at the same seeds; decided once, on the first seeds only (no stopping when it looks
              good), for every stage whose first seeds are finished (after ``large`` too, when both are asked)
-  large      LARGE_VARIANTS at the largest size at the middle size's rates (no sweep there: 30-45 min a run)
+  lr-large   the sweep at the largest size, LARGE_VARIANTS only (optional: 20-40 min a run on a 2-core CPU)
+  large      LARGE_VARIANTS at the largest size at its own rates where ``lr-large`` ran, else the middle size's
+
+``--minor-seeds N`` trains the variants outside LARGE_VARIANTS (the five main ones) at the first N seeds only.
 
 Every finished run appends one fsynced row to ``runs.csv`` and its curve to ``curves.csv``; a rerun skips finished
 runs and resumes a killed one from its checkpoint. The plan and an estimated wall time (from tokens/s measured by
@@ -79,7 +83,8 @@ VARIANTS = {
     "bilinear": {"scheme": "bilinear"},
 }
 LARGE_VARIANTS = ("separate", "shared_kv", "gqa", "shared_qk", "shared_qkv")
-STAGES = ("lr-small", "lr-middle", "small", "middle", "corpus2", "more", "large")
+STAGES = ("lr-small", "lr-middle", "small", "middle", "corpus2", "more", "lr-large", "large")
+DEFAULT_STAGES = tuple(s for s in STAGES if s != "lr-large")  # the largest size's sweep only when asked
 SEED_STAGES = ("small", "middle", "corpus2", "large")  # the stages with every variant at every seed
 MAX_SEEDS = 5  # ``more`` trains up to this many seeds where the first ones cannot tell a difference
 RUN_COLUMNS = (
@@ -164,29 +169,41 @@ class Sweep:
         return None
 
     def best_lr(self, size: int, variant: str) -> float | None:
-        """The rate whose seed-0 sweep run at ``size`` on the primary corpus reached the lowest final loss (or the
-        one ``--learning-rate`` fixes for every run)."""
+        """The rate whose sweep runs at ``size`` on the primary corpus reached the lowest final loss, averaged over
+        the sweep seeds (a rate counts once every sweep seed has finished at it), or the one ``--learning-rate``
+        fixes for every run; None before any rate is complete."""
         if self.args.learning_rate is not None:
             return self.args.learning_rate
-        corpus = self.corpora["primary"][0]
-        tried = [r for r in self.rows if r["stage"].startswith("lr-") and r["corpus"] == corpus
-                 and int(r["size"]) == size and r["variant"] == variant]  # fmt: skip
-        return float(min(tried, key=lambda r: float(r["final_val_loss"]))["learning_rate"]) if tried else None
+        loss = self.sweep_losses(size, variant)
+        return min(loss, key=loss.get) if loss else None
+
+    def sweep_losses(self, size: int, variant: str) -> dict[float, float]:
+        """{rate: mean final loss over the sweep seeds} of the rates every sweep seed has finished at ``size``."""
+        corpus, seeds = self.corpora["primary"][0], self.args.sweep_seeds
+        by_rate: dict[float, dict[int, float]] = {}
+        for r in self.rows:
+            if (r["stage"].startswith("lr-") and r["corpus"] == corpus and int(r["size"]) == size
+                    and r["variant"] == variant and int(r["seed"]) in seeds):  # fmt: skip
+                by_rate.setdefault(float(r["learning_rate"]), {})[int(r["seed"])] = float(r["final_val_loss"])
+        return {lr: statistics.fmean(v.values()) for lr, v in by_rate.items() if len(v) == len(seeds)}
 
     def lr_runs(self, stage: str, size: int) -> list[Run]:
         """The sweep's runs at ``size`` still to train: the grid, then one step past a winning edge."""
         out = []
-        for variant in self.args.variants:
-            rates = set(LR_GRID)
-            done = {float(r["learning_rate"]) for r in self.rows if r["stage"] == stage and r["variant"] == variant
-                    and int(r["size"]) == size and r["corpus"] == self.corpora["primary"][0]}  # fmt: skip
+        grid = self.args.lr_grid
+        variants = [v for v in self.args.variants if stage != "lr-large" or v in LARGE_VARIANTS]
+        for variant in variants:
+            rates = set(grid)
+            done = set(self.sweep_losses(size, variant))
             if rates <= done:  # the grid is finished: extend past an edge that wins
                 best = self.best_lr(size, variant)
-                if best == min(done) and math.log2(min(LR_GRID) / best) < MAX_EXTENSIONS:
+                if best == min(done) and math.log2(min(grid) / best) < MAX_EXTENSIONS:
                     rates.add(best / 2)
-                elif best == max(done) and math.log2(best / max(LR_GRID)) < MAX_EXTENSIONS:
+                elif best == max(done) and math.log2(best / max(grid)) < MAX_EXTENSIONS:
                     rates.add(best * 2)
-            out += [self.run(stage, "primary", size, variant, lr, 0) for lr in sorted(rates - done)]
+            runs = [self.run(stage, "primary", size, variant, lr, seed)
+                    for seed in self.args.sweep_seeds for lr in sorted(rates - done)]  # fmt: skip
+            out += [r for r in runs if not self.done(r)]
         return out
 
     def group(self, stage: str) -> tuple[int, str, list[str], int]:
@@ -196,8 +213,10 @@ class Sweep:
             "small": (small, "primary", self.args.variants, small),
             "middle": (middle, "primary", self.args.variants, middle),
             "corpus2": (middle, "second", self.args.variants, middle),
-            "large": (large, "primary", [v for v in self.args.variants if v in LARGE_VARIANTS], middle),
-        }[stage]
+            "large": (large, "primary", [v for v in self.args.variants if v in LARGE_VARIANTS],
+                      large if "lr-large" in self.args.stages or any(r.get("stage") == "lr-large" for r in self.rows)
+                      else middle),
+        }[stage]  # fmt: skip
 
     def seeded_run(self, stage: str, variant: str, seed: int, label: str | None = None) -> Run:
         size, corpus, _, rate_size = self.group(stage)
@@ -207,10 +226,11 @@ class Sweep:
 
     def stage_runs(self, stage: str) -> list[Run]:
         """What ``stage`` still has to train, as far as it can be planned now (rates come from the sweeps)."""
-        if stage in ("lr-small", "lr-middle"):
+        if stage in ("lr-small", "lr-middle", "lr-large"):
             if self.args.learning_rate is not None:  # one fixed rate: nothing to sweep
                 return []
-            return self.lr_runs(stage, self.sizes[0] if stage == "lr-small" else self.sizes[len(self.sizes) // 2])
+            index = {"lr-small": 0, "lr-middle": len(self.sizes) // 2, "lr-large": -1}[stage]
+            return self.lr_runs(stage, self.sizes[index])
         if stage == "more":
             return [run for s in SEED_STAGES for run in self.more_runs(s)]
         _, corpus, variants, _ = self.group(stage)
@@ -218,7 +238,9 @@ class Sweep:
             return []
         # Seed-major: a partial stage has every variant for the first seeds. Seed 0 at the best rate is the sweep's
         # own run, found done by its name.
-        runs = [self.seeded_run(stage, v, seed) for seed in self.args.seeds for v in variants]
+        minor = self.args.minor_seeds or len(self.args.seeds)
+        runs = [self.seeded_run(stage, v, seed) for i, seed in enumerate(self.args.seeds) for v in variants
+                if v in LARGE_VARIANTS or i < minor]  # fmt: skip
         return [r for r in runs if not self.done(r)]
 
     def undecided(self, stage: str) -> list[str]:
@@ -299,8 +321,9 @@ def check_protocol(sweep: Sweep) -> None:
     a = sweep.args
     protocol = {"layers": a.layers, "context": a.context, "heads": NUM_HEADS, "batch": BATCH,
                 "tokens_per_param": a.tokens_per_param, "token_scale": a.token_scale,
-                "primary": sweep.corpora["primary"][0], "lr_grid": list(LR_GRID),
-                "learning_rate": a.learning_rate}  # fmt: skip
+                "primary": sweep.corpora["primary"][0], "lr_grid": list(a.lr_grid),
+                "learning_rate": a.learning_rate,
+                "sweep_seeds": None if a.sweep_seeds == [0] else list(a.sweep_seeds)}  # fmt: skip
     path = sweep.out / PROTOCOL_FILE
     if path.exists():
         old = json.loads(path.read_text())["protocol"]  # a field added since then reads as None (its default)
@@ -473,13 +496,19 @@ def _positive(kind):
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="results folder: runs.csv, curves.csv, protocol.json, runs/")
-    p.add_argument("--stages", type=_csv_list(str), default=list(STAGES), help="default: " + ",".join(STAGES))
+    p.add_argument("--stages", type=_csv_list(str), default=list(DEFAULT_STAGES),
+                   help="default: " + ",".join(DEFAULT_STAGES))  # fmt: skip
     p.add_argument("--sizes", type=_csv_list(int), default=list(DEFAULT_SIZES), help="d_model of each size")
     p.add_argument("--variants", type=_csv_list(str), default=list(VARIANTS), help="default: " + ",".join(VARIANTS))
     p.add_argument("--seeds", type=_csv_list(int), default=[0, 1, 2], help="default: 0,1,2")
     p.add_argument("--token-scale", type=_positive(float), default=1.0, help="x every run's token budget (1)")
     p.add_argument("--tokens-per-param", type=_positive(float), default=10.0, help="default: 10")
     p.add_argument("--learning-rate", type=_positive(float), default=None, help="one rate for every run: no sweep")
+    p.add_argument("--lr-grid", type=_csv_list(float), default=list(LR_GRID), help="the sweeps' rates (default: "
+                   + ",".join(f"{x:g}" for x in LR_GRID) + ")")  # fmt: skip
+    p.add_argument("--sweep-seeds", type=_csv_list(int), default=[0], help="seeds a rate is judged on (default: 0)")
+    p.add_argument("--minor-seeds", type=_positive(int), default=None,
+                   help="seeds for the variants outside the five main ones (default: all of --seeds)")  # fmt: skip
     p.add_argument("--layers", type=_positive(int), default=NUM_LAYERS, help=f"default: {NUM_LAYERS}")
     p.add_argument("--context", type=_positive(int), default=CONTEXT, help=f"default: {CONTEXT}")
     p.add_argument("--corpus", default=None, help="any UTF-8 text instead of Tiny Shakespeare")
@@ -506,6 +535,10 @@ def check_args(args) -> None:
             raise ValueError(f"--sizes: {size}; allowed: a multiple of {NUM_HEADS} (the heads), at least {NUM_HEADS}")
     if len(set(args.seeds)) != len(args.seeds) or min(args.seeds) < 0:
         raise ValueError(f"--seeds={args.seeds}; allowed: distinct integers >= 0")
+    if not args.sweep_seeds or not set(args.sweep_seeds) <= set(args.seeds):
+        raise ValueError(f"--sweep-seeds={args.sweep_seeds}; allowed: some of --seeds {args.seeds}")
+    if not args.lr_grid or min(args.lr_grid) <= 0 or len(set(args.lr_grid)) != len(args.lr_grid):
+        raise ValueError(f"--lr-grid={args.lr_grid}; allowed: distinct rates > 0")
 
 
 def main(argv: list[str] | None = None) -> int:

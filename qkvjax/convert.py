@@ -381,36 +381,38 @@ def convert_workdir(
     from qkvjax.train import checkpoint
     from qkvjax.train.config import to_dict, to_json
     from qkvjax.train.state import TrainState, make_optimizer
-    from qkvjax.workdir import CONFIG_FILE, export_params, params_only, path, write_text
+    from qkvjax.workdir import CONFIG_FILE, export_params, params_only, path, whole_or_absent, write_text
 
     if to is None and num_kv_heads is None and cross_layer is None:
         raise ValueError("nothing to convert: pass --to SCHEME, --num-kv-heads K and/or --cla G")
     out = os.fspath(path(out))
-    if (path(out) / CONFIG_FILE).exists():
-        raise ValueError(f"--out {out} already holds a run; choose an empty directory")
+    if path(out).exists() and (not path(out).is_dir() or any(path(out).iterdir())):
+        raise ValueError(f"--out {out} already holds files; choose a new or empty directory")
     _, params, config, step = restore_params(workdir, step)
     model_cfg, new_params = convert(config.model, params, to, num_kv_heads, rank, errors, cross_layer, rope_dim)
     config = dataclasses.replace(config, model=model_cfg)
-    path(out).mkdir(parents=True, exist_ok=True)
     tokenizer = path(workdir) / TOKENIZER
-    if tokenizer.exists():  # an imported model's: data.tokenizer names it relative to the workdir
-        (path(out) / TOKENIZER).write_bytes(tokenizer.read_bytes())
-    if params_only(workdir):  # an imported model: params only out too
-        export_params(out, step, new_params)
-        write_text(path(out) / CONFIG_FILE, to_json(config))
-        return out
-    tx = make_optimizer(config.train)
-    mngr_in = checkpoint.manager(workdir, read_only=True)
-    data_state = checkpoint.restore_data_state(mngr_in, step)
-    mngr_in.close()
-    state = TrainState(
-        step=jnp.array(step, jnp.int32),
-        params=new_params,
-        opt_state=tx.init(new_params),
-        rng=jax.random.PRNGKey(config.seed),
-    )
-    mngr = checkpoint.manager(out)
-    checkpoint.save(mngr, step, state, data_state, to_dict(config))
-    checkpoint.close(mngr)
-    write_text(path(out) / CONFIG_FILE, to_json(config))
+    data_state = None
+    if not params_only(workdir):
+        mngr_in = checkpoint.manager(workdir, read_only=True)
+        data_state = checkpoint.restore_data_state(mngr_in, step)
+        mngr_in.close()
+    # Written whole into a sibling and renamed into place last: a kill leaves --out absent, never half-written.
+    with whole_or_absent(out, "files") as staging:
+        if tokenizer.exists():  # an imported model's: data.tokenizer names it relative to the workdir
+            (staging / TOKENIZER).write_bytes(tokenizer.read_bytes())
+        if data_state is None:  # an imported model: params only out too
+            export_params(staging, step, new_params)
+        else:
+            tx = make_optimizer(config.train)
+            state = TrainState(
+                step=jnp.array(step, jnp.int32),
+                params=new_params,
+                opt_state=tx.init(new_params),
+                rng=jax.random.PRNGKey(config.seed),
+            )
+            mngr = checkpoint.manager(staging)
+            checkpoint.save(mngr, step, state, data_state, to_dict(config))
+            checkpoint.close(mngr)
+        write_text(staging / CONFIG_FILE, to_json(config))
     return out

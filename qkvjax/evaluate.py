@@ -10,7 +10,7 @@ import flax.linen as nn
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from qkvjax.data.builders import SPLITS, load_splits
+from qkvjax.data import SPLITS
 from qkvjax.data.tokenizer import check_vocab, load_tokenizer, tokenize_splits
 from qkvjax.models.encoder import model_of
 from qkvjax.train import checkpoint
@@ -111,6 +111,8 @@ def evaluate(
     """Loss, bits per byte and perplexity of a checkpoint over a whole split."""
     if split not in SPLITS:
         raise ValueError(f"split={split!r}; allowed: {list(SPLITS)}")
+    from qkvjax.data.builders import load_splits  # TFDS loads when a split is read
+
     mesh = make_mesh(MeshConfig(data=-1, fsdp=1, tensor=1))
     model, params, config, step = restore_params(workdir, step, mesh)
     require_decoder(config, "eval")

@@ -19,6 +19,7 @@ folder, and the metrics log and TensorBoard events are rewritten whole when the 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -33,6 +34,8 @@ from qkvjax.train.config import Config, from_dict
 CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"
 DAMAGED_DIR = "checkpoints_damaged"  # steps moved aside on evidence of damage (never deleted)
+REPLACED_PREFIX = "replaced-"  # a run --overwrite replaces, kept until the new run's first checkpoint
+IMPORTED_STEP = 0  # ``params/0``: an imported model (training exports params at steps >= 1 only)
 
 
 REMOTE_SCHEMES = ("gs",)  # orbax writes checkpoints to local paths and Cloud Storage only (s3:// fails in it)
@@ -68,6 +71,44 @@ def write_text(target: epath.Path, text: str) -> None:
     os.replace(tmp, target)
 
 
+@contextlib.contextmanager
+def whole_or_absent(target, holds: str):
+    """Yields a temporary sibling folder of ``target`` to write a whole output into (a workdir, a model folder);
+    when the block ends it is flushed to disk and renamed to ``target``, the last step; if the block fails, it is
+    removed. So ``target`` is either whole or absent after a kill, a full disk or an error at any moment, and a
+    rerun after any failure starts clean (a killed attempt's sibling is removed first). ``target`` must not exist,
+    or be an empty folder; otherwise one line says it already holds ``holds``."""
+    target = path(target)
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        raise ValueError(f"{target} already holds {holds}; choose a new or empty directory")
+    staging = target.parent / f".{target.name}.partial"
+    if staging.exists():  # what a killed attempt left: never a finished output
+        staging.rmtree()
+    staging.mkdir(parents=True)
+    try:
+        yield staging
+        if not is_remote(staging):
+            _fsync_tree(os.fspath(staging))
+        if target.exists():
+            target.rmdir()  # empty, checked above
+        staging.rename(target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            staging.rmtree()
+        raise
+
+
+def _fsync_tree(folder: str) -> None:
+    """Every file and folder under ``folder`` flushed to disk, so the rename that publishes it publishes data."""
+    for root, dirs, files in os.walk(folder):
+        for name in files + dirs:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+
 def load_config(workdir) -> Config:
     """The Config a run was started with; a clear error when ``workdir`` holds no run."""
     file = path(workdir) / CONFIG_FILE
@@ -78,14 +119,38 @@ def load_config(workdir) -> Config:
 
 def read_metrics(workdir) -> tuple[list[dict], list[dict]]:
     """(training records, evaluation records) from ``metrics.jsonl``, in the order written; ([], []) if absent."""
-    file = path(workdir) / METRICS_FILE
     train, evals = [], []
-    if file.exists():
-        for line in file.read_text().splitlines():
-            if line.strip():
-                record = json.loads(line)
-                (evals if record.get("eval") else train).append(record)
+    for _, record in metric_lines(path(workdir) / METRICS_FILE):
+        (evals if record.get("eval") else train).append(record)
     return train, evals
+
+
+def metric_lines(file: epath.Path) -> list[tuple[str, dict]]:
+    """``(line, record)`` of every record in a metrics log. A damaged last line is what a crash or a full disk
+    leaves mid-write: it is skipped with a warning naming the file and the line. Damage anywhere else is not, and
+    raises a ValueError naming both."""
+    if not file.exists():
+        return []
+    lines = file.read_bytes().decode("utf-8", errors="replace").splitlines()
+    last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
+    out = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+                raise ValueError("not a record with an integer step")
+        except ValueError as e:
+            where = f"{file} line {i + 1}"
+            if i == last:
+                print(f"warning: skipped a damaged last line in {where} (a run stopped while writing it): {e}")
+                continue
+            raise ValueError(
+                f"{where} is damaged ({e}) and is not the last line; move the file aside or cut the line to go on"
+            ) from None
+        out.append((line, record))
+    return out
 
 
 def export_params(workdir, step: int, params) -> str:
@@ -287,3 +352,33 @@ def learning_curve(train_records: list[dict], eval_records: list[dict], tokens_p
             points[step] = {"step": step, "wall_s": wall, "train_loss": None, "val_loss": None}
         points[step]["val_loss"] = r["loss"]
     return [points[s] for s in sorted(points)]
+
+
+def set_aside(workdir, keep_imported: bool) -> epath.Path | None:
+    """Moves the run in ``workdir`` (checkpoints, damaged steps, params, TensorBoard events, metrics, config) into
+    ``workdir/replaced-<UTC time>/`` by renames inside the workdir: nothing is copied or deleted, and a kill at any
+    moment leaves every file in one of the two places. With ``keep_imported``, an imported model's ``params/0``
+    stays where it is (the new run starts from it). Returns the folder, or None when there was nothing to move.
+    The caller deletes it once the new run has committed its first checkpoint (:func:`drop_aside`)."""
+    workdir = path(workdir)
+    names = ("checkpoints", DAMAGED_DIR, "tensorboard", METRICS_FILE, CONFIG_FILE)
+    moving = [workdir / n for n in names if (workdir / n).exists()]
+    params = workdir / "params"
+    kept = {str(IMPORTED_STEP)} if keep_imported else set()
+    moving += [params / str(s) for s in exported_steps(workdir) if str(s) not in kept]
+    if not moving:
+        return None
+    stamp = REPLACED_PREFIX + time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    names = [stamp] + [f"{stamp}-{i}" for i in range(1, 1000)]  # two replacements within one second
+    aside = next(workdir / n for n in names if not (workdir / n).exists())
+    for source in moving:
+        target = aside / source.relative_to(workdir)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        source.rename(target)
+    return aside
+
+
+def drop_aside(aside: epath.Path) -> None:
+    """Deletes a replaced run (:func:`set_aside`) once the run replacing it has a committed checkpoint."""
+    if aside.exists():
+        aside.rmtree()

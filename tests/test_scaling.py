@@ -262,3 +262,33 @@ def test_the_report_sets_training_loss_beside_validation_loss():
     summary = scaling_report.summary_markdown(rows, curves)
     assert "| shared_kv | 1,000 | 96 | 0.004 | 3 | " in summary and " | +0.100 | 10,000 | 12.90 |" in summary
     assert "| shared_kv | +0.033 [" in summary and "] (3) |" in summary and "| shared_kv | +0.100 |" in summary
+
+
+def test_rates_are_chosen_on_the_mean_of_the_sweep_seeds_at_every_size(tmp_path, small_text):
+    """--sweep-seeds 0,1: a rate counts once both seeds finished and wins on their mean; lr-large sweeps the
+    largest size (main variants only) and sets its rates; --minor-seeds trains the others at fewer seeds."""
+    argv = ["--out", str(tmp_path), "--corpus", small_text, "--sizes", "8,12,16", "--lr-grid", "1e-3,2e-3,4e-3",
+            "--sweep-seeds", "0,1", "--seeds", "0,1,2,3", "--minor-seeds", "3",
+            "--variants", "separate,bilinear", "--stages", "lr-large,large"]  # fmt: skip
+    args = scaling.build_parser().parse_args(argv)
+    scaling.check_args(args)
+    sweep = scaling.Sweep(args)
+    assert {(r.variant, r.learning_rate, r.seed) for r in sweep.stage_runs("lr-large")} == {
+        ("separate", lr, seed) for lr in (1e-3, 2e-3, 4e-3) for seed in (0, 1)
+    }  # bilinear is not one of the five main variants: no sweep at the largest size
+    # seed 0 alone would pick 1e-3; the mean of seeds 0 and 1 picks 2e-3; 4e-3 has one seed only: not counted
+    losses = {(1e-3, 0): 1.40, (1e-3, 1): 1.70, (2e-3, 0): 1.45, (2e-3, 1): 1.47, (4e-3, 0): 1.30}
+    for (lr, seed), loss in losses.items():
+        run = sweep.run("lr-large", "primary", 16, "separate", lr, seed)
+        sweep.rows.append({"run": run.name, "stage": "lr-large", "corpus": run.corpus, "size": "16",
+                           "variant": "separate", "seed": str(seed), "learning_rate": str(lr),
+                           "final_val_loss": str(loss)})  # fmt: skip
+    assert sweep.best_lr(16, "separate") == 2e-3
+    assert [(r.learning_rate, r.seed) for r in sweep.stage_runs("lr-large")] == [(4e-3, 1)]
+    large = sweep.stage_runs("large")  # at the largest size's own rate; seeds 0 and 1 are the sweep's runs
+    assert [(r.variant, r.learning_rate, r.seed) for r in large] == [("separate", 2e-3, 2), ("separate", 2e-3, 3)]
+    args.stages = ["small"]
+    assert {(r.variant, r.seed) for r in scaling.Sweep(args).stage_runs("small")} >= {("bilinear", 2)}
+    assert ("bilinear", 3) not in {(r.variant, r.seed) for r in scaling.Sweep(args).stage_runs("small")}
+    with pytest.raises(ValueError, match="--sweep-seeds"):
+        scaling.check_args(scaling.build_parser().parse_args([*argv, "--sweep-seeds", "0,7"]))

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 
 from qkvjax.attention.schemes import SCHEMES, Scheme, get_scheme
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("float32", "bfloat16", "float16", "float64")  # float64: host references (needs jax_enable_x64)
 IMPLEMENTATIONS = (None, "einsum", "chunked", "xla", "cudnn")
 ROPE_LAYOUTS = ("half", "interleaved")
 
@@ -43,7 +43,8 @@ class AttentionConfig:
       rope_base: the rotary wavelength base.
       rope_layout: which features rotate together: 'half' (feature i with i + H/2, the ``rotate_half`` layout of
         Hugging Face's Llama and GPT-NeoX) or 'interleaved' (2i with 2i + 1, as in Su et al. and Meta's Llama).
-      dtype: compute dtype; softmax is always taken in float32.
+      dtype: compute dtype; softmax is always taken in float32 (float64, with ``jax_enable_x64``, is for
+        references computed on the host: its matmuls run in float64, its softmax, norms and rotary in float32).
       param_dtype: dtype of the parameters.
       relative_bias: R > 0 adds a learned bias per head and relative offset, b_n(clip(s - t, -R, R)), to every
         score (a T5-style term without buckets, Raffel et al. 2020). b(d) and b(-d) are separate, so it breaks the

@@ -16,9 +16,10 @@ import urllib.request
 import numpy as np
 import tensorflow_datasets as tfds
 
+from qkvjax.data import DATASET_NAMES, SPLITS
+
 TINY_SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 TINY_SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
-SPLITS = ("train", "validation", "test")
 PROBE_TIMEOUT_S = 10.0
 
 
@@ -130,6 +131,7 @@ class TextFile(_ByteTextBuilder, skip_registration=True):
 
 
 DATASETS = {"tiny_shakespeare": TinyShakespeare, "text_file": TextFile}
+assert tuple(DATASETS) == DATASET_NAMES
 
 
 def load_splits(dataset: str, source_path: str | None, data_dir: str) -> dict[str, np.ndarray]:

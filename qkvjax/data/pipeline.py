@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
-import grain
 import numpy as np
+
+if TYPE_CHECKING:
+    import grain
 
 
 def check_corpus(tokens: np.ndarray, seq_len: int, split: str) -> None:
@@ -34,6 +37,8 @@ def train_batches(
     if batch_size % process_count:
         raise ValueError(f"train.batch_size={batch_size} is not divisible by the {process_count} processes")
     num_windows = len(tokens) - seq_len
+    import grain  # loaded when training batches are made, not on import
+
     ds = grain.MapDataset.range(num_windows).shuffle(seed=seed).repeat(None)
     ds = ds[process_index::process_count]
     ds = ds.map(lambda start: tokens[start : start + seq_len + 1])

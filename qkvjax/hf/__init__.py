@@ -17,7 +17,6 @@ No torch or transformers at run time: ``safetensors`` and ``tokenizers`` only.
 from __future__ import annotations
 
 import os
-import shutil
 
 import flax.linen as nn
 import jax
@@ -25,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from qkvjax.hf.export import EXPORTERS, check_exportable, infer_format
-from qkvjax.hf.folder import TOKENIZER, Tensors, read_config, read_tensors, write_folder
+from qkvjax.hf.folder import TOKENIZER, Tensors, checked_tokenizer, read_config, read_tensors, write_folder
 from qkvjax.hf.layouts import LAYOUTS, MODEL_TYPES
 from qkvjax.models.encoder import model_of
 
@@ -76,43 +75,51 @@ def load_pretrained(folder: str, max_len: int | None = None):
 def import_folder(folder: str, workdir: str, max_len: int | None = None):
     """Writes the model of ``folder`` (a decoder LM, or BERT's encoder) as a workdir; returns its run Config."""
     from qkvjax.train.config import Config, DataConfig, to_json
-    from qkvjax.workdir import CONFIG_FILE, export_params, path, write_text
+    from qkvjax.workdir import CONFIG_FILE, export_params, path, whole_or_absent, write_text
 
     out = path(workdir)
-    if (out / CONFIG_FILE).exists():
-        raise ValueError(f"--workdir {out} already holds a run; choose an empty directory")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):  # refused before anything is read
+        raise ValueError(f"--workdir {out} already holds files; choose a new or empty directory")
     model, params = load_pretrained(folder, max_len)
-    tokenizer = os.path.join(folder, TOKENIZER)
-    has_tokenizer = os.path.isfile(tokenizer)
-    data = DataConfig(tokenizer=TOKENIZER if has_tokenizer else None)
-    if not has_tokenizer and model.vocab_size != 256:
+    tokenizer = checked_tokenizer(folder)
+    data = DataConfig(tokenizer=TOKENIZER if tokenizer else None)
+    if not tokenizer and model.vocab_size != 256:
         print(f"note: {folder} has no {TOKENIZER}; text is byte-level (token ids are bytes)")
     config = Config(model=model, data=data)
-    out.mkdir(parents=True, exist_ok=True)
-    if has_tokenizer:
-        shutil.copyfile(tokenizer, os.fspath(out / TOKENIZER))
-    export_params(out, 0, jax.tree.map(jnp.asarray, params))
-    write_text(out / CONFIG_FILE, to_json(config))
+    with whole_or_absent(out, "files") as staging:
+        if tokenizer:
+            (staging / TOKENIZER).write_bytes(tokenizer)
+        export_params(staging, 0, jax.tree.map(jnp.asarray, params))
+        write_text(staging / CONFIG_FILE, to_json(config))
     return config
 
 
 def export_workdir(workdir: str, folder: str, fmt: str | None = None, step: int | None = None) -> str:
     """Writes a workdir's model (its newest checkpoint, or ``step``) as a Hugging Face folder; returns the format."""
     from qkvjax.evaluate import restore_params
-    from qkvjax.workdir import load_config, path
+    from qkvjax.workdir import load_config, path, whole_or_absent
 
     model = load_config(workdir).model  # every refusal before anything is restored (resume keeps the model)
     fmt = fmt or infer_format(model)
     check_exportable(model, fmt)
-    if os.path.exists(os.path.join(folder, "config.json")):
-        raise ValueError(f"{folder} already holds a model; choose an empty directory")
+    if os.path.exists(folder) and (not os.path.isdir(folder) or os.listdir(folder)):
+        raise ValueError(f"{folder} already holds files; choose a new or empty directory")
     _, params, config, _ = restore_params(workdir, step)
     hf, tensors = EXPORTERS[fmt](config.model, jax.tree.map(np.asarray, nn.meta.unbox(params)))
-    write_folder(folder, hf, tensors)
-    tokenizer = path(workdir) / TOKENIZER
-    if config.data.tokenizer and tokenizer.exists():
-        shutil.copyfile(os.fspath(tokenizer), os.path.join(folder, TOKENIZER))
+    tokenizer = checked_tokenizer(os.fspath(path(workdir))) if config.data.tokenizer else None
+    with whole_or_absent(folder, "files") as staging:
+        write_folder(os.fspath(staging), hf, tensors)
+        if tokenizer:
+            (staging / TOKENIZER).write_bytes(tokenizer)
     return fmt
 
 
-__all__ = ["LAYOUTS", "check_tree", "export_workdir", "import_folder", "load_pretrained", "model_of"]
+__all__ = [
+    "checked_tokenizer",
+    "LAYOUTS",
+    "check_tree",
+    "export_workdir",
+    "import_folder",
+    "load_pretrained",
+    "model_of",
+]

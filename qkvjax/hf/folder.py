@@ -32,18 +32,60 @@ def read_config(folder: str) -> dict:
         return json.load(f)
 
 
+MAX_TOKENIZER_BYTES = 256 << 20  # a tokenizer.json larger than this is not one (Llama 3's is 9 MB)
+
+
+def inside(folder: str, name: str, what: str) -> str:
+    """``folder/name``, refused in one line unless it is a regular file whose real path (links resolved) lies
+    inside ``folder``: an untrusted folder's index or links may not reach files elsewhere."""
+    file = os.path.join(folder, name)
+    real, root = os.path.realpath(file), os.path.realpath(folder)
+    if os.path.isabs(name) or os.path.commonpath([real, root]) != root:
+        raise ValueError(f"{what} {name!r} points outside {folder}; allowed: files inside the folder")
+    if os.path.islink(file):
+        raise ValueError(f"{what} {file} is a symbolic link; allowed: regular files only")
+    return file
+
+
+def checked_tokenizer(folder: str) -> bytes | None:
+    """The bytes of ``folder/tokenizer.json`` after parsing them with ``tokenizers`` (None if there is none):
+    a regular file inside the folder, under MAX_TOKENIZER_BYTES; anything else is refused in one line."""
+    if not os.path.lexists(os.path.join(folder, TOKENIZER)):
+        return None
+    file = inside(folder, TOKENIZER, "tokenizer")
+    size = os.path.getsize(file)
+    if size > MAX_TOKENIZER_BYTES:
+        raise ValueError(f"{file} has {size:,} bytes; allowed: at most {MAX_TOKENIZER_BYTES:,}")
+    with open(file, "rb") as f:
+        data = f.read()
+    from tokenizers import Tokenizer
+
+    try:
+        Tokenizer.from_str(data.decode("utf-8"))
+    except Exception as e:  # a truncated or foreign file: refused here rather than in `sample` later
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ValueError(f"{file} is not a tokenizer the tokenizers library can read: {first}") from None
+    return data
+
+
 def weight_files(folder: str) -> list[str]:
     """The safetensors files holding the folder's weights, after checking every shard the index lists exists."""
     index = os.path.join(folder, INDEX)
     if os.path.isfile(index):
-        with open(index) as f:
-            shards = sorted(set(json.load(f)["weight_map"].values()))
+        with open(inside(folder, INDEX, "index")) as f:
+            try:
+                shards = sorted(set(json.load(f)["weight_map"].values()))
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
+                raise ValueError(f"{index} is not a safetensors index (a weight_map of names to files): {e}") from None
+        for shard in shards:
+            if not isinstance(shard, str) or os.path.isabs(shard) or ".." in shard.replace("\\", "/").split("/"):
+                raise ValueError(f"{index} names shard {shard!r} outside {folder}; allowed: files inside the folder")
         missing = [s for s in shards if not os.path.isfile(os.path.join(folder, s))]
         if missing:
             raise ValueError(f"{folder}: shard {missing[0]} listed in {INDEX} is missing ({len(missing)} missing)")
-        return [os.path.join(folder, s) for s in shards]
+        return [inside(folder, s, "shard") for s in shards]
     if os.path.isfile(os.path.join(folder, WEIGHTS)):
-        return [os.path.join(folder, WEIGHTS)]
+        return [inside(folder, WEIGHTS, "weights")]
     others = [n for n in os.listdir(folder) if n.endswith((".bin", ".pt", ".pth", ".h5", ".msgpack"))]
     hint = f" (found {others[0]}: save it with save_pretrained(..., safe_serialization=True))" if others else ""
     raise ValueError(f"{folder} has no {WEIGHTS} or {INDEX}{hint}")

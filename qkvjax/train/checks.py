@@ -10,7 +10,7 @@ import jax
 from qkvjax.data.pipeline import check_corpus
 from qkvjax.train.config import Config, TrainConfig, from_dict, to_dict
 from qkvjax.train.state import learning_rate_schedule
-from qkvjax.workdir import CONFIG_FILE, DAMAGED_DIR, METRICS_FILE, params_only, path
+from qkvjax.workdir import CONFIG_FILE, IMPORTED_STEP, exported_steps, params_only, path
 
 # What may change between runs on one workdir: cadence, length and layout, not the experiment itself.
 RESUMABLE_CHANGES = {
@@ -51,7 +51,11 @@ def _as_now(saved: dict) -> dict:
 
 
 def check_workdir(workdir, config: Config, overwrite: bool) -> None:
-    """Refuses a workdir that holds a run of another experiment, unless ``overwrite`` (which clears it)."""
+    """Refuses a workdir that holds a run of another experiment, unless ``overwrite``; changes nothing (with
+    ``overwrite`` the loop moves the old run aside once everything else is checked: :func:`qkvjax.workdir.set_aside`).
+
+    An imported model's ``params/0`` survives ``overwrite`` (the new run starts from it), so a model config other
+    than the one imported is refused either way."""
     workdir = path(workdir)
     old = {}
     if (workdir / CONFIG_FILE).exists():
@@ -61,19 +65,24 @@ def check_workdir(workdir, config: Config, overwrite: bool) -> None:
     if params_only(workdir):
         # imported (or exported) params and no run yet: any data and training settings, but the same model
         diff = [k for k in diff if k.startswith("model.")]
+    model_diff = [k for k in diff if k.startswith("model.")]
+    if old and model_diff and overwrite and imported(workdir):
+        raise ValueError(
+            f"workdir {workdir} holds an imported model (params/{IMPORTED_STEP}) of another model config "
+            f"({_differences(model_diff, old, new)}); --overwrite restarts a run from the imported weights and keeps "
+            "them, so the model must stay the same: use another --workdir for another model"
+        )
     if old and diff and not overwrite:
         details = _differences(diff, old, new)
         raise ValueError(
             f"workdir {workdir} holds a run of another config ({details}); use another --workdir, or pass "
-            "--overwrite to delete that run and start again"
+            "--overwrite to replace that run (it is kept aside until the new run's first checkpoint)"
         )
-    if overwrite and jax.process_index() == 0:
-        for name in ("checkpoints", DAMAGED_DIR, "params", "tensorboard", METRICS_FILE, CONFIG_FILE):
-            target = workdir / name
-            if target.is_dir():
-                target.rmtree()
-            elif target.exists():
-                target.unlink()
+
+
+def imported(workdir) -> bool:
+    """The workdir holds an imported model: ``params/0`` (training itself exports params at steps >= 1 only)."""
+    return IMPORTED_STEP in exported_steps(workdir)
 
 
 def check_splits(splits: dict, config: Config) -> None:

@@ -14,6 +14,7 @@ import typing
 from typing import Any
 
 from qkvjax.attention import AttentionConfig
+from qkvjax.data import DATASET_NAMES
 from qkvjax.models.encoder import EncoderConfig
 from qkvjax.models.lm import ModelConfig
 from qkvjax.parse import BOOLEAN_SPELLINGS, parse_bool
@@ -41,10 +42,8 @@ class DataConfig:
     tokenizer: str | None = None
 
     def __post_init__(self):
-        from qkvjax.data.builders import DATASETS
-
-        if self.dataset not in DATASETS:
-            raise ValueError(f"data.dataset={self.dataset!r} is unknown; allowed: {sorted(DATASETS)}")
+        if self.dataset not in DATASET_NAMES:
+            raise ValueError(f"data.dataset={self.dataset!r} is unknown; allowed: {sorted(DATASET_NAMES)}")
         if self.seq_len is not None and (not isinstance(self.seq_len, int) or self.seq_len < 1):
             raise ValueError(f"data.seq_len={self.seq_len!r}; allowed: None or an integer >= 1")
 

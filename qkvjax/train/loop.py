@@ -26,13 +26,11 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
 from qkvjax.analyze import attention_kernels, drift_stats, weight_stats
-from qkvjax.data.builders import load_splits
-from qkvjax.data.pipeline import train_batches
 from qkvjax.data.tokenizer import check_vocab, load_tokenizer, tokenize_splits
 from qkvjax.models.lm import DecoderLM, param_count, train_flops_per_token
 from qkvjax.perf import measure_peak_flops
 from qkvjax.train import checkpoint
-from qkvjax.train.checks import check_resume, check_splits, check_workdir
+from qkvjax.train.checks import check_resume, check_splits, check_workdir, imported
 from qkvjax.train.config import Config, require_decoder, to_dict, to_json
 from qkvjax.train.mesh import batch_sharding, data_parallel_size, make_mesh, shardings_for
 from qkvjax.train.progress import TrainProgress
@@ -42,12 +40,15 @@ from qkvjax.workdir import (  # noqa: F401
     CONFIG_FILE,
     METRICS_FILE,
     WorkdirLock,
+    drop_aside,
     export_params,
     exported_steps,
     is_remote,
     json_safe,
     load_config,
+    metric_lines,
     restore_exported,
+    set_aside,
     write_text,
 )
 from qkvjax.workdir import path as workdir_path
@@ -74,8 +75,8 @@ class MetricsWriter:
             # curve continues without duplicates (and a fresh start drops a failed earlier attempt's records).
             self.lines = [
                 line + "\n"
-                for line in self.path.read_text().splitlines()
-                if line.strip() and resume_step is not None and json.loads(line)["step"] <= resume_step
+                for line, record in metric_lines(self.path)
+                if resume_step is not None and record["step"] <= resume_step
             ]
             write_text(self.path, "".join(self.lines))
         from tensorboardX import SummaryWriter
@@ -254,6 +255,9 @@ class NonFiniteError(ValueError):
 
 
 def _train(config: Config, workdir: epath.Path, overwrite: bool, lock: WorkdirLock) -> dict:
+    from qkvjax.data.builders import load_splits  # TFDS and grain load when a run reads data, not on import
+    from qkvjax.data.pipeline import train_batches
+
     tc = config.train
     # Everything that can be checked is checked before anything compiles.
     model = DecoderLM(config.model)
@@ -277,6 +281,15 @@ def _train(config: Config, workdir: epath.Path, overwrite: bool, lock: WorkdirLo
     tokens_per_byte = {k: len(tokens[k]) / max(1, len(splits[k])) for k in splits}
     splits = tokens
     check_splits(splits, config)
+    # Checked: config, workdir, data, tokenizer, devices. Only now does --overwrite touch the old run, and only by
+    # moving it aside; it is deleted once this run's first checkpoint is committed (save below).
+    aside = None
+    if overwrite and jax.process_index() == 0:
+        aside = set_aside(workdir, keep_imported=imported(workdir))
+        if aside is not None:
+            _say(f"--overwrite: the previous run is in {aside} until this run's first checkpoint is committed")
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices("qkvjax: old run set aside")
 
     mngr = checkpoint.manager(workdir, tc.max_to_keep)
     latest = mngr.latest_step()
@@ -367,8 +380,14 @@ def _train(config: Config, workdir: epath.Path, overwrite: bool, lock: WorkdirLo
         return out
 
     def save(state, step):
+        nonlocal aside
         host_state = par.unreplicate(state)
         checkpoint.save(mngr, step, host_state, batches.get_state(), to_dict(config))
+        if aside is not None:  # the replaced run goes once this run has a checkpoint of its own
+            checkpoint.finish(mngr)
+            drop_aside(aside)
+            _say(f"deleted the replaced run {aside} (checkpoint step {step} is committed)")
+            aside = None
 
     # The first non-finite step and why (0: none), tracked on the device so the loop need not wait on every step.
     track = jax.jit(lambda seen, code, step: jnp.where((seen[0] == 0) & (code > 0), jnp.stack([step, code]), seen))

@@ -10,7 +10,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from qkvjax.data.pipeline import eval_batches
 from qkvjax.train.state import TrainState
 
 
@@ -95,6 +94,8 @@ def make_eval_step(model: nn.Module):
 def mean_loss(eval_step, params, tokens: np.ndarray, seq_len: int, batch_size: int, put_batch, max_batches=None):
     """Mean next-byte loss over ``tokens`` (every target once, or the first ``max_batches`` batches) and the
     number of targets counted; ``put_batch`` places a host batch where ``eval_step`` wants it."""
+    from qkvjax.data.pipeline import eval_batches  # grain: only where data is read (the step functions need none)
+
     total = count = 0.0
     for batch in eval_batches(tokens, seq_len, batch_size, max_batches):
         out = jax.device_get(eval_step(params, put_batch(batch)))

@@ -1,0 +1,745 @@
+"""One visit to a GPU in one call: the machine, every scheme's numbers against a float64 host reference, training
+speed at GPT-2 small beside PyTorch, a killed and resumed ``qkvjax train``, and sampling against its bytes floor.
+
+    python benchmarks/gpu_check.py --out DIR                 # on the GPU machine (benchmarks/README.md, "GPU")
+    python benchmarks/gpu_check.py --out DIR --smoke         # the same code paths on a CPU at toy shapes, seconds
+    python benchmarks/gpu_check.py --out DIR --sections speed,torch   # some sections only
+
+Each section runs in a process of its own (a fresh device memory pool, so peak memory is the section's own; a
+crash or a hang costs that section only, under its own time limit), writes ``DIR/<section>.json`` and its output to
+``DIR/gpu_check.log``; the driver merges them into ``DIR/gpu_check.json`` and prints one table last.
+
+Sections:
+  machine      device, memory, driver, versions; a large bf16 matmul's TFLOP/s and a device-to-device copy's GB/s
+               (median of timed repeats on random data): the two ceilings the other sections are read against.
+  correctness  a small LM of every scheme (and GQA, MLA with and without rotary, a CLA pattern) in float32 and
+               bfloat16 on the device: logits and the loss's gradient against the same model in float64 on the
+               host, |out - ref| / |ref|; cuDNN flash attention against XLA's; cached decoding (ragged prompts)
+               against the full forward, which for MLA is the absorbed form against the materialised one.
+  speed        train steps at ``gpt2_small`` (bf16, context 1024): tokens/s, MFU against the measured matmul
+               ceiling, XLA's memory plan, compile time, per scheme and for flax's own attention.
+  torch        the same model in PyTorch (``torch_reference.py``) with ``torch.compile``, autocast bf16 and SDPA.
+  train        ``qkvjax train`` in bf16 on a local corpus: straight through, and killed (SIGKILL) after a
+               checkpoint, then resumed; the two runs' losses and final parameters compared.
+  sample       ``qkvjax.sample.generate_batch`` at batch 1 and 64 against the floor of reading every weight and
+               the filled cache once per token at the measured copy bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.metadata
+import json
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if __package__ in (None, ""):  # run as a script: make the repository and this folder importable
+    sys.path[:0] = [str(REPO), str(Path(__file__).resolve().parent)]
+
+SECTIONS = ("machine", "correctness", "speed", "torch", "train", "sample")
+# Seconds each section may run before it is killed (a GPU visit has 10 minutes a call); --smoke: 120 each.
+LIMITS = {"machine": 60, "correctness": 120, "speed": 180, "torch": 120, "train": 120, "sample": 100}
+SPEED_ROWS = ("separate", "flax", "shared_kv", "gqa", "shared_qk", "mla", "separate/xla")  # most wanted first
+SMOKE_SPEED_ROWS = ("separate", "flax", "mla")
+SMOKE_VARIANTS = ("separate", "mla+rope", "cla2")  # each module class and a K/V hand-over
+CORRECTNESS_VARIANTS = {  # name: config overrides on the small LM
+    "separate": {},
+    "shared_qk": {"model.attention.scheme": "shared_qk"},
+    "reformer_qk": {"model.attention.scheme": "reformer_qk"},
+    "shared_kv": {"model.attention.scheme": "shared_kv"},
+    "shared_qv": {"model.attention.scheme": "shared_qv"},
+    "shared_qkv": {"model.attention.scheme": "shared_qkv"},
+    "bilinear": {"model.attention.scheme": "bilinear"},
+    "gqa": {"model.attention.num_kv_heads": "3"},
+    "mla": {"model.attention.scheme": "mla"},
+    "mla+rope": {"model.attention.scheme": "mla", "model.attention.rope": "true"},
+    "cla2": {"model.layers": "separate, [kv_from=-1]"},  # CLA2: layer 1 reads layer 0's K/V
+}
+BOUNDS = {"float32": 1e-3, "bfloat16": 1e-2}  # |out - ref| / |ref| a precision must stay under
+
+
+# ----------------------------------------------------------------------------------------------- helpers
+
+
+def _versions() -> dict:
+    out = {"python": platform.python_version()}
+    for name in ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy", "torch", "triton", "transformers"):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            out[name] = importlib.metadata.version(name)
+    return out
+
+
+def _median_time(fn, repeats: int) -> float:
+    """Median seconds of ``fn()`` (which must block until its work is done) after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _rel(out, ref) -> float:
+    """|out - ref| / |ref| (Frobenius) over arrays or whole pytrees, in float64; NaN if anything is not finite."""
+    import jax
+    import numpy as np
+
+    a = [np.asarray(x, np.float64).ravel() for x in jax.tree.leaves(out)]
+    b = [np.asarray(x, np.float64).ravel() for x in jax.tree.leaves(ref)]
+    a, b = np.concatenate(a), np.concatenate(b)
+    if not (np.isfinite(a).all() and np.isfinite(b).all()):
+        return float("nan")
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def _config(path: str, overrides: dict):
+    from qkvjax.train.config import apply_overrides, load_config_file
+
+    return apply_overrides(load_config_file(str(REPO / path)), {k: str(v) for k, v in overrides.items()})
+
+
+def _on_gpu() -> bool:
+    import jax
+
+    return jax.devices()[0].platform == "gpu"
+
+
+# ----------------------------------------------------------------------------------------------- sections
+
+
+def section_machine(args) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    device = jax.devices()[0]
+    out = {"device_kind": device.device_kind, "platform": device.platform, "devices": jax.device_count()}
+    out["versions"] = _versions()
+    stats = device.memory_stats() or {}
+    out["device_memory_bytes"] = stats.get("bytes_limit")
+    if shutil.which("nvidia-smi"):
+        query = "name,memory.total,driver_version,clocks.max.sm,power.limit"
+        smi = subprocess.run(
+            ["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader"], capture_output=True, text=True
+        )
+        out["nvidia_smi"] = smi.stdout.strip()
+    n = 512 if args.smoke else 8192
+    dtype = jnp.float32 if device.platform == "cpu" else jnp.bfloat16
+    a = jax.random.normal(jax.random.PRNGKey(0), (n, n), dtype)
+    b = jax.random.normal(jax.random.PRNGKey(1), (n, n), dtype)
+    matmul = jax.jit(jnp.dot)
+    for _ in range(3):  # compile, and let the clocks come up
+        matmul(a, b).block_until_ready()
+    seconds = _median_time(lambda: matmul(a, b).block_until_ready(), 5 if args.smoke else 30)
+    out["matmul"] = {"n": n, "dtype": jnp.dtype(dtype).name, "seconds": seconds, "flops_per_s": 2 * n**3 / seconds}
+    out["torch_matmul_flops_per_s"] = _torch_matmul(n)
+    nbytes = (64 if args.smoke else 4096) << 20
+    x = jax.random.bits(jax.random.PRNGKey(2), (nbytes // 4,), jnp.uint32)
+    copy = jax.jit(jnp.copy)
+    y = copy(x)
+    assert bool((y[:1024] == x[:1024]).all()) and bool((y[-1024:] == x[-1024:]).all()), "the copy is wrong"
+    seconds = _median_time(lambda: copy(x).block_until_ready(), 5 if args.smoke else 20)
+    out["copy"] = {"bytes": nbytes, "seconds": seconds, "bytes_per_s": 2 * nbytes / seconds}  # read + write
+    print(
+        f"{device.device_kind}: matmul {out['matmul']['flops_per_s'] / 1e12:.1f} TFLOP/s ({out['matmul']['dtype']}, "
+        f"{n}^3), copy {out['copy']['bytes_per_s'] / 1e9:.0f} GB/s (read + write)",
+        flush=True,
+    )
+    return out
+
+
+def _torch_matmul(n: int) -> float | None:
+    """FLOP/s of torch's bf16 (n, n) product on the GPU (median of 30 after warm-up), or None without CUDA."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    a, b = torch.randn(2, n, n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    seconds = _median_time(lambda: ((a @ b), torch.cuda.synchronize()), 30)
+    return 2 * n**3 / seconds
+
+
+def _small_lm(overrides: dict, dtype: str, layers: int = 1):
+    """The correctness model: ``layers`` layers, V 131, D 96, N 6 heads of H 16, context 64 (inputs B 3, T 37)."""
+    base = {
+        "model.vocab_size": 131,
+        "model.d_model": 96,
+        "model.num_layers": layers,
+        "model.max_len": 64,
+        "model.attention.num_heads": 6,
+        "model.attention.head_dim": 16,
+        "model.attention.causal_block": 16,
+        "model.attention.dtype": dtype,
+        "model.dropout_rate": 0.0,
+    }
+    return _config("experiments/configs/tiny.py", base | overrides).model
+
+
+def _attention_stack(config):
+    """x (B, T, D) -> the attention layers of ``config`` (a ModelConfig) in sequence on a residual, nothing
+    else: each layer's module as the LM builds it, K/V handed from a producing layer to its readers."""
+    import flax.linen as nn
+    import jax.numpy as jnp
+
+    from qkvjax.attention import attention_module
+
+    class AttentionStack(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = x.astype(config.dtype)
+            made = {}
+            for i, layer in enumerate(config.layer_attention):
+                kv = None if layer.produces_kv else made[layer.kv_from]
+                module = attention_module(layer.config)(layer.config, name=f"layer_{i}")
+                y, used = module(x, causal=True, kv=kv, return_kv=True)
+                made[i] = used
+                x = x + y
+            return x.astype(jnp.promote_types(x.dtype, jnp.float32))
+
+    return AttentionStack()
+
+
+def section_correctness(args) -> dict:
+    import dataclasses
+
+    import jax
+    import numpy as np
+
+    from qkvjax.models.lm import DecodeCache, DecoderLM
+
+    gpu = _on_gpu()
+    seed = int.from_bytes(os.urandom(4), "little")  # fresh inputs each visit, recorded
+    rng = np.random.default_rng(seed)
+    b, t, d = 3, 37, 96
+    cpu = jax.devices("cpu")[0]
+
+    def out_and_grads(module):
+        """y = module(x) and the gradient of sum(y * c) w.r.t. the parameters and x (a fixed random c)."""
+
+        def f(params, x, c):
+            y = module.apply({"params": params}, x)
+            return (y * c.astype(y.dtype)).sum(), y
+
+        return jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))
+
+    cases = {}
+    result = {"seed": seed, "bounds": BOUNDS, "f32_matmul_rel_error": _matmul_precision_probe(), "cases": cases}
+    variants = CORRECTNESS_VARIANTS if not args.smoke else {k: CORRECTNESS_VARIANTS[k] for k in SMOKE_VARIANTS}
+    for name, over in variants.items():
+        layers = 2 if "model.layers" in over else 1
+        x = rng.standard_normal((b, t, d)).astype(np.float32)
+        c = rng.standard_normal((b, t, d)).astype(np.float32)
+        cfg32 = _small_lm(over, "float32", layers)
+        key = jax.random.PRNGKey(int(rng.integers(1 << 30)))
+        params = jax.device_get(_attention_stack(cfg32).init(key, x))["params"]
+        # the reference: the same layers and parameters in float64 on the host
+        with jax.enable_x64(True) if hasattr(jax, "enable_x64") else _x64():
+            cfg64 = _small_lm(over, "float64", layers)
+            cfg64 = dataclasses.replace(cfg64, attention=dataclasses.replace(cfg64.attention, param_dtype="float64"))
+            p64, x64, c64 = jax.device_put(jax.tree.map(lambda a: np.asarray(a, np.float64), (params, x, c)), cpu)
+            (_, ref_y), ref_g = out_and_grads(_attention_stack(cfg64))(p64, x64, c64)
+            ref_y, ref_g = np.asarray(ref_y, np.float64), jax.device_get(ref_g)
+        row = {}
+        try:
+            for dtype in ("float32", "bfloat16"):
+                (_, y), g = out_and_grads(_attention_stack(_small_lm(over, dtype, layers)))(params, x, c)
+                row[dtype] = {"out": _rel(y, ref_y), "grads": _rel(g, ref_g)}
+            if gpu and name in ("separate", "gqa"):  # cuDNN flash attention against XLA's, bf16, T = 64
+                xc, cc = rng.standard_normal((2, b, 64, d)).astype(np.float32)
+                cudnn = _small_lm(dict(over) | {"model.attention.implementation": "cudnn"}, "bfloat16", layers)
+                xla = _small_lm(dict(over) | {"model.attention.implementation": "xla"}, "bfloat16", layers)
+                (_, y), g = out_and_grads(_attention_stack(cudnn))(params, xc, cc)
+                (_, yx), gx = out_and_grads(_attention_stack(xla))(params, xc, cc)
+                row["cudnn_vs_xla"] = {"out": _rel(y, yx), "grads": _rel(g, gx)}
+            lm = DecoderLM(_small_lm(over, "float32", 2 if layers == 1 else layers))
+            row["decode"] = _decode_error(lm, rng, DecodeCache)
+        except Exception as e:  # recorded, and the other variants still run
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+            print(f"{name}: {row['error']}", flush=True)
+        cases[name] = row
+        cells = [f"{k} {v['out']:.1e}/{v['grads']:.1e}" for k, v in row.items() if isinstance(v, dict)]
+        print(f"{name}: " + ", ".join(cells) + f", decode {row.get('decode', float('nan')):.1e}", flush=True)
+        _save(args, result)  # what is done survives a timeout
+    return result
+
+
+@contextlib.contextmanager
+def _x64():
+    """jax_enable_x64 inside the block (jax versions without ``jax.enable_x64``)."""
+    import jax
+
+    old = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", True)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_x64", old)
+
+
+def _matmul_precision_probe() -> float:
+    """|A B - ref| / |ref| of a float32 (512, 512) product at default precision: ~1e-7 is float32, ~1e-4 TF32."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((2, 512, 512)).astype(np.float32)
+    out = np.asarray(jax.jit(jnp.dot)(a, b), np.float64)
+    return _rel(out, a.astype(np.float64) @ b.astype(np.float64))
+
+
+def _decode_error(model, rng, DecodeCache) -> float:
+    """A float32 LM: ragged prompts (lengths 5, 11, 8) prefilled into one cache, then 9 tokens decoded one at a
+    time per row; every logit against the full forward of the same rows, |dec - full| / |full|."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    lengths, steps = np.array([5, 11, 8], np.int32), 9
+    total = int(lengths.max()) + steps
+    tokens = rng.integers(0, model.config.vocab_size, (3, total), dtype=np.int32)
+    params = jax.jit(model.init)(jax.random.PRNGKey(int(rng.integers(1 << 30))), tokens)["params"]
+    full = np.asarray(jax.jit(lambda p, x: model.apply({"params": p}, x))(params, tokens))
+    prompts = np.where(np.arange(total)[None] < lengths[:, None], tokens, 0)[:, : lengths.max()]
+    apply = jax.jit(lambda p, x, c, n: model.apply({"params": p}, x, cache=c, num_valid=n))
+    logits, cache = apply(params, prompts, DecodeCache.empty(model.config, 3), jnp.asarray(lengths))
+    got, want = [], []
+    logits = np.asarray(logits)
+    for i, n in enumerate(lengths):
+        got.append(logits[i, :n])
+        want.append(full[i, :n])
+    for k in range(steps):
+        step_tokens = tokens[np.arange(3), lengths + k][:, None]
+        logits, cache = apply(params, step_tokens, cache, jnp.ones(3, jnp.int32))
+        got.append(np.asarray(logits)[:, 0])
+        want.append(full[np.arange(3), lengths + k])
+    return _rel([np.concatenate([g.ravel() for g in got])], [np.concatenate([w.ravel() for w in want])])
+
+
+def _speed_config(args, row: str):
+    over = {"model.dropout_rate": 0.0, "train.grad_accum_steps": 1, "train.batch_size": args.batch_size}
+    scheme = row.split("/")[0]
+    if scheme == "gqa":
+        over["model.attention.num_kv_heads"] = 4 if not args.smoke else 2
+    elif scheme not in ("separate", "flax"):
+        over["model.attention.scheme"] = scheme
+    if _on_gpu() and row not in ("separate/xla", "mla", "flax"):
+        over["model.attention.implementation"] = "cudnn"
+    path = "experiments/configs/tiny.py" if args.smoke else "experiments/configs/gpt2_small.py"
+    return _config(path, over)
+
+
+def section_speed(args) -> dict:
+    import dataclasses
+
+    import bench  # beside this script
+    import jax
+
+    from qkvjax.models.lm import DecoderLM, param_count, train_flops_per_token
+
+    peak = _read(args.work, "machine", "matmul", "flops_per_s")
+    rows = {}
+    result = {"rows": rows, "peak_flops": peak}
+    chosen = args.rows.split(",") if args.rows else SPEED_ROWS if not args.smoke else SMOKE_SPEED_ROWS
+    for row in chosen:
+        row_start = time.perf_counter()
+        cfg = _speed_config(args, row)
+        if row == "flax":  # flax's MHA inside the same LM: learned positions, no GQA, no rotary
+            att = dataclasses.replace(cfg.model.attention, scheme="separate", rope=False, num_kv_heads=None)
+            model_cfg = dataclasses.replace(cfg.model, attention=att, learned_positions=True)
+            cfg = dataclasses.replace(cfg, model=model_cfg)
+            model = DecoderLM(cfg.model, attention_cls=bench.FlaxAttention)
+        else:
+            model = DecoderLM(cfg.model)
+        runner = bench.prepare_train(model, cfg)
+        step_s = statistics.median(runner["step"]() for _ in range(args.steps))
+        flops = train_flops_per_token(cfg.model, cfg.seq_len)
+        tps = runner["tokens"] / step_s
+        rows[row] = {
+            "params": param_count(cfg.model),
+            "implementation": cfg.model.attention.implementation,
+            "batch": cfg.train.batch_size,
+            "seq_len": cfg.seq_len,
+            "step_s": step_s,
+            "tokens_per_s": tps,
+            "train_flops_per_token": flops,
+            "mfu": tps * flops / peak if peak else None,
+            "compile_s": runner["compile_s"],
+            "xla_memory_bytes": runner["xla_memory_bytes"],
+            "loss": runner["last_loss"](),
+            "row_s": time.perf_counter() - row_start,  # building, compiling and timing this row
+        }
+        print(f"{row}: {tps:,.0f} tok/s, compile {runner['compile_s']:.1f} s", flush=True)
+        del runner
+        jax.clear_caches()
+        result["process_peak_device_bytes"] = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
+        _save(args, result)
+    return result
+
+
+def section_torch(args) -> dict:
+    import torch
+    import torch_reference  # beside this script
+
+    cuda = torch.cuda.is_available()
+    cfg = _speed_config(args, "separate")
+    one_step = torch_reference.runner(cfg, args.batch_size, device="cuda" if cuda else "cpu", compile=cuda)
+    step_s = statistics.median(one_step() for _ in range(args.steps))
+    from qkvjax.models.lm import train_flops_per_token
+
+    peak = _read(args.work, "machine", "matmul", "flops_per_s")
+    flops = train_flops_per_token(cfg.model, cfg.seq_len)
+    tps = args.batch_size * cfg.seq_len / step_s
+    out = {
+        "torch": torch.__version__,
+        "compiled": cuda,
+        "attention": "scaled_dot_product_attention (flash where it applies)",
+        "dtype": cfg.model.attention.dtype,
+        "batch": args.batch_size,
+        "step_s": step_s,
+        "tokens_per_s": tps,
+        "mfu": tps * flops / peak if peak else None,
+        "warmup_and_compile_s": one_step.warmup_s,
+        "peak_device_bytes": torch.cuda.max_memory_allocated() if cuda else None,
+    }
+    print(f"torch: {tps:,.0f} tok/s (compile + 2 warm-up steps {one_step.warmup_s:.1f} s)", flush=True)
+    return out
+
+
+def _train_cmd(args, workdir: Path, steps: int, every: int) -> list[str]:
+    corpus = args.corpus or str(REPO / "README.md")
+    config = "experiments/configs/tiny.py" if args.smoke else "experiments/configs/shakespeare_char.py"
+    over = {
+        "data.dataset": "text_file",
+        "data.source_path": corpus,
+        "data.data_dir": str(workdir.parent / "tfds"),
+        "model.attention.dtype": "bfloat16",
+        "model.dropout_rate": 0.1,  # the dropout RNG must resume too
+        "train.num_steps": steps,
+        "train.checkpoint_every": every,
+        "train.eval_every": steps,
+        "train.eval_batches": 2,
+        "train.log_every": 1,
+        "train.warmup_steps": 5,
+        "train.peak_flops": 1e12,  # the machine section measured it; no second measurement
+    }
+    return [sys.executable, "-m", "qkvjax.cli", "train", f"--config={REPO / config}", f"--workdir={workdir}"] + [
+        f"--config.{k}={v}" for k, v in over.items()
+    ]
+
+
+def section_train(args) -> dict:
+    import numpy as np
+
+    steps, every = (12, 4) if args.smoke else (300, 100)
+    root = Path(tempfile.mkdtemp(prefix="gpu_check_train_"))
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    # XLA's GPU scatter-add (the embedding's gradient) uses atomics, so two straight runs differ in the last bits
+    # (seen on the first visit: final losses 2.2001 and 2.1983); deterministic ops make a resume comparable bit for bit
+    deterministic = _on_gpu()
+    if deterministic:
+        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_gpu_deterministic_ops=true").strip()
+    straight, killed = root / "straight", root / "killed"
+    start = time.perf_counter()
+    proc = subprocess.run(_train_cmd(args, straight, steps, every), env=env, capture_output=True, text=True)
+    straight_s = time.perf_counter() - start
+    if proc.returncode:
+        raise RuntimeError(f"straight run failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+    # the run to kill: SIGKILL as soon as its first checkpoint is committed (orbax renames it into place last)
+    log = open(root / "killed.log", "w")
+    p = subprocess.Popen(_train_cmd(args, killed, steps, every), env=env, stdout=log, stderr=subprocess.STDOUT)
+    first = killed / "checkpoints" / str(every)
+    while p.poll() is None and not first.is_dir():
+        time.sleep(0.02)
+    killed_running = p.poll() is None
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    log.close()
+    left = sorted(int(n) for n in os.listdir(killed / "checkpoints") if n.isdigit())
+    records = _metrics(killed)
+    killed_at = max((r["step"] for r in records), default=0)
+    proc = subprocess.run(_train_cmd(args, killed, steps, every), env=env, capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"resumed run failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+    resumed_line = next((ln for ln in proc.stdout.splitlines() if "resumed from checkpoint" in ln), "")
+    a, b = _metrics(straight), _metrics(killed)
+    loss_a, loss_b = [r["loss"] for r in a], [r["loss"] for r in b]
+    pa, pb = _final_params(straight, steps), _final_params(killed, steps)
+    max_param_diff = max(float(np.max(np.abs(pa[k] - pb[k]))) for k in pa)
+    out = {
+        "steps": steps,
+        "checkpoint_every": every,
+        "killed_while_running": killed_running,
+        "killed_after_logged_step": killed_at,
+        "checkpoints_left_at_kill": left,
+        "resumed": resumed_line.strip(),
+        "final_loss_straight": loss_a[-1],
+        "final_loss_resumed": loss_b[-1],
+        "losses_identical": loss_a == loss_b,
+        "max_abs_loss_diff": max(abs(x - y) for x, y in zip(loss_a, loss_b, strict=True)),
+        "params_identical": max_param_diff == 0.0,
+        "max_abs_param_diff": max_param_diff,
+        "straight_run_s": straight_s,
+        "xla_gpu_deterministic_ops": deterministic,
+    }
+    print(f"train: straight {loss_a[-1]:.6f}, killed at step {killed_at} and resumed {loss_b[-1]:.6f}", flush=True)
+    shutil.rmtree(root, ignore_errors=True)
+    return out
+
+
+def _metrics(workdir: Path) -> list[dict]:
+    path = workdir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in records if not r.get("eval")]
+
+
+def _final_params(workdir: Path, step: int) -> dict:
+    import jax
+    import numpy as np
+    import orbax.checkpoint as ocp
+
+    with ocp.StandardCheckpointer() as ckptr:  # the params-only export every checkpoint writes beside it
+        tree = ckptr.restore(workdir / "params" / str(step))
+    return {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def section_sample(args) -> dict:
+    import jax
+    import numpy as np
+
+    from qkvjax.models.lm import DecoderLM, kv_cache_bytes_per_token
+    from qkvjax.sample import generate_batch
+
+    bandwidth = _read(args.work, "machine", "copy", "bytes_per_s")
+    cfg = _speed_config(args, "separate")
+    model = DecoderLM(cfg.model)
+    rng = np.random.default_rng(0)
+    params = jax.jit(model.init)(jax.random.PRNGKey(0), np.zeros((1, 8), np.int32))["params"]
+    param_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+    prompt_len, new = (8, 16) if args.smoke else (32, 128)
+    rows = {}
+    for batch in (1, 8) if args.smoke else (1, 64):
+        prompts = [rng.integers(0, cfg.model.vocab_size, prompt_len) for _ in range(batch)]
+        _, stats = generate_batch(model, params, prompts, new, seed=2)  # its tokens/s leave the compiles out
+        mean_filled = prompt_len + new / 2
+        bytes_per_step = param_bytes + batch * mean_filled * kv_cache_bytes_per_token(cfg.model)
+        floor = batch * bandwidth / bytes_per_step if bandwidth else None
+        rows[str(batch)] = {
+            "tokens_per_s": stats["tokens_per_s"],
+            "bytes_per_step": bytes_per_step,
+            "floor_tokens_per_s": floor,
+            "fraction_of_floor": stats["tokens_per_s"] / floor if floor else None,
+        }
+        print(f"sample b{batch}: {stats['tokens_per_s']:,.0f} tok/s (floor {floor or 0:,.0f})", flush=True)
+    return {"param_bytes": param_bytes, "prompt_len": prompt_len, "new_tokens": new, "rows": rows}
+
+
+def _read(work: str, section: str, *keys):
+    """A number another section wrote (None if that section did not run or failed)."""
+    path = Path(work) / f"{section}.json"
+    if not path.exists():
+        return None
+    value = json.loads(path.read_text())
+    for k in keys:
+        value = value.get(k) if isinstance(value, dict) else None
+    return value
+
+
+# ----------------------------------------------------------------------------------------------- driver
+
+
+def _save(args, result: dict) -> None:
+    result["seconds"] = time.perf_counter() - args.t0
+    Path(args.work, f"{args.section}.json").write_text(json.dumps(result, indent=2) + "\n")
+
+
+def run_section(args) -> int:
+    _save(args, globals()[f"section_{args.section}"](args))
+    return 0
+
+
+def drive(args) -> int:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    log = out / "gpu_check.log"
+    chosen = args.sections.split(",") if args.sections else list(SECTIONS)
+    unknown = [s for s in chosen if s not in SECTIONS]
+    if unknown:
+        sys.exit(f"--sections {unknown}; allowed: {list(SECTIONS)}")
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    if args.smoke:
+        env.setdefault("JAX_PLATFORMS", "cpu")
+        env.pop("XLA_FLAGS", None)  # one CPU device, whatever the caller set
+    env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # each section's own peak, and room for torch
+    work = out / "sections"  # each section's json; merged into gpu_check.json after every section
+    work.mkdir(exist_ok=True)
+    status = {}
+    merged = merge(args, out, work, status)
+    deadline = time.perf_counter() + args.budget_s
+    for name in chosen:
+        left = deadline - time.perf_counter()
+        if left < 20:
+            status[name] = {"rc": "not run: budget spent", "seconds": 0}
+            continue
+        cmd = [sys.executable, __file__, "--section", name, "--out", str(out), "--work", str(work),
+               "--batch-size", str(args.batch_size), "--steps", str(args.steps)]  # fmt: skip
+        cmd += ["--rows", args.rows] if args.rows else []
+        cmd += (["--smoke"] if args.smoke else []) + (["--corpus", args.corpus] if args.corpus else [])
+        limit = min(left, LIMITS[name] if not args.smoke else 120)
+        start = time.perf_counter()
+        with open(log, "a") as f:
+            f.write(f"\n===== {name} ({time.strftime('%Y-%m-%d %H:%M:%S')}) =====\n")
+            f.flush()
+            try:
+                rc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=limit).returncode
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
+        status[name] = {"rc": rc, "seconds": round(time.perf_counter() - start, 1)}
+        print(f"[{name}] rc {rc}, {status[name]['seconds']} s", flush=True)
+        if rc != 0:
+            print("".join(log.read_text().splitlines(keepends=True)[-25:]), flush=True)
+        merged = merge(args, out, work, status)
+    shutil.rmtree(work, ignore_errors=True)
+    print(table(merged))
+    return 0 if all(s["rc"] == 0 for s in status.values()) else 1
+
+
+def merge(args, out: Path, work: Path, status: dict) -> dict:
+    """gpu_check.json: the run's date, commit, command and status, and every section's json found in ``work``
+    (an earlier gpu_check.json's sections are kept where this run did not redo them)."""
+    target = out / "gpu_check.json"
+    merged = json.loads(target.read_text()) if target.exists() else {}
+    merged.update({
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "commit": _git_commit(),
+        "command": "python benchmarks/gpu_check.py " + " ".join(sys.argv[1:]),
+        "smoke": args.smoke,
+    })  # fmt: skip
+    merged["status"] = merged.get("status", {}) | status
+    for name in SECTIONS:
+        path = work / f"{name}.json"
+        if path.exists():
+            merged[name] = json.loads(path.read_text())
+    target.write_text(json.dumps(merged, indent=2) + "\n")
+    return merged
+
+
+def _git_commit() -> str | None:
+    with contextlib.suppress(Exception):
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True).stdout
+        return sha + ("+dirty" if dirty.strip() else "")
+    return None
+
+
+def ceiling(m: dict) -> float | None:
+    """The matmul ceiling MFU is read against: the better of JAX's and torch's bf16 products in this call."""
+    mc = m.get("machine")
+    if not mc:
+        return None
+    return max(mc["matmul"]["flops_per_s"], mc.get("torch_matmul_flops_per_s") or 0)
+
+
+def table(m: dict) -> str:
+    """The short table printed last (MFU against :func:`ceiling`)."""
+    lines = []
+    peak = ceiling(m)
+    if "machine" in m:
+        mc = m["machine"]
+        torch_mm = mc.get("torch_matmul_flops_per_s")
+        lines.append(
+            f"{mc['device_kind']} | {mc.get('nvidia_smi', '')} | jax {mc['versions'].get('jax')} | matmul "
+            f"{mc['matmul']['flops_per_s'] / 1e12:.0f} TFLOP/s (torch {torch_mm / 1e12 if torch_mm else 0:.0f}) "
+            f"| copy {mc['copy']['bytes_per_s'] / 1e9:,.0f} GB/s"
+        )
+    if "correctness" in m:
+        c = m["correctness"]
+        lines.append(
+            f"correctness, |out-ref|/|ref| output / grads (bounds: f32 {BOUNDS['float32']:.0e}, bf16 "
+            f"{BOUNDS['bfloat16']:.0e}); f32 matmul probe {c['f32_matmul_rel_error']:.1e}:"
+        )
+        for name, row in c["cases"].items():
+            cells = []
+            for k, v in row.items():
+                if k == "decode":
+                    cells.append(f"decode {v:.1e}{'' if v < BOUNDS['float32'] else ' FAIL'}")
+                elif k == "error":
+                    cells.append(f"ERROR {v}")
+                else:
+                    bound = BOUNDS["float32" if k == "float32" else "bfloat16"]
+                    ok = all(x == x and x < bound for x in (v["out"], v["grads"]))  # NaN never passes
+                    cells.append(f"{k} {v['out']:.1e}/{v['grads']:.1e}{'' if ok else ' FAIL'}")
+            lines.append(f"  {name:<12} " + " | ".join(cells))
+    if "speed" in m:
+        s = m["speed"]["rows"]
+        lines.append(f"{'train step':<14} {'tok/s':>10} {'x sep':>6} {'MFU':>6} {'compile s':>9} {'mem GB':>7}")
+        sep = s.get("separate", {}).get("tokens_per_s")
+        rows = [(k, r["tokens_per_s"], r["train_flops_per_token"], r["compile_s"], r["xla_memory_bytes"])
+                for k, r in s.items()]  # fmt: skip
+        if "torch" in m:
+            t = m["torch"]
+            label = "torch.compile" if t["compiled"] else "torch eager"
+            flops = next(iter(s.values()))["train_flops_per_token"] if s else None
+            rows.append((label, t["tokens_per_s"], flops, t["warmup_and_compile_s"], t["peak_device_bytes"]))
+        for name, tps, flops, compile_s, mem in rows:
+            mfu = f"{100 * tps * flops / peak:.1f}%" if peak and flops else "n/a"
+            ratio = f"{tps / sep:.2f}" if sep else "n/a"
+            mem = f"{mem / 2**30:.1f}" if mem else "n/a"
+            lines.append(f"{name:<14} {tps:>10,.0f} {ratio:>6} {mfu:>6} {compile_s:>9.1f} {mem:>7}")
+    if "train" in m:
+        t = m["train"]
+        lines.append(
+            f"train/resume: killed after step {t['killed_after_logged_step']}, resumed from "
+            f"{t['checkpoints_left_at_kill']}; final loss {t['final_loss_straight']:.6f} straight, "
+            f"{t['final_loss_resumed']:.6f} resumed; identical: losses {t['losses_identical']}, "
+            f"params {t['params_identical']} (max diff {t['max_abs_param_diff']:.1e})"
+        )
+    if "sample" in m:
+        for b, r in m["sample"]["rows"].items():
+            frac = f"{100 * r['fraction_of_floor']:.0f}% of floor" if r.get("fraction_of_floor") else ""
+            lines.append(f"sample b{b}: {r['tokens_per_s']:,.0f} tok/s {frac}")
+    lines.append("status: " + ", ".join(f"{k} {v['rc']} ({v['seconds']} s)" for k, v in m["status"].items()))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="folder for gpu_check.json, gpu_check.log and each section's json")
+    p.add_argument("--smoke", action="store_true", help="toy shapes on the CPU: the same code paths in seconds")
+    p.add_argument("--sections", default=None, help=f"comma-separated, of {','.join(SECTIONS)} (default all)")
+    p.add_argument("--section", default=None, help=argparse.SUPPRESS)  # one section, in the driver's child
+    p.add_argument("--work", default=None, help=argparse.SUPPRESS)  # where the child writes its json
+    p.add_argument("--batch-size", type=int, default=None, help="train batch (default 32; 2 with --smoke)")
+    p.add_argument("--steps", type=int, default=None, help="timed train steps (default 10; 3 with --smoke)")
+    p.add_argument("--corpus", default=None, help="text for the train section (default README.md)")
+    p.add_argument("--rows", default=None, help=f"speed rows, comma-separated, of {','.join(SPEED_ROWS)}")
+    p.add_argument("--budget-s", type=float, default=540, help="seconds for all sections; those left over are skipped")
+    args = p.parse_args(argv)
+    args.t0 = time.perf_counter()
+    args.batch_size = args.batch_size or (2 if args.smoke else 32)
+    args.steps = args.steps or (3 if args.smoke else 10)
+    if args.section:
+        return run_section(args)
+    return drive(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

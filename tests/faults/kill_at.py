@@ -1,0 +1,48 @@
+"""Runs the qkvjax CLI and SIGKILLs it at its Nth file boundary: the Nth time it creates a folder, opens a file
+for writing, renames or removes one (Python's audit events ``os.mkdir``, ``open`` with a write mode,
+``os.rename``, ``os.replace``, ``os.remove``, ``shutil.rmtree``). Exits 0 having run to the end if there are fewer
+than N boundaries.
+
+    python tests/faults/kill_at.py N import FOLDER --workdir W
+    python tests/faults/kill_at.py publish convert ...     # at the rename that publishes a ``.partial`` folder
+
+Writes made by native code (orbax's TensorStore, safetensors' Rust writer) are not seen one by one, only the
+Python boundaries around them: every folder and file these tools name themselves.
+"""
+
+import os
+import signal
+import sys
+
+EVENTS = {"os.mkdir", "os.rename", "os.replace", "os.remove", "shutil.rmtree"}
+WRITE_MODES = ("w", "a", "x", "+")
+
+
+def main() -> int:
+    publish = sys.argv[1] == "publish"
+    n = 0 if publish else int(sys.argv[1])
+    seen = 0
+
+    def hook(event, args):
+        nonlocal seen
+        if event == "open":
+            mode = args[1] if len(args) > 1 and isinstance(args[1], str) else ""
+            flags = args[2] if len(args) > 2 and isinstance(args[2], int) else 0
+            writes = any(m in mode for m in WRITE_MODES) or flags & (os.O_WRONLY | os.O_RDWR)
+            if not writes:
+                return
+        elif event not in EVENTS:
+            return
+        seen += 1
+        published = event == "os.rename" and str(args[0]).endswith(".partial")
+        if seen == n or (publish and published):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    from qkvjax.cli import main as cli
+
+    sys.addaudithook(hook)
+    return cli(sys.argv[2:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,37 @@
+"""A damaged metrics.jsonl: a cut last line (a crash or a full disk mid-write) is skipped with a warning naming
+the file and the line, and resume, info and compare go on; damage before the last line is refused in one line
+naming both."""
+
+import shutil
+
+from tests.helpers import metrics, run_in_process, train_args
+
+STRICT_DTYPE_PROMOTION = False  # optax
+
+SETTINGS = {"train.num_steps": 4, "train.checkpoint_every": 2, "train.eval_every": 100}
+
+
+def test_a_cut_last_line_is_skipped_and_damage_before_it_is_named(tmp_path, small_text, data_dir, capsys):
+    w = tmp_path / "w"
+    assert run_in_process(train_args(w, small_text, data_dir, **{**SETTINGS, "train.num_steps": 2})) == 0
+    log = w / "metrics.jsonl"
+    lines = log.read_text().splitlines()
+    log.write_text("\n".join(lines) + '\n{"step": 3, "loss": 2.5, "bits_per')  # cut mid-record
+    where = f"{log} line {len(lines) + 1}"
+    for command in (["info", "--workdir", str(w)], ["compare", str(w), str(w)]):
+        assert run_in_process(command) == 0, command
+        assert f"skipped a damaged last line in {where}" in capsys.readouterr().out
+    assert run_in_process(train_args(w, small_text, data_dir, **SETTINGS)) == 0  # resumes from step 2
+    out = capsys.readouterr().out
+    assert "resumed from checkpoint step 2" in out and f"skipped a damaged last line in {where}" in out
+    assert [r["step"] for r in metrics(w)] == [1, 2, 3, 4]  # the cut line is gone, steps 3-4 written anew
+
+    damaged = tmp_path / "damaged"
+    shutil.copytree(w, damaged)
+    text = (damaged / "metrics.jsonl").read_text().splitlines()
+    text[1] = text[1][:20]
+    (damaged / "metrics.jsonl").write_text("\n".join(text) + "\n")
+    assert run_in_process(["info", "--workdir", str(damaged)]) != 0
+    err = capsys.readouterr().err
+    assert f"{damaged / 'metrics.jsonl'} line 2 is damaged" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1, err

@@ -1,0 +1,40 @@
+"""benchmarks/gpu_check.py --smoke: the GPU visit's script, run end to end on the CPU at toy shapes, so that it
+cannot rot between visits (the figures it prints here are not measurements of anything)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import REPO
+
+pytest.importorskip("torch")  # the torch section's reference (the bench extra; CI installs it)
+
+
+def test_gpu_check_smoke_runs_every_section(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/gpu_check.py", "--smoke", "--out", str(tmp_path)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=400,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + (tmp_path / "gpu_check.log").read_text()[-3000:]
+    out = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert set(out["status"]) == {"machine", "correctness", "speed", "torch", "train", "sample"}
+    assert all(s["rc"] == 0 for s in out["status"].values())
+    assert sorted(os.listdir(tmp_path)) == ["gpu_check.json", "gpu_check.log"]  # section files merged, removed
+    # float32 on the CPU against the float64 host reference: far under the bound, and bf16 under its own
+    for name, row in out["correctness"]["cases"].items():
+        assert row["float32"]["out"] < 1e-5 and row["float32"]["grads"] < 1e-5, name
+        assert row["bfloat16"]["out"] < 1e-2 and row["bfloat16"]["grads"] < 1e-2, name
+        assert row["decode"] < 1e-5, name
+    assert {"separate", "mla+rope", "cla2"} <= set(out["correctness"]["cases"])
+    assert out["speed"]["rows"]["separate"]["tokens_per_s"] > 0 and out["torch"]["tokens_per_s"] > 0
+    train = out["train"]
+    assert train["killed_while_running"] and train["checkpoints_left_at_kill"]
+    assert train["losses_identical"] and train["params_identical"]  # the CPU is deterministic: bit for bit
+    assert set(out["sample"]["rows"]) == {"1", "8"}
+    assert "status: machine 0" in proc.stdout  # the table, printed last
