@@ -241,6 +241,9 @@ class Sweep:
         minor = self.args.minor_seeds or len(self.args.seeds)
         runs = [self.seeded_run(stage, v, seed) for i, seed in enumerate(self.args.seeds) for v in variants
                 if v in LARGE_VARIANTS or i < minor]  # fmt: skip
+        # a sweep seed at a rate not chosen yet will be the sweep's own run at the winning rate: not one to plan
+        pending = self.args.learning_rate is None and corpus == "primary"
+        runs = [r for r in runs if not (pending and math.isnan(r.learning_rate) and r.seed in self.args.sweep_seeds)]
         return [r for r in runs if not self.done(r)]
 
     def undecided(self, stage: str) -> list[str]:
