@@ -18,7 +18,16 @@ from qkvjax.train.config import Config, MeshConfig, from_dict, require_decoder
 from qkvjax.train.mesh import batch_sharding, make_mesh
 from qkvjax.train.state import abstract_state, make_optimizer
 from qkvjax.train.step import make_eval_step, mean_loss
-from qkvjax.workdir import CONFIG_FILE, exported_steps, load_config, params_only, path, restore_exported
+from qkvjax.workdir import (
+    CONFIG_FILE,
+    check_data,
+    exported_steps,
+    load_config,
+    params_only,
+    path,
+    restore_exported,
+    splits_digest,
+)
 
 
 def resolve_step(workdir: str, step: int | None) -> tuple[Config, object, int]:
@@ -61,6 +70,17 @@ def restore_params(workdir: str, step: int | None = None, mesh=None):
     mesh = mesh or make_mesh(MeshConfig(data=-1, fsdp=1, tensor=1))
     if params_only(workdir):
         return _restore_exported(workdir, step, mesh)
+    for attempt in range(3):  # a step a running trainer rotates away while it is read: list the steps again
+        try:
+            return _restore_checkpoint(workdir, step, mesh)
+        except checkpoint.CheckpointVanishedError as e:
+            if step is not None or attempt == 2:
+                raise
+            print(f"note: {e}; reading the newest checkpoint again", file=sys.stderr)
+    raise AssertionError("unreachable")
+
+
+def _restore_checkpoint(workdir: str, step: int | None, mesh):
     _, mngr, chosen = resolve_step(workdir, step)
     candidates = [chosen] if step is not None else sorted((s for s in mngr.all_steps() if s <= chosen), reverse=True)
     replicated = NamedSharding(mesh, PartitionSpec())
@@ -121,6 +141,9 @@ def evaluate(
         source_path or config.data.source_path,
         os.path.expanduser(data_dir or config.data.data_dir),
     )
+    changed = check_data(workdir, splits_digest(splits), source_path or config.data.source_path, record=False)
+    if changed:
+        print(changed, file=sys.stderr)
     tokenizer = load_tokenizer(config.data.tokenizer, workdir)
     if config.data.tokenizer is not None:
         check_vocab(tokenizer, config.model.vocab_size)

@@ -20,6 +20,7 @@ folder, and the metrics log and TensorBoard events are rewritten whole when the 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
 import os
@@ -34,6 +35,7 @@ from qkvjax.train.config import Config, from_dict
 CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"
 DAMAGED_DIR = "checkpoints_damaged"  # steps moved aside on evidence of damage (never deleted)
+DATA_FILE = "data.json"  # the sha256 of the text a run trains on, to notice a corpus replaced under the same path
 REPLACED_PREFIX = "replaced-"  # a run --overwrite replaces, kept until the new run's first checkpoint
 IMPORTED_STEP = 0  # ``params/0``: an imported model (training exports params at steps >= 1 only)
 
@@ -361,7 +363,7 @@ def set_aside(workdir, keep_imported: bool) -> epath.Path | None:
     stays where it is (the new run starts from it). Returns the folder, or None when there was nothing to move.
     The caller deletes it once the new run has committed its first checkpoint (:func:`drop_aside`)."""
     workdir = path(workdir)
-    names = ("checkpoints", DAMAGED_DIR, "tensorboard", METRICS_FILE, CONFIG_FILE)
+    names = ("checkpoints", DAMAGED_DIR, "tensorboard", METRICS_FILE, CONFIG_FILE, DATA_FILE)
     moving = [workdir / n for n in names if (workdir / n).exists()]
     params = workdir / "params"
     kept = {str(IMPORTED_STEP)} if keep_imported else set()
@@ -382,3 +384,31 @@ def drop_aside(aside: epath.Path) -> None:
     """Deletes a replaced run (:func:`set_aside`) once the run replacing it has a committed checkpoint."""
     if aside.exists():
         aside.rmtree()
+
+
+def splits_digest(splits: dict) -> str:
+    """sha256 of a dataset's splits (train, validation, test bytes in that order, each with its length)."""
+    h = hashlib.sha256()
+    for name in ("train", "validation", "test"):
+        data = bytes(memoryview(splits[name]))
+        h.update(f"{name}:{len(data)}:".encode())
+        h.update(data)
+    return h.hexdigest()
+
+
+def check_data(workdir, digest: str, source: str | None, record: bool) -> str | None:
+    """Compares the text's ``digest`` with the one the run recorded in ``data.json``; returns a warning naming
+    both when the corpus changed (the caller says it), else None. ``record`` writes it where none is recorded
+    (a training start); evaluation only compares."""
+    file = path(workdir) / DATA_FILE
+    if file.exists():
+        old = json.loads(file.read_text())
+        if old.get("sha256") != digest:
+            return (
+                f"warning: the text at {source or old.get('source')} is not the one this run recorded "
+                f"(sha256 {str(old.get('sha256'))[:16]}... then, {digest[:16]}... now): it was replaced or "
+                "edited; the numbers below are on the new text"
+            )
+    elif record:
+        write_text(file, json.dumps({"source": source, "sha256": digest}, indent=2) + "\n")
+    return None

@@ -56,6 +56,33 @@ def check_tree(params: dict, config) -> None:
             raise ValueError(f"parameter {name}: the checkpoint gives {got.get(name)}, the model has {want.get(name)}")
 
 
+MAX_CONTEXT = 1 << 20  # positions a model may be imported with (a decode cache is (B, K, max_len, H) per layer)
+
+
+def expected_params(config) -> int:
+    """The parameter count the config describes: no tensor of the folder may hold more values than that."""
+    from qkvjax.models.encoder import parameter_count
+
+    return parameter_count(config)
+
+
+def check_runnable(config) -> None:
+    """Sizes that cannot run here are refused at import, naming the number and the limit: a context beyond
+    MAX_CONTEXT (a rotary model takes ``--max-len`` to import at a shorter one), or parameters that do not fit in
+    this machine's memory as float32."""
+    if config.max_len > MAX_CONTEXT:
+        raise ValueError(
+            f"max_len={config.max_len:,} positions; allowed: at most {MAX_CONTEXT:,} (import a rotary model at a "
+            "shorter context with --max-len N)"
+        )
+    need, have = 4 * expected_params(config), os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if need > have:
+        raise ValueError(
+            f"the config describes {need // 4:,} parameters ({need / 2**30:,.1f} GiB as float32); this machine has "
+            f"{have / 2**30:,.1f} GiB of memory"
+        )
+
+
 def load_pretrained(folder: str, max_len: int | None = None):
     """(config, params) of a Hugging Face model folder: a ``ModelConfig`` (GPT-2, Llama, Mistral, Qwen2) or an
     ``EncoderConfig`` (BERT, ``num_classes=0``), and float32 numpy parameters in the module's tree. ``max_len``
@@ -63,7 +90,8 @@ def load_pretrained(folder: str, max_len: int | None = None):
     hf = read_config(folder)
     layout = layout_of(hf)
     config = layout.config(hf, max_len)
-    raw = read_tensors(folder)
+    check_runnable(config)
+    raw = read_tensors(folder, max_elements=expected_params(config))
     prefix = next((p for p in layout.prefixes if any(k.startswith(p) for k in raw)), "")
     tensors = Tensors(raw, prefix)
     params = layout.params(tensors, config)

@@ -10,7 +10,9 @@ rather than half-loaded.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
 
 import numpy as np
@@ -91,16 +93,49 @@ def weight_files(folder: str) -> list[str]:
     raise ValueError(f"{folder} has no {WEIGHTS} or {INDEX}{hint}")
 
 
-def read_tensors(folder: str) -> dict[str, np.ndarray]:
-    """Every tensor of the folder's weights, as float32 numpy arrays."""
+@dataclasses.dataclass(frozen=True)
+class Stored:
+    """One tensor as the file's header describes it; its data is read only when a layout takes it."""
+
+    file: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+
+def read_tensors(folder: str, max_elements: int | None = None) -> dict[str, Stored]:
+    """Every tensor of the folder's weights, from the files' headers alone (no tensor data is read here): a
+    malformed header, or a tensor of more than ``max_elements`` values (the model's whole parameter count: no
+    real tensor is larger), is refused in one line before anything is read."""
     from safetensors import safe_open
 
     out = {}
     for file in weight_files(folder):
-        with safe_open(file, framework="flax") as f:  # the flax reader decodes bfloat16; numpy's cannot
-            for name in f.keys():
-                out[name] = np.asarray(f.get_tensor(name), dtype=np.float32)
+        try:
+            with safe_open(file, framework="numpy") as f:
+                for name in f.keys():
+                    view = f.get_slice(name)
+                    out[name] = Stored(file, tuple(int(x) for x in view.get_shape()), str(view.get_dtype()))
+        except Exception as e:  # safetensors' own errors: a header that does not parse, offsets past the end
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise ValueError(f"{file} is not a readable safetensors file: {first}") from None
+    for name, t in out.items():
+        if max_elements is not None and t.size > max_elements:
+            raise ValueError(
+                f"tensor {name!r} in {t.file} has shape {t.shape} ({t.size:,} values), more than the whole model "
+                f"its config describes ({max_elements:,} parameters); nothing was read"
+            )
     return out
+
+
+def _load(name: str, stored: Stored) -> np.ndarray:
+    from safetensors import safe_open
+
+    with safe_open(stored.file, framework="flax") as f:  # the flax reader decodes bfloat16; numpy's cannot
+        return np.asarray(f.get_tensor(name), dtype=np.float32)
 
 
 class Tensors:
@@ -121,10 +156,10 @@ class Tensors:
         if key not in self._tensors:
             raise ValueError(f"the checkpoint has no tensor {key!r}, which this layout needs")
         value = self._tensors[key]
-        if shape is not None and value.shape != tuple(shape):
-            raise ValueError(f"tensor {key!r} has shape {value.shape}; the config says {tuple(shape)}")
+        if shape is not None and tuple(value.shape) != tuple(shape):  # from the header, before reading
+            raise ValueError(f"tensor {key!r} has shape {tuple(value.shape)}; the config says {tuple(shape)}")
         self._taken.add(key)
-        return value
+        return _load(key, value) if isinstance(value, Stored) else value
 
     def check_all_taken(self, ignore: tuple[str, ...] = ()) -> None:
         """Raises if a tensor was not taken, other than those containing one of ``ignore``."""

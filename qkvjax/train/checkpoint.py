@@ -47,6 +47,20 @@ class CheckpointReadError(CheckpointError):
     and the cause, and rerunning once the cause is gone restores it."""
 
 
+class CheckpointVanishedError(CheckpointReadError):
+    """The step's folder went away while it was being read: a training run rotated it out (``max_to_keep``) or
+    replaced the run. No evidence of damage; a reader picks the newest step again."""
+
+
+def _vanished(where: epath.Path, step: int) -> CheckpointVanishedError | None:
+    if (where / str(step)).exists():
+        return None
+    return CheckpointVanishedError(
+        f"checkpoint step {step} in {where} went away while it was read (a training run rotates old steps out); "
+        "it was not damaged"
+    )
+
+
 def quarantine(mngr: ocp.CheckpointManager, step: int) -> str:
     """Moves a damaged step out of the checkpoints folder (never deletes it) and returns where it went."""
     where = epath.Path(mngr.directory)
@@ -292,11 +306,17 @@ def check_intact(where: epath.Path, step: int) -> None:
     try:
         damaged = damaged_files(where / str(step))
     except (OSError, MemoryError) as e:
+        gone = _vanished(where, step)
+        if gone is not None:
+            raise gone from e
         raise CheckpointReadError(
             f"checkpoint step {step} in {where} could not be checked ({_short(e)}); nothing was moved: rerun once "
             "the cause is fixed"
         ) from e
     if damaged:
+        gone = _vanished(where, step)
+        if gone is not None:
+            raise gone
         raise CorruptCheckpointError(
             f"checkpoint step {step} in {where} is corrupted: "
             + "; ".join(damaged[:8])
@@ -327,6 +347,9 @@ def is_damage(e: BaseException) -> bool:
 def _read_failure(e: BaseException, where: epath.Path, step: int, what: str) -> CheckpointError:
     """The error to raise for a failed read of ``what``: damage only when the step has no inventory vouching for
     its bytes and the failure itself shows damage; anything else moves nothing."""
+    gone = _vanished(where, step)
+    if gone is not None:  # a missing file is damage only while its step is still there
+        return gone
     vouched = (where / str(step) / INVENTORY).exists()  # check_intact passed: every byte is as written
     if not vouched and is_damage(e):
         return CorruptCheckpointError(
@@ -352,6 +375,9 @@ def restore(mngr: ocp.CheckpointManager, step: int, target_state):
     except Exception as e:
         raise _read_failure(e, where, step, "its metadata") from e
     if metadata is None or not (step_dir / "state" / "_METADATA").exists():
+        gone = _vanished(where, step)
+        if gone is not None:
+            raise gone
         raise CorruptCheckpointError(
             f"checkpoint step {step} in {where} is corrupted: the state's metadata file state/_METADATA is missing"
         )

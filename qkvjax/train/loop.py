@@ -40,6 +40,7 @@ from qkvjax.workdir import (  # noqa: F401
     CONFIG_FILE,
     METRICS_FILE,
     WorkdirLock,
+    check_data,
     drop_aside,
     export_params,
     exported_steps,
@@ -49,6 +50,7 @@ from qkvjax.workdir import (  # noqa: F401
     metric_lines,
     restore_exported,
     set_aside,
+    splits_digest,
     write_text,
 )
 from qkvjax.workdir import path as workdir_path
@@ -273,6 +275,7 @@ def _train(config: Config, workdir: epath.Path, overwrite: bool, lock: WorkdirLo
             load_splits(config.data.dataset, config.data.source_path, data_dir)
         multihost_utils.sync_global_devices("qkvjax: dataset prepared")
     splits = load_splits(config.data.dataset, config.data.source_path, data_dir)
+    digest = splits_digest(splits)
     tokenizer = load_tokenizer(config.data.tokenizer, workdir)
     if config.data.tokenizer is not None:  # byte-level text is checked against the vocabulary by check_splits
         check_vocab(tokenizer, config.model.vocab_size)
@@ -325,6 +328,9 @@ def _train(config: Config, workdir: epath.Path, overwrite: bool, lock: WorkdirLo
             _say(f"starting from the params in {workdir / 'params' / str(exported[-1])}")
     if jax.process_index() == 0:
         write_text(workdir / CONFIG_FILE, to_json(config))
+        changed = check_data(workdir, digest, config.data.source_path, record=True)
+        if changed:
+            _say(changed)
 
     step_fn = make_train_step(model, tx, tc.grad_accum_steps, axis_name="data" if par.mesh is None else None)
     eval_fn = make_eval_step(model)

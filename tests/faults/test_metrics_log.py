@@ -35,3 +35,18 @@ def test_a_cut_last_line_is_skipped_and_damage_before_it_is_named(tmp_path, smal
     err = capsys.readouterr().err
     assert f"{damaged / 'metrics.jsonl'} line 2 is damaged" in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1, err
+
+
+def test_a_corpus_replaced_under_the_same_path_is_said(tmp_path, data_dir, capsys):
+    from tests.helpers import write_varied_text
+
+    text = write_varied_text(tmp_path / "text.txt")
+    w = tmp_path / "w"
+    assert run_in_process(train_args(w, text, data_dir, **{**SETTINGS, "train.num_steps": 2})) == 0
+    assert (w / "data.json").exists() and "changed" not in capsys.readouterr().out
+    write_varied_text(tmp_path / "text.txt", lines=310)  # replaced under the same path
+    assert run_in_process(["eval", "--workdir", str(w)]) == 0
+    assert "is not the one this run recorded" in capsys.readouterr().err
+    assert run_in_process(train_args(w, text, data_dir, **SETTINGS)) == 0  # resumes, and says so
+    out = capsys.readouterr().out
+    assert "resumed from checkpoint step 2" in out and "is not the one this run recorded" in out

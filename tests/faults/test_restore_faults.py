@@ -204,3 +204,25 @@ def test_a_resume_is_bit_exact_at_xla_default_optimisation_level(tmp_path, small
     assert first.keys() == again.keys()
     for name in first:
         np.testing.assert_array_equal(first[name], again[name], err_msg=name)
+
+
+def test_a_step_rotated_away_while_a_reader_restores_it_is_not_called_corrupted(run, monkeypatch, capsys):
+    """A trainer with max_to_keep deletes old steps as it saves: a reader (eval, convert, sample) that listed a
+    step which then went away says so, reads the newest step again, and moves nothing."""
+    from qkvjax.evaluate import restore_params
+
+    original = ocp.CheckpointManager.restore
+    gone = []
+
+    def restore(self, step, *args, **kwargs):
+        if step == 4 and not gone:  # the trainer rotates step 4 out between the listing and the read
+            gone.append(step)
+            shutil.rmtree(run / "checkpoints" / "4")
+        return original(self, step, *args, **kwargs)
+
+    monkeypatch.setattr(ocp.CheckpointManager, "restore", restore)
+    _, _, _, step = restore_params(str(run))
+    err = capsys.readouterr().err
+    assert step == 2 and gone == [4]
+    assert "went away while it was read" in err and "corrupt" not in err, err
+    assert not (run / "checkpoints_damaged").exists() and sorted(os.listdir(run / "checkpoints")) == ["2"]

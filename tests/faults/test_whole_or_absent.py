@@ -138,3 +138,59 @@ def test_shard_paths_may_not_leave_the_folder(gpt2, tmp_path, capsys):
     (folder / "model.safetensors").symlink_to(outside / "model.safetensors")
     assert run_in_process(["import", str(folder), "--workdir", str(tmp_path / "b")]) != 0
     assert "outside" in capsys.readouterr().err
+
+
+def _sparse_safetensors(file, name: str, values: int) -> None:
+    """A valid safetensors file holding one float32 tensor of ``values`` values, sparse on disk (a few KiB)."""
+    header = json.dumps({name: {"dtype": "F32", "shape": [values], "data_offsets": [0, 4 * values]}}).encode()
+    header += b" " * (-len(header) % 8)
+    with open(file, "wb") as f:
+        f.write(len(header).to_bytes(8, "little") + header)
+        f.truncate(8 + len(header) + 4 * values)
+
+
+def test_an_extra_giant_tensor_is_refused_from_the_header_without_reading_it(gpt2, tmp_path):
+    import resource
+
+    folder = _copy(gpt2, tmp_path)
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "model.safetensors"), framework="numpy") as f:
+        names = list(f.keys())
+    _sparse_safetensors(folder / "extra.safetensors", "extra.weight", 3 << 30)  # 12 GiB, sparse
+    weight_map = {n: "model.safetensors" for n in names} | {"extra.weight": "extra.safetensors"}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    command = [sys.executable, "-m", "qkvjax.cli", "import", str(folder), "--workdir", str(tmp_path / "w")]
+    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "'extra.weight'" in proc.stderr and "more than the whole model" in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    peak_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    assert peak_kib < max(before, 2 << 20), peak_kib  # under 2 GiB: the 12 GiB were never read
+    assert not (tmp_path / "w").exists()
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda f: _edit_config(f, n_positions=10**9), "max_len=1,000,000,000 positions; allowed: at most 1,048,576"),
+        (lambda f: (f / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json!}"),
+         "is not a readable safetensors file"),
+        (lambda f: (f / "model.safetensors").write_bytes(b"\xff" * 8 + b"{}"), "is not a readable safetensors file"),
+    ],
+)  # fmt: skip
+def test_unrunnable_sizes_and_malformed_headers_are_refused_in_one_line(gpt2, tmp_path, capsys, edit, message):
+    folder = _copy(gpt2, tmp_path)
+    edit(folder)
+    assert run_in_process(["import", str(folder), "--workdir", str(tmp_path / "w")]) != 0
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "w").exists()
+
+
+def _edit_config(folder, **fields) -> None:
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | fields))
