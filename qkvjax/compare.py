@@ -10,7 +10,7 @@ import os
 import statistics
 
 from qkvjax.models.lm import kv_cache_bytes_per_token, param_count
-from qkvjax.workdir import learning_curve, load_config, path, read_metrics
+from qkvjax.workdir import learning_curve, path, read_metrics, run_config
 
 COLUMNS = (
     ("run", "run", "{}"),
@@ -30,7 +30,7 @@ COLUMNS = (
 
 def summarize(workdir: str) -> dict:
     """One run's row: what it is (from its config) and how far it got (from its metrics)."""
-    config = load_config(workdir)
+    config = run_config(workdir)  # the checkpoint's, as info and sample read it
     m = config.model
     train, evals = read_metrics(workdir)
     tokens_per_step = config.train.batch_size * config.seq_len

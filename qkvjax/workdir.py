@@ -119,6 +119,30 @@ def load_config(workdir) -> Config:
     return from_dict(Config, json.loads(file.read_text()))
 
 
+def run_config(workdir) -> Config:
+    """The Config the run's newest committed checkpoint was saved with (what ``info``, ``eval`` and ``sample``
+    restore), read from its JSON without restoring anything; ``config.json`` where there is no checkpoint. A
+    ``config.json`` edited by hand so that it disagrees is named in a warning and not used."""
+    folder = path(workdir) / "checkpoints"
+    steps = sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit()) if folder.is_dir() else []
+    for step in reversed(steps):
+        saved = folder / str(step) / "config" / "metadata"  # orbax's JsonSave of the config, committed with the step
+        try:
+            config = from_dict(Config, json.loads(saved.read_text()))
+        except (OSError, ValueError, TypeError, KeyError):
+            continue  # damaged or in flight: the step before it
+        file = path(workdir) / CONFIG_FILE
+        if file.exists():
+            with contextlib.suppress(ValueError, TypeError, KeyError):
+                if from_dict(Config, json.loads(file.read_text())) != config:
+                    print(
+                        f"warning: {file} differs from the config saved with checkpoint step {step}; using the "
+                        "checkpoint's, as info, eval and sample do"
+                    )
+        return config
+    return load_config(workdir)
+
+
 def read_metrics(workdir) -> tuple[list[dict], list[dict]]:
     """(training records, evaluation records) from ``metrics.jsonl``, in the order written; ([], []) if absent."""
     train, evals = [], []

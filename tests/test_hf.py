@@ -454,3 +454,92 @@ def test_an_imported_bert_workdir_is_read_converted_and_exported_and_refused_whe
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1, err
     assert not (tmp_path / "c").exists() and not (tmp_path / "g").exists() and not (tmp_path / "m").exists()
+
+
+CONFIG_CLASSES = {"gpt2": "GPT2Config", "llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config",
+                  "bert": "BertConfig"}  # fmt: skip
+
+
+@pytest.mark.parametrize("model_type", sorted(CONFIG_CLASSES))
+def test_every_field_transformers_writes_is_read_or_known_to_be_inert(model_type):
+    from qkvjax.hf.layouts import INERT, LAYOUTS, MODEL_TYPES
+
+    layout = LAYOUTS[MODEL_TYPES[model_type]]
+    fields = getattr(transformers, CONFIG_CLASSES[model_type])().to_dict()
+    unknown = sorted(k for k in fields if k not in layout.read | layout.inert | INERT)
+    assert unknown == [], f"{model_type}: fields neither honoured nor known to be inert: {unknown}"
+    assert not layout.read & (layout.inert | INERT)
+
+
+def _with(name: str, **fields):
+    """One of the reference models (``_models``) with config fields changed, every parameter perturbed."""
+    make = {"gpt2": (transformers.GPT2Config, transformers.GPT2LMHeadModel,
+                     dict(n_embd=15, n_layer=2, n_head=3, n_positions=17, vocab_size=V, bos_token_id=0,
+                          eos_token_id=0)),
+            "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM,
+                      dict(hidden_size=21, num_hidden_layers=2, num_attention_heads=3, num_key_value_heads=1,
+                           head_dim=6, intermediate_size=11, vocab_size=V, max_position_embeddings=17,
+                           bos_token_id=0, eos_token_id=0)),
+            "bert": (transformers.BertConfig, transformers.BertModel,
+                     dict(hidden_size=15, num_hidden_layers=2, num_attention_heads=3, intermediate_size=11,
+                          vocab_size=V, max_position_embeddings=17, pad_token_id=0))}[name]  # fmt: skip
+    config_cls, model_cls, base = make
+    torch.manual_seed(1)
+    model = model_cls(config_cls(**(base | fields))).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.2 * torch.randn_like(p))
+    return model
+
+
+@pytest.mark.parametrize(
+    ("name", "fields"),
+    [
+        ("gpt2", {"layer_norm_epsilon": 0.3}),
+        ("gpt2", {"n_inner": 7}),
+        ("gpt2", {"activation_function": "relu"}),
+        ("gpt2", {"tie_word_embeddings": False}),
+        ("llama", {"rms_norm_eps": 0.3}),
+        ("llama", {"attention_bias": True}),
+        ("llama", {"mlp_bias": True}),
+        ("llama", {"head_dim": 4}),
+        ("llama", {"rope_parameters": {"rope_type": "default", "rope_theta": 37.0}}),
+        ("llama", {"tie_word_embeddings": True}),
+        ("llama", {"hidden_act": "silu", "num_key_value_heads": 3}),
+        ("bert", {"layer_norm_eps": 0.3}),
+        ("bert", {"hidden_act": "relu"}),
+        ("bert", {"type_vocab_size": 3}),
+    ],
+)  # fmt: skip
+def test_each_honoured_field_changes_the_import_as_it_changes_transformers(name, fields, tmp_path):
+    model = _with(name, **fields)
+    model.save_pretrained(tmp_path)
+    config, params = load_pretrained(str(tmp_path))
+    encoder = name == "bert"
+    ids, mask = _batch()
+    kwargs = {"mask": jnp.asarray(mask)} if encoder else {}
+    _close(
+        model_of(config).apply({"params": params}, jnp.asarray(ids), **kwargs),
+        _reference(model, ids, mask, encoder),
+        mask,
+    )
+
+
+@pytest.mark.parametrize(
+    ("name", "fields", "message"),
+    [
+        ("gpt2", {"scale_attn_weights": False}, "scale_attn_weights=False"),
+        ("gpt2", {"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx=True"),
+        ("gpt2", {"add_cross_attention": True}, "add_cross_attention=True"),
+        ("gpt2", {"an_unknown_field": 3}, "field(s) the gpt2 layout does not know (an_unknown_field=3)"),
+        ("llama", {"layer_types": ["full_attention", "sliding_attention"]}, "layer_types holds"),
+        ("bert", {"is_decoder": True}, "is_decoder=True"),
+    ],
+)
+def test_fields_that_change_the_function_and_cannot_be_honoured_are_refused(name, fields, message, tmp_path):
+    model = _with(name)
+    model.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(config | fields))
+    with pytest.raises(ValueError, match="^[^\n]*" + __import__("re").escape(message)):
+        load_pretrained(str(tmp_path))

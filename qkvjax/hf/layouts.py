@@ -50,6 +50,7 @@ def _heads(w: np.ndarray, heads: int) -> np.ndarray:
 
 def gpt2_config(hf: dict, max_len: int | None = None) -> ModelConfig:
     _refuse(hf, "scale_attn_by_inverse_layer_idx", (False,), "scores scaled by 1 / layer index are not modelled")
+    _refuse(hf, "scale_attn_weights", (True,), "scores without the 1 / sqrt(head width) scale are not modelled")
     _refuse(hf, "activation_function", tuple(GPT2_ACTIVATIONS), "an MLP activation qkvjax does not have")
     d, n = hf["n_embd"], hf["n_head"]
     _fixed_table(max_len, hf["n_positions"], "GPT-2")
@@ -127,6 +128,12 @@ def llama_config(hf: dict, max_len: int | None = None) -> ModelConfig:
             f"config.json sliding_window={hf['sliding_window']}: qkvjax attends over the whole context; "
             "allowed: null (or use_sliding_window=false)"
         )
+    kinds = sorted(set(hf.get("layer_types") or ["full_attention"]))
+    if kinds != ["full_attention"]:
+        raise ValueError(
+            f"config.json layer_types holds {kinds}: qkvjax attends over the whole context in every layer; "
+            "allowed: full_attention only"
+        )
     d, n = hf["hidden_size"], hf["num_attention_heads"]
     k = hf.get("num_key_value_heads") or n
     biases = LLAMA_BIASES[model_type] or (hf.get("attention_bias", False),) * 2
@@ -192,6 +199,7 @@ def llama_params(t: Tensors, cfg: ModelConfig) -> dict:
 
 def bert_config(hf: dict, max_len: int | None = None) -> EncoderConfig:
     _refuse(hf, "position_embedding_type", ("absolute",), "relative position embeddings are not modelled")
+    _refuse(hf, "is_decoder", (False,), "a causal BERT is not modelled (the encoder attends both ways)")
     _refuse(hf, "hidden_act", tuple(BERT_ACTIVATIONS), "an MLP activation qkvjax does not have")
     d, n = hf["hidden_size"], hf["num_attention_heads"]
     _fixed_table(max_len, hf["max_position_embeddings"], "BERT")
@@ -250,21 +258,93 @@ def bert_params(t: Tensors, cfg: EncoderConfig) -> dict:
     return params
 
 
+# ------------------------------------------------------------------------------------- the field audit
+# Every config.json field is one of: read by the layout (honoured, or refused where its value cannot be
+# expressed), or inert (it does not change the function the model computes at inference: dropout, ids, caching,
+# bookkeeping, heads qkvjax does not import). Any other field is refused in one line: an import computes the
+# function the original computes, or does not happen. tests/test_hf.py checks that every field transformers'
+# config classes write is classified, and each honoured field against transformers with a non-default value.
+INERT = frozenset({
+    "_name_or_path", "architectures", "dtype", "torch_dtype", "transformers_version", "model_type",
+    "id2label", "label2id", "problem_type", "return_dict", "output_attentions", "output_hidden_states",
+    "bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id", "decoder_start_token_id", "use_cache",
+    "initializer_range", "chunk_size_feed_forward", "task_specific_params", "tokenizer_class", "prefix",
+    "gradient_checkpointing", "_attn_implementation", "attn_implementation", "use_return_dict",
+    "tie_encoder_decoder", "torchscript", "finetuning_task", "num_labels",
+})  # fmt: skip
+GPT2_READ = frozenset({
+    "activation_function", "layer_norm_epsilon", "n_embd", "n_head", "n_inner", "n_layer", "n_positions",
+    "vocab_size", "tie_word_embeddings", "scale_attn_by_inverse_layer_idx", "scale_attn_weights",
+    "add_cross_attention", "is_encoder_decoder",
+})  # fmt: skip
+GPT2_INERT = frozenset({
+    "attn_pdrop", "embd_pdrop", "resid_pdrop", "summary_activation", "summary_first_dropout",
+    "summary_proj_to_labels", "summary_type", "summary_use_proj", "n_ctx",
+    "reorder_and_upcast_attn",  # float32 scores and softmax in transformers; qkvjax takes the softmax in float32
+})  # fmt: skip
+LLAMA_READ = frozenset({
+    "attention_bias", "head_dim", "hidden_act", "hidden_size", "intermediate_size", "max_position_embeddings",
+    "mlp_bias", "num_attention_heads", "num_hidden_layers", "num_key_value_heads", "rms_norm_eps",
+    "rope_parameters", "rope_scaling", "rope_theta", "tie_word_embeddings", "vocab_size", "sliding_window",
+    "use_sliding_window", "layer_types", "is_encoder_decoder",
+})  # fmt: skip
+LLAMA_INERT = frozenset({
+    "attention_dropout", "max_window_layers",  # max_window_layers only acts with use_sliding_window (refused)
+    "pretraining_tp",  # splits the same products into slices in transformers 4; the same function
+})  # fmt: skip
+BERT_READ = frozenset({
+    "hidden_act", "hidden_size", "intermediate_size", "layer_norm_eps", "max_position_embeddings",
+    "num_attention_heads", "num_hidden_layers", "position_embedding_type", "type_vocab_size", "vocab_size",
+    "is_decoder", "add_cross_attention", "is_encoder_decoder",
+})  # fmt: skip
+BERT_INERT = frozenset({
+    "attention_probs_dropout_prob", "hidden_dropout_prob", "classifier_dropout",
+    "tie_word_embeddings",  # ties the masked-LM head, which is not imported
+})  # fmt: skip
+
+
+def _checks_common(hf: dict) -> None:
+    _refuse(hf, "is_encoder_decoder", (False,), "encoder-decoder models are not modelled")
+    _refuse(hf, "add_cross_attention", (False,), "cross-attention to an encoder is not modelled")
+
+
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """One Hugging Face layout: its config and tensor translations, the name prefixes its checkpoints use, and
-    tensors it may carry that qkvjax does not need (BERT's pooler, GPT-2's causal-mask buffers)."""
+    """One Hugging Face layout: its config and tensor translations, the name prefixes its checkpoints use,
+    tensors it may carry that qkvjax does not need (BERT's pooler, GPT-2's causal-mask buffers), and the
+    config.json fields it reads and those that do not change the function (:meth:`audit`)."""
 
     name: str
-    config: object
+    translate: object
     params: object
     prefixes: tuple[str, ...]
     ignore: tuple[str, ...] = ()
+    read: frozenset = frozenset()
+    inert: frozenset = frozenset()
+
+    def audit(self, hf: dict) -> None:
+        """Refuses, in one line, config.json fields this layout neither reads nor knows to be inert."""
+        unknown = sorted(k for k in hf if k not in self.read and k not in self.inert and k not in INERT)
+        if unknown:
+            shown = ", ".join(f"{k}={hf[k]!r}" for k in unknown[:4]) + (" ..." if len(unknown) > 4 else "")
+            raise ValueError(
+                f"config.json has {len(unknown)} field(s) the {self.name} layout does not know ({shown}): each might "
+                "change what the model computes, so nothing was imported; allowed: the fields listed in "
+                "qkvjax/hf/layouts.py"
+            )
+
+    def config(self, hf: dict, max_len: int | None = None):
+        """The qkvjax config of ``hf`` after the audit: every field honoured, or the import refused."""
+        self.audit(hf)
+        _checks_common(hf)
+        return self.translate(hf, max_len)
 
 
 LAYOUTS = {
-    "gpt2": Layout("gpt2", gpt2_config, gpt2_params, ("transformer.", ""), (".attn.bias", ".attn.masked_bias")),
-    "llama": Layout("llama", llama_config, llama_params, ("model.", "")),
-    "bert": Layout("bert", bert_config, bert_params, ("bert.", ""), ("pooler.", "position_ids", "cls.")),
-}
+    "gpt2": Layout("gpt2", gpt2_config, gpt2_params, ("transformer.", ""), (".attn.bias", ".attn.masked_bias"),
+                   GPT2_READ, GPT2_INERT),
+    "llama": Layout("llama", llama_config, llama_params, ("model.", ""), (), LLAMA_READ, LLAMA_INERT),
+    "bert": Layout("bert", bert_config, bert_params, ("bert.", ""), ("pooler.", "position_ids", "cls."),
+                   BERT_READ, BERT_INERT),
+}  # fmt: skip
 MODEL_TYPES = {"gpt2": "gpt2", "llama": "llama", "mistral": "llama", "qwen2": "llama", "bert": "bert"}

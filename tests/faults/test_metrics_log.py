@@ -50,3 +50,19 @@ def test_a_corpus_replaced_under_the_same_path_is_said(tmp_path, data_dir, capsy
     assert run_in_process(train_args(w, text, data_dir, **SETTINGS)) == 0  # resumes, and says so
     out = capsys.readouterr().out
     assert "resumed from checkpoint step 2" in out and "is not the one this run recorded" in out
+
+
+def test_compare_reads_the_checkpoints_config_not_a_hand_edited_config_json(tmp_path, small_text, data_dir, capsys):
+    import json
+
+    w = tmp_path / "w"
+    assert run_in_process(train_args(w, small_text, data_dir, **{**SETTINGS, "train.num_steps": 2})) == 0
+    config = json.loads((w / "config.json").read_text())
+    config["model"]["attention"]["scheme"] = "shared_kv"  # edited by hand after the run
+    (w / "config.json").write_text(json.dumps(config))
+    capsys.readouterr()
+    assert run_in_process(["compare", str(w), str(w)]) == 0
+    out = capsys.readouterr().out
+    assert "differs from the config saved with checkpoint step 2" in out
+    assert "shared_kv" not in out.split("warning")[-1].split("\n", 1)[1]  # the table names the trained scheme
+    assert "separate" in out
