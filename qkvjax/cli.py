@@ -112,6 +112,14 @@ def _sample(args: argparse.Namespace) -> int:
     model, params, config, step = restore_params(args.workdir, args.step)
     top_k = None if args.top_k == 0 else args.top_k
     check_request(model, prompts, args.num_tokens, args.temperature, top_k)  # before the prompt is echoed
+    limit = None
+    if saved.data.tokenizer is None and config.model.vocab_size > 256:  # decided before the first token is shown
+        limit = 256
+        print(
+            f"note: the model has {config.model.vocab_size} tokens and no tokenizer.json, so its text is bytes: only "
+            "ids 0-255 are drawn",
+            file=sys.stderr,
+        )
     stream = len(prompts) == 1
     streamer = tokenizer.streamer(lambda s: (sys.stdout.write(s), sys.stdout.flush()), prompts[0])
     if stream:
@@ -125,6 +133,7 @@ def _sample(args: argparse.Namespace) -> int:
         top_k=top_k,
         seed=args.seed,
         on_token=streamer if stream else None,
+        vocab_limit=limit,
     )
     if stream:
         streamer.flush()

@@ -377,6 +377,7 @@ def convert_workdir(
     data position), so ``qkvjax eval`` / ``sample`` / ``train`` (to uptrain) all work on it. ``errors``: as in
     :func:`convert`."""
     from qkvjax.evaluate import restore_params
+    from qkvjax.hf import SPECIAL_IDS_FILE
     from qkvjax.hf.folder import TOKENIZER
     from qkvjax.train import checkpoint
     from qkvjax.train.config import to_dict, to_json
@@ -391,7 +392,6 @@ def convert_workdir(
     _, params, config, step = restore_params(workdir, step)
     model_cfg, new_params = convert(config.model, params, to, num_kv_heads, rank, errors, cross_layer, rope_dim)
     config = dataclasses.replace(config, model=model_cfg)
-    tokenizer = path(workdir) / TOKENIZER
     data_state = None
     if not params_only(workdir):
         mngr_in = checkpoint.manager(workdir, read_only=True)
@@ -399,8 +399,9 @@ def convert_workdir(
         mngr_in.close()
     # Written whole into a sibling and renamed into place last: a kill leaves --out absent, never half-written.
     with whole_or_absent(out, "files") as staging:
-        if tokenizer.exists():  # an imported model's: data.tokenizer names it relative to the workdir
-            (staging / TOKENIZER).write_bytes(tokenizer.read_bytes())
+        for name in (TOKENIZER, SPECIAL_IDS_FILE):  # an imported model's tokenizer and special token ids
+            if (path(workdir) / name).exists():
+                (staging / name).write_bytes((path(workdir) / name).read_bytes())
         if data_state is None:  # an imported model: params only out too
             export_params(staging, step, new_params)
         else:

@@ -26,8 +26,13 @@ def encode(text: str, tokenizer=None) -> np.ndarray:
     return tokens
 
 
-def pick(logits: jax.Array, key: jax.Array, temperature: float, top_k: int | None) -> jax.Array:
-    """Greedy when ``temperature`` is 0, else a sample from softmax(logits / temperature) over the top k."""
+def pick(
+    logits: jax.Array, key: jax.Array, temperature: float, top_k: int | None, limit: int | None = None
+) -> jax.Array:
+    """Greedy when ``temperature`` is 0, else a sample from softmax(logits / temperature) over the top k; with
+    ``limit``, only ids below it are ever drawn (a byte-level model whose table is wider than 256)."""
+    if limit is not None and limit < logits.shape[-1]:
+        logits = jnp.where(jnp.arange(logits.shape[-1]) < limit, logits, -jnp.inf)
     if temperature == 0.0:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     logits = logits / temperature
@@ -71,6 +76,7 @@ def generate_batch(
     top_k: int | None = 40,
     seed: int = 0,
     on_token: Callable[[int], None] | None = None,
+    vocab_limit: int | None = None,
 ) -> tuple[np.ndarray, dict]:
     """Continues each prompt (1-D int tokens, lengths may differ) by ``num_tokens``, all rows in one batch.
 
@@ -78,7 +84,8 @@ def generate_batch(
     (:class:`~qkvjax.models.lm.DecodeCache` keeps a length per row), so a row decodes as it would alone. With
     ``on_token`` (one prompt only) every token is streamed as it is made, one jitted call per token; otherwise
     all tokens are made on the device in one call (``lax.scan``), with no host round trip per token.
-    Returns the new tokens (B, num_tokens) and timing statistics.
+    ``vocab_limit``: only ids below it are drawn (text that is bytes needs ids < 256). Returns the new tokens
+    (B, num_tokens) and timing statistics.
     """
     prompts = [np.asarray(p, np.int32) for p in prompts]
     check_request(model, prompts, num_tokens, temperature, top_k)
@@ -94,11 +101,11 @@ def generate_batch(
     def prefill(params, cache, tokens, lengths, key):
         logits, cache = model.apply({"params": params}, tokens, cache=cache, num_valid=lengths)
         last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # each row's last prompt token
-        return pick(last, key, temperature, top_k), cache
+        return pick(last, key, temperature, top_k, vocab_limit), cache
 
     def one(params, cache, token, key):
         logits, cache = model.apply({"params": params}, token[:, None], cache=cache)
-        return pick(logits[:, -1], key, temperature, top_k), cache
+        return pick(logits[:, -1], key, temperature, top_k, vocab_limit), cache
 
     step = jax.jit(one, donate_argnums=1)
 

@@ -196,6 +196,8 @@ def test_import_then_export_loads_in_transformers_with_the_same_logits(folders, 
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     tokens, mask = _batch()
     _close(_reference(back, tokens, mask, False), _reference(ref_model, tokens, mask, False), mask)
+    for key in ("bos_token_id", "eos_token_id"):  # generate() stops where the original did
+        assert getattr(back.config, key) == getattr(ref_model.config, key) is not None, key
 
 
 def _perturbed(config, seed=3):
@@ -543,3 +545,24 @@ def test_fields_that_change_the_function_and_cannot_be_honoured_are_refused(name
     (tmp_path / "config.json").write_text(json.dumps(config | fields))
     with pytest.raises(ValueError, match="^[^\n]*" + __import__("re").escape(message)):
         load_pretrained(str(tmp_path))
+
+
+def test_a_model_wider_than_bytes_without_a_tokenizer_samples_bytes_only(tmp_path, capsys):
+    """An imported GPT-2 of 300 tokens and no tokenizer.json: its text is bytes, so sampling draws ids 0-255 only
+    and says so before the first token, instead of failing halfway through the output."""
+    from tests.helpers import run_in_process
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_embd=15, n_layer=2, n_head=3, n_positions=33, vocab_size=300,
+                                     bos_token_id=0, eos_token_id=0)  # fmt: skip
+    model = transformers.GPT2LMHeadModel(config)
+    with torch.no_grad():
+        model.lm_head.weight[256:] += 5.0  # the ids above the bytes are the likeliest: they would be drawn
+    model.save_pretrained(tmp_path / "hf")
+    assert run_in_process(["import", str(tmp_path / "hf"), "--workdir", str(tmp_path / "w")]) == 0
+    for seed in range(4):
+        capsys.readouterr()
+        args = ["sample", "--workdir", str(tmp_path / "w"), "--prompt", "ab", "--num-tokens", "20", "--seed", str(seed)]
+        assert run_in_process(args) == 0
+        captured = capsys.readouterr()
+        assert "only ids 0-255 are drawn" in captured.err and "error" not in captured.err

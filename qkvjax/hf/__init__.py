@@ -16,6 +16,7 @@ No torch or transformers at run time: ``safetensors`` and ``tokenizers`` only.
 
 from __future__ import annotations
 
+import json
 import os
 
 import flax.linen as nn
@@ -56,6 +57,8 @@ def check_tree(params: dict, config) -> None:
             raise ValueError(f"parameter {name}: the checkpoint gives {got.get(name)}, the model has {want.get(name)}")
 
 
+SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+SPECIAL_IDS_FILE = "special_tokens.json"  # an imported model's ids, written back by export
 MAX_CONTEXT = 1 << 20  # positions a model may be imported with (a decode cache is (B, K, max_len, H) per layer)
 
 
@@ -114,9 +117,13 @@ def import_folder(folder: str, workdir: str, max_len: int | None = None):
     if not tokenizer and model.vocab_size != 256:
         print(f"note: {folder} has no {TOKENIZER}; text is byte-level (token ids are bytes)")
     config = Config(model=model, data=data)
+    hf = read_config(folder)
+    ids = {k: hf[k] for k in SPECIAL_IDS if hf.get(k) is not None}
     with whole_or_absent(out, "files") as staging:
         if tokenizer:
             (staging / TOKENIZER).write_bytes(tokenizer)
+        if ids:  # transformers' generate stops at eos_token_id: an export writes them back
+            (staging / SPECIAL_IDS_FILE).write_text(json.dumps(ids, indent=2) + "\n")
         export_params(staging, 0, jax.tree.map(jnp.asarray, params))
         write_text(staging / CONFIG_FILE, to_json(config))
     return config
@@ -135,6 +142,9 @@ def export_workdir(workdir: str, folder: str, fmt: str | None = None, step: int 
     _, params, config, _ = restore_params(workdir, step)
     hf, tensors = EXPORTERS[fmt](config.model, jax.tree.map(np.asarray, nn.meta.unbox(params)))
     tokenizer = checked_tokenizer(os.fspath(path(workdir))) if config.data.tokenizer else None
+    ids_file = path(workdir) / SPECIAL_IDS_FILE
+    if ids_file.exists():  # the imported model's bos/eos/pad ids, so that generate() stops where it did
+        hf |= {k: v for k, v in json.loads(ids_file.read_text()).items() if k in SPECIAL_IDS}
     with whole_or_absent(folder, "files") as staging:
         write_folder(os.fspath(staging), hf, tensors)
         if tokenizer:

@@ -66,3 +66,14 @@ def test_compare_reads_the_checkpoints_config_not_a_hand_edited_config_json(tmp_
     assert "differs from the config saved with checkpoint step 2" in out
     assert "shared_kv" not in out.split("warning")[-1].split("\n", 1)[1]  # the table names the trained scheme
     assert "separate" in out
+
+
+def test_mfu_never_reads_above_one_and_names_its_peak(tmp_path, small_text, data_dir, capsys):
+    w = tmp_path / "w"
+    low = {**SETTINGS, "train.num_steps": 4, "train.peak_flops": 1.0}  # a peak far below what any step achieves
+    assert run_in_process(train_args(w, small_text, data_dir, **low)) == 0
+    out = capsys.readouterr().out
+    assert "MFU is model FLOPs over a peak of 0.0 GFLOP/s (train.peak_flops)" in out
+    assert out.count("above the peak MFU was read against") == 1  # measured again once, then it holds
+    mfus = [r["mfu"] for r in metrics(w) if "mfu" in r]
+    assert mfus and all(0 < m <= 1 for m in mfus), mfus
