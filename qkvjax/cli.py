@@ -8,6 +8,10 @@ import dataclasses
 import os
 import sys
 
+USAGE = """Attention with every Q/K/V tying scheme: train, evaluate, sample, inspect, convert and move models to and
+from Hugging Face. Start with `qkvjax train --config FILE --workdir DIR`; `qkvjax COMMAND --help` lists a
+command's options; README.md has a first hour."""
+
 
 def _schemes(args: argparse.Namespace) -> int:
     from qkvjax.attention.costs import cost_table, layout_table
@@ -357,7 +361,7 @@ def build_parser(preset=None) -> argparse.ArgumentParser:
     """The CLI; ``preset`` (a Config) gives ``train --help``'s field list its values."""
     from qkvjax import __version__
 
-    parser = argparse.ArgumentParser(prog="qkvjax", description=__doc__)
+    parser = argparse.ArgumentParser(prog="qkvjax", description=USAGE)
     parser.add_argument("--version", action="version", version=f"qkvjax {__version__}")
     parser.add_argument(
         "--verbose", action="store_true", help="tracebacks of errors, dependency warnings, dataset progress bars"
@@ -468,10 +472,21 @@ def build_parser(preset=None) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(func=_info)
 
-    p = sub.add_parser("convert", help="convert a checkpoint: another scheme (bilinear, shared_kv, mla), GQA, CLA")
+    from qkvjax.convert import TARGETS
+
+    p = sub.add_parser(
+        "convert",
+        help="convert a checkpoint: another scheme (bilinear, shared_kv, mla), GQA, CLA",
+        description="Writes a new workdir holding a run's checkpoint converted to another tying scheme (--to), fewer "
+        "K/V heads (--num-kv-heads) or cross-layer K/V sharing (--cla), with the approximation error of each changed "
+        "projection; exact conversions (bilinear, mla at full rank) compute the same function. Uptrain the result "
+        "with `qkvjax train --workdir OUT`.",
+    )
     p.add_argument("--workdir", required=True, help="the run to convert")
-    p.add_argument("--out", required=True, help="a new workdir for the converted checkpoint")
-    p.add_argument("--to", default=None, help="target scheme (bilinear: exact; mla: truncated SVD, needs --rank)")
+    p.add_argument("--out", required=True, help="a new (or empty) folder for the converted workdir")
+    p.add_argument(
+        "--to", default=None, choices=TARGETS, help="target scheme (bilinear: exact; mla: truncated SVD, needs --rank)"
+    )
     p.add_argument(
         "--rank", type=int, default=None, help="latent rank R of --to mla (full rank min(D, K(H+Hv)) is exact)"
     )

@@ -277,6 +277,20 @@ def latent_config(cfg: AttentionConfig, rank: int, rope_dim: int | None = None) 
     )
 
 
+def convertible(scheme) -> bool:
+    """Whether a plain scheme's weights can be converted to ``scheme``: a bilinear form (exact), a latent scheme
+    (truncated SVD) or the partition {q}{k,v} (K = V by least squares). Read off the scheme's data."""
+    return scheme.bilinear or scheme.latent or scheme.groups == ("q", "kv")
+
+
+def __getattr__(name: str):
+    if name == "TARGETS":  # the registry's schemes that --to accepts (registered schemes included)
+        from qkvjax.attention.schemes import SCHEMES
+
+        return tuple(k for k, v in SCHEMES.items() if convertible(v))
+    raise AttributeError(name)
+
+
 def convert(
     model: ModelConfig,
     params,
@@ -317,8 +331,7 @@ def convert(
         att_cfg = dataclasses.replace(att_cfg, num_kv_heads=num_kv_heads)
     if to is not None and to != att_cfg.scheme:
         target = get_scheme(to)
-        ties_kv = target.groups == ("q", "kv") and not target.latent  # the partition {q}{k,v}: K = V
-        if not (target.bilinear or target.latent or ties_kv):
+        if not convertible(target):
             raise ValueError(
                 f"no conversion from {att_cfg.scheme!r} to {to!r}: tying cannot be undone or imposed exactly; "
                 "supported: --to bilinear (exact), --to shared_kv (least squares), --to mla --rank R (truncated "

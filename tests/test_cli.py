@@ -108,3 +108,16 @@ def test_a_config_typo_suggests_the_closest_field(tmp_path, capsys):
 
     assert run_in_process(["train", f"--config={TINY}", f"--workdir={tmp_path}", "--config.train.num_step=3"]) == 2
     assert "has no field 'num_step'; did you mean 'num_steps'?" in capsys.readouterr().err
+
+
+def test_help_says_what_each_command_is_for_and_convert_lists_its_targets(capsys):
+    import pytest
+
+    from qkvjax.cli import main
+
+    for argv in (["--help"], ["convert", "--help"]):
+        with pytest.raises(SystemExit):
+            main(argv)
+        out = capsys.readouterr().out
+        assert "parses arguments and calls the library" not in out
+    assert "{shared_kv,bilinear,mla}" in out and "converted to another tying" in out
