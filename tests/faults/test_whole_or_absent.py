@@ -194,3 +194,33 @@ def test_unrunnable_sizes_and_malformed_headers_are_refused_in_one_line(gpt2, tm
 def _edit_config(folder, **fields) -> None:
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps(config | fields))
+
+
+def test_a_full_disk_during_import_or_export_leaves_nothing_and_the_rerun_succeeds(gpt2, tmp_path, monkeypatch, capsys):
+    """ENOSPC raised where the last file is written (no root needed): the target is absent, the staging folder
+    removed, the error one line; once there is room again the same command succeeds."""
+    import errno
+
+    import qkvjax.workdir as wd
+
+    real = wd.write_text
+
+    def full(target, text):
+        raise OSError(errno.ENOSPC, "No space left on device", str(target))
+
+    w, out = tmp_path / "w", tmp_path / "out"
+    monkeypatch.setattr(wd, "write_text", full)
+    assert run_in_process(["import", str(gpt2), "--workdir", str(w)]) != 0
+    assert "No space left on device" in capsys.readouterr().err
+    assert not w.exists() and not (tmp_path / ".w.partial").exists()
+    monkeypatch.setattr(wd, "write_text", real)
+    assert run_in_process(["import", str(gpt2), "--workdir", str(w)]) == 0
+
+    import qkvjax.hf.folder as folder
+
+    monkeypatch.setattr(folder.json, "dump", lambda *a, **k: full("config.json", ""))
+    assert run_in_process(["export", "--workdir", str(w), str(out)]) != 0
+    assert not out.exists() and not (tmp_path / ".out.partial").exists()
+    monkeypatch.undo()
+    assert run_in_process(["export", "--workdir", str(w), str(out)]) == 0
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors", "tokenizer.json"]
