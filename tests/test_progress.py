@@ -33,7 +33,7 @@ def test_terminal_shows_step_loss_speed_eval_and_eta():
     assert "step 9 eval validation loss 2.2500" in text  # messages stay
     last = text.rsplit("\r", 1)[-1]
     assert re.search(r"step\s+9/17", last), last
-    assert "loss 2.5000 1,234 tok/s mfu 25.0% | eval 2.2500 @ 9" in last
+    assert "training loss 2.5000 @ 9 1,234 tok/s mfu 25.0% | eval 2.2500 @ 9" in last
     assert "eta" in last
 
 
@@ -60,3 +60,34 @@ def test_other_processes_print_nothing(capsys):
     p.log(_record(1))
     p.close()
     assert capsys.readouterr().out == ""
+
+
+def test_the_live_line_counts_finished_steps_and_says_what_the_run_is_doing(monkeypatch):
+    """Steps dispatched ahead of the device are not shown as done: the line waits for a step (at most every
+    REDRAW_S) before it draws it, the time left is the finished steps' rate, and a status word names evaluating and
+    saving while they run."""
+    import qkvjax.train.progress as progress
+
+    clock = [100.0]
+    monkeypatch.setattr(progress.time, "perf_counter", lambda: clock[0])
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=True, width=160, color_system=None)
+    p = TrainProgress(0, 101, live=True, console=console)
+    finished = []
+    p.step(1, lambda: finished.append(1))  # the first step: compiled, waited for, the clock starts
+    for step in range(2, 41):  # dispatched 0.01 s apart: the line waits only every REDRAW_S
+        clock[0] += 0.01
+        p.step(step, lambda s=step: finished.append(s))
+    assert finished == [1]  # 0.39 s of dispatching, under REDRAW_S: no wait, no step drawn as done
+    assert re.search(r"step\s+1/101", out.getvalue().rsplit("\r", 1)[-1])  # step 1 drawn, 2-40 not yet
+    p.doing("evaluating")
+    assert "evaluating" in out.getvalue().rsplit("\r", 1)[-1]
+    p.doing("saving checkpoint")
+    assert "saving checkpoint" in out.getvalue().rsplit("\r", 1)[-1]
+    clock[0] += 1.0
+    p.step(41, lambda: finished.append(41))  # REDRAW_S has passed: waits, draws step 41
+    last = out.getvalue().rsplit("\r", 1)[-1]
+    assert finished[-1] == 41 and re.search(r"41/101", last), last
+    # 40 steps in 1.39 s since step 1: 60 left at that rate
+    assert "eta 0:02" in last, last
+    p.close()

@@ -428,7 +428,7 @@ def _train(config: Config, workdir: epath.Path, overwrite: bool, lock: WorkdirLo
                 state, metrics = train_step(state, par.put_batch(next(batches)))
                 step += 1
                 nonfinite = track(nonfinite, jnp.max(metrics["nonfinite"]), jnp.int32(step))
-                progress.step(step)
+                progress.step(step, lambda m=metrics: jax.block_until_ready(m["loss"]))
                 if step == first_step + 1:  # the first call compiles: keep it out of the throughput
                     jax.block_until_ready(metrics)
                     compile_s = time.perf_counter() - start_time
@@ -469,16 +469,20 @@ def _train(config: Config, workdir: epath.Path, overwrite: bool, lock: WorkdirLo
                     # Evaluation time is not training throughput; the steps dispatched before it still are, so
                     # they finish first. An evaluation between two log records pauses the clock, not resets it.
                     jax.block_until_ready(state)
+                    progress.doing("evaluating")
                     eval_start = time.perf_counter()
                     ev = evaluate(state.params)
                     writer.write({"step": step, "eval": True, **ev})
                     progress.evaluated(step, ev)
                     writer.flush()
+                    progress.doing("training")
                     paused_s += time.perf_counter() - eval_start
                 if step % tc.checkpoint_every == 0 or step == tc.num_steps or preemption.requested:
                     check_finite()
+                    progress.doing("saving checkpoint")
                     save(state, step)
                     writer.flush()
+                    progress.doing("training")
                 if preemption.requested:
                     progress.message(f"{preemption.requested}: saved checkpoint step {step}; exiting")
                     break
