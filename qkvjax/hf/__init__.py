@@ -145,6 +145,11 @@ def export_workdir(workdir: str, folder: str, fmt: str | None = None, step: int 
     ids_file = path(workdir) / SPECIAL_IDS_FILE
     if ids_file.exists():  # the imported model's bos/eos/pad ids, so that generate() stops where it did
         hf |= {k: v for k, v in json.loads(ids_file.read_text()).items() if k in SPECIAL_IDS}
+    if fmt == "bert":
+        print(
+            "note: a qkvjax encoder has no pooler (the hidden states do not use it); transformers' BertModel makes "
+            "one with random weights and warns that it is missing: use the hidden states, not pooler_output"
+        )
     with whole_or_absent(folder, "files") as staging:
         write_folder(os.fspath(staging), hf, tensors)
         if tokenizer:

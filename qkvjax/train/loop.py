@@ -360,6 +360,12 @@ def _train(config: Config, workdir: epath.Path, overwrite: bool, lock: WorkdirLo
         f"step {step}/{tc.num_steps} workdir={workdir}"
     )
     _say(f"MFU is model FLOPs over a peak of {peak / 1e9:,.1f} GFLOP/s ({peak_source})")
+    if tc.warmup_steps >= tc.num_steps:
+        _say(
+            f"warning: train.warmup_steps={tc.warmup_steps} >= train.num_steps={tc.num_steps}: the learning rate never "
+            f"reaches train.learning_rate={tc.learning_rate:g} (it ends at {float(schedule(tc.num_steps - 1)):.3g}); "
+            f"pass a smaller --config.train.warmup_steps for a short (up)training run"
+        )
     progress = TrainProgress(step, tc.num_steps, enabled=jax.process_index() == 0)
 
     if tc.log_weight_similarity:  # and each attention kernel's drift from W_0 (imported params, or the seed's init)

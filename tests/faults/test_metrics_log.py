@@ -77,3 +77,10 @@ def test_mfu_never_reads_above_one_and_names_its_peak(tmp_path, small_text, data
     assert out.count("above the peak MFU was read against") == 1  # measured again once, then it holds
     mfus = [r["mfu"] for r in metrics(w) if "mfu" in r]
     assert mfus and all(0 < m <= 1 for m in mfus), mfus
+
+
+def test_a_run_shorter_than_its_warmup_says_so(tmp_path, small_text, data_dir, capsys):
+    short = {**SETTINGS, "train.num_steps": 3, "train.warmup_steps": 10}
+    assert run_in_process(train_args(tmp_path / "w", small_text, data_dir, **short)) == 0
+    out = capsys.readouterr().out
+    assert "train.warmup_steps=10 >= train.num_steps=3: the learning rate never reaches" in out
