@@ -82,7 +82,7 @@ def format_table(rows: list[dict]) -> str:
 def plot(rows: list[dict], path: str) -> None:
     """Loss against step and against training wall-clock, one colour per run: training loss as a thin line, each
     evaluation as a marked point. The legend gives each run's last validation loss and its difference from the
-    first run's, and the title the span of the y-axis, so a small gap is read as the number it is."""
+    first run's, and the title the range of the y-axis, so a small gap is read as the number it is."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -109,7 +109,9 @@ def plot(rows: list[dict], path: str) -> None:
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8, title="validation (points), training (thin line)", title_fontsize=8)
     fig.suptitle(
-        f"qkvjax compare: loss of {len(rows)} run(s); the y-axis spans {high - low:.2f} nats/byte", fontsize=11
+        f"qkvjax compare: {len(rows)} run(s), validation loss (points) and training loss (lines); "
+        f"the y-axis runs from {low:.2f} to {high:.2f} nats/byte",
+        fontsize=11,
     )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
