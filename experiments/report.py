@@ -46,6 +46,19 @@ def t_quantile(df: int) -> float:
     return float(stats.t.ppf(0.975, df))
 
 
+def detectable(diffs: list[float], power: float = 0.8) -> float:
+    """The smallest mean paired difference these seeds could detect: two-sided paired t test at 5%, with
+    ``power``, at the observed spread of the differences: (t_0.975 + t_power) x sd / sqrt(n), n - 1 degrees of
+    freedom (the usual approximation to the noncentral t; it is optimistic for n below ~5)."""
+    from scipy import stats
+
+    n = len(diffs)
+    if n < 2:
+        return float("nan")
+    sd = statistics.stdev(diffs)
+    return (t_quantile(n - 1) + float(stats.t.ppf(power, n - 1))) * sd / math.sqrt(n)
+
+
 def summarize(rows: list[dict]) -> list[dict]:
     """One entry per (matching, scheme): seeds, loss mean/std, and the paired difference to separate."""
     groups = collections.defaultdict(dict)

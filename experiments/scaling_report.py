@@ -28,7 +28,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from experiments.report import _read, t_quantile
+from experiments.report import _read, detectable, t_quantile
 
 BYTES_PER_TOKEN = (3.5, 4.5)  # GPT-2-style BPE on English prose: the range used to convert to per-token units
 SHARED_LR = 2e-3
@@ -91,12 +91,16 @@ def paired(cells: dict, corpus: str, size: int, variant: str) -> dict | None:
         if len(diffs) > 1:
             half = t_quantile(len(diffs) - 1) * statistics.stdev(diffs) / math.sqrt(len(diffs))
             out["ci"] = (out["delta"] - half, out["delta"] + half)
+            out["detectable"] = detectable(diffs)
     return out
 
 
 def _delta_ci(e: dict) -> str:
-    """``+0.045 [-0.011, +0.100]``, or the mean alone where one seed gives no interval."""
-    return f"{e['delta']:+.3f}" + (f" [{e['ci'][0]:+.3f}, {e['ci'][1]:+.3f}]" if "ci" in e else "")
+    """``+0.045 [-0.011, +0.100] d 0.071``: the mean, its 95% interval and the smallest difference the seeds could
+    detect (80% power, paired); the mean alone where one seed gives no interval."""
+    if "ci" not in e:
+        return f"{e['delta']:+.3f}"
+    return f"{e['delta']:+.3f} [{e['ci'][0]:+.3f}, {e['ci'][1]:+.3f}] d {e['detectable']:.3f}"
 
 
 def _fmt_delta(e: dict) -> str:
@@ -215,7 +219,8 @@ def summary_markdown(rows: list[dict], curves: list[dict] = ()) -> str:
     for corpus, size in by_size:
         entries = [e for v in VARIANT_ORDER if (e := paired(cells, corpus, size, v))]
         lines += [f"## {corpus}, d_model {size}: final validation loss at each scheme's rate", "",
-                  "| variant | params | KV B/tok | lr | seeds | loss mean ± std | Δ vs separate [95%]; per-byte "
+                  "d: the smallest difference these seeds could detect (paired t test at 5%, 80% power).", "",
+                  "| variant | params | KV B/tok | lr | seeds | loss mean ± std | Δ vs separate [95%] d; per-byte "
                   "perplexity | Δ train loss | tokens | epochs |",
                   "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
         for e in entries:
@@ -298,7 +303,9 @@ def _delta_by_size(cells: dict, train: dict[str, float], by_size: list[tuple]) -
             val.append(f"| {v} | " + " | ".join(cells_val) + " |")
             fit.append(f"| {v} | " + " | ".join(cells_fit) + " |")
     out = ["## Δ vs separate by size", "",
-           "Final validation loss, paired by seed: mean [95% t interval] (paired seeds).", "", *val, ""]  # fmt: skip
+           "Final validation loss, paired by seed: mean [95% t interval] d (the smallest difference these seeds "
+           "could detect: paired t test at 5%, 80% power) (paired seeds). A cell whose |mean| is under its d "
+           "cannot say \"no difference\" of an effect smaller than d.", "", *val, ""]  # fmt: skip
     if len(fit) > 2 and train:
         out += ["Training loss (mean over each run's last 5% of steps), paired by seed: mean.", "", *fit, ""]
     return out

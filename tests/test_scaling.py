@@ -4,6 +4,7 @@ import csv
 import hashlib
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -261,7 +262,8 @@ def test_the_report_sets_training_loss_beside_validation_loss():
     )
     summary = scaling_report.summary_markdown(rows, curves)
     assert "| shared_kv | 1,000 | 96 | 0.004 | 3 | " in summary and " | +0.100 | 10,000 | 12.90 |" in summary
-    assert "| shared_kv | +0.033 [" in summary and "] (3) |" in summary and "| shared_kv | +0.100 |" in summary
+    assert "| shared_kv | +0.033 [" in summary and "| shared_kv | +0.100 |" in summary
+    assert re.search(r"\] d 0\.\d{3} \(3\) \|", summary), summary  # the detectable difference, then the seeds
 
 
 def test_rates_are_chosen_on_the_mean_of_the_sweep_seeds_at_every_size(tmp_path, small_text):
@@ -292,3 +294,20 @@ def test_rates_are_chosen_on_the_mean_of_the_sweep_seeds_at_every_size(tmp_path,
     assert ("bilinear", 3) not in {(r.variant, r.seed) for r in scaling.Sweep(args).stage_runs("small")}
     with pytest.raises(ValueError, match="--sweep-seeds"):
         scaling.check_args(scaling.build_parser().parse_args([*argv, "--sweep-seeds", "0,7"]))
+
+
+def test_detectable_difference_is_the_paired_power_formula():
+    """(t_0.975 + t_0.8) sd / sqrt(n) with n - 1 degrees of freedom (3.182 + 0.978 at n = 4); it shrinks with more
+    seeds at the same spread."""
+    import math
+
+    from scipy import stats
+
+    from experiments.report import detectable
+
+    diffs = [0.01, 0.05, 0.09, 0.05]
+
+    sd = statistics.stdev(diffs)
+    assert detectable(diffs) == pytest.approx((stats.t.ppf(0.975, 3) + stats.t.ppf(0.8, 3)) * sd / 2)
+    assert detectable(diffs * 2) < detectable(diffs)
+    assert math.isnan(detectable([0.1]))
