@@ -23,6 +23,7 @@ RESUMABLE_CHANGES = {
     "train.peak_flops",
     "train.log_weight_similarity",
     "train.skip_nonfinite",
+    "train.tensorboard",
     "data.data_dir",
     "mesh.data",
     "mesh.fsdp",

@@ -77,6 +77,8 @@ class TrainConfig:
       log_weight_similarity: add W^Q (W^K)^T statistics and each attention kernel's drift |W - W_0| / |W_0| per
         layer to every evaluation record.
       skip_nonfinite: skip a batch whose loss or gradient is not finite instead of stopping.
+      tensorboard: also write TensorBoard events under ``WORKDIR/tensorboard`` (tensorboardX is imported only
+        then); metrics.jsonl is written either way.
     """
 
     batch_size: int = 64
@@ -97,6 +99,7 @@ class TrainConfig:
     peak_flops: float | None = None
     log_weight_similarity: bool = False
     skip_nonfinite: bool = False
+    tensorboard: bool = True
 
     def __post_init__(self):
         for name in ("batch_size", "num_steps", "grad_accum_steps", "log_every", "eval_every", "checkpoint_every"):

@@ -64,8 +64,9 @@ class MetricsWriter:
     TensorBoard events are written to a local folder and uploaded at the same moments.
     """
 
-    def __init__(self, workdir, resume_step: int | None):
+    def __init__(self, workdir, resume_step: int | None, tensorboard: bool = True):
         self.enabled = jax.process_index() == 0
+        self.tb = None
         self.workdir = workdir_path(workdir)
         self.path = self.workdir / METRICS_FILE
         self.remote = is_remote(self.workdir)
@@ -81,7 +82,9 @@ class MetricsWriter:
                 if resume_step is not None and record["step"] <= resume_step
             ]
             write_text(self.path, "".join(self.lines))
-        from tensorboardX import SummaryWriter
+        if not tensorboard:
+            return
+        from tensorboardX import SummaryWriter  # only when events are wanted
 
         # One TensorBoard run per workdir: each (re)start writes its own events file, named by the step it starts
         # from, and a resume marks the steps after its checkpoint as purged (TensorBoard's SessionLog.START), so
@@ -107,12 +110,15 @@ class MetricsWriter:
         prefix = "eval/" if record.get("eval") else "train/"
         for k, v in record.items():
             if isinstance(v, int | float) and not isinstance(v, bool) and k != "step":
-                self.tb.add_scalar(prefix + k, v, record["step"])
+                if self.tb is not None:
+                    self.tb.add_scalar(prefix + k, v, record["step"])
 
     def flush(self) -> None:
         if not (self.enabled and self.remote):
             return
         write_text(self.path, "".join(self.lines))
+        if self.tb is None:
+            return
         self.tb.flush()
         self.tb_dir.mkdir(parents=True, exist_ok=True)
         for name in os.listdir(self.tb_local):
@@ -120,9 +126,10 @@ class MetricsWriter:
 
     def close(self) -> None:
         if self.enabled:
-            self.tb.close()
+            if self.tb is not None:
+                self.tb.close()
             self.flush()
-            if self.remote:
+            if self.remote and self.tb is not None:
                 shutil.rmtree(self.tb_local, ignore_errors=True)
 
 
@@ -352,7 +359,7 @@ def _train(config: Config, workdir: epath.Path, overwrite: bool, lock: WorkdirLo
     peak = tc.peak_flops or measure_peak_flops(config.model.attention.dtype) * devices
     peak_source = "train.peak_flops" if tc.peak_flops else f"a {config.model.attention.dtype} matmul measured at start"
     schedule = learning_rate_schedule(tc)
-    writer = MetricsWriter(workdir, latest)
+    writer = MetricsWriter(workdir, latest, tc.tensorboard)
     step = int(par.unreplicate(state).step) if latest is not None else 0
     _say(
         f"qkvjax train: scheme={config.model.attention.scheme} params={param_count(config.model):,} "

@@ -84,3 +84,23 @@ def test_a_run_shorter_than_its_warmup_says_so(tmp_path, small_text, data_dir, c
     assert run_in_process(train_args(tmp_path / "w", small_text, data_dir, **short)) == 0
     out = capsys.readouterr().out
     assert "train.warmup_steps=10 >= train.num_steps=3: the learning rate never reaches" in out
+
+
+def test_without_tensorboard_no_events_are_written_and_tensorboardx_is_not_imported(tmp_path, small_text, data_dir):
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO
+
+    w = tmp_path / "w"
+    args = train_args(w, small_text, data_dir, **{**SETTINGS, "train.num_steps": 2, "train.tensorboard": "false"})
+    code = (
+        "import sys; from qkvjax.cli import main; rc = main(sys.argv[1:]); "
+        "print('TBX', 'tensorboardX' in sys.modules); sys.exit(rc)"
+    )
+    env = {k: v for k, v in __import__("os").environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.run([sys.executable, "-c", code, *args], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "TBX False" in proc.stdout
+    assert not (w / "tensorboard").exists() and [r["step"] for r in metrics(w)] == [1, 2]
