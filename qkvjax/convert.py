@@ -395,13 +395,12 @@ def convert_workdir(
     from qkvjax.train import checkpoint
     from qkvjax.train.config import to_dict, to_json
     from qkvjax.train.state import TrainState, make_optimizer
-    from qkvjax.workdir import CONFIG_FILE, export_params, params_only, path, whole_or_absent, write_text
+    from qkvjax.workdir import CONFIG_FILE, export_params, params_only, path, require_empty, whole_or_absent, write_text
 
     if to is None and num_kv_heads is None and cross_layer is None:
         raise ValueError("nothing to convert: pass --to SCHEME, --num-kv-heads K and/or --cla G")
     out = os.fspath(path(out))
-    if path(out).exists() and (not path(out).is_dir() or any(path(out).iterdir())):
-        raise ValueError(f"--out {out} already holds files; choose a new or empty directory")
+    require_empty(out)
     _, params, config, step = restore_params(workdir, step)
     model_cfg, new_params = convert(config.model, params, to, num_kv_heads, rank, errors, cross_layer, rope_dim)
     config = dataclasses.replace(config, model=model_cfg)

@@ -73,6 +73,14 @@ def write_text(target: epath.Path, text: str) -> None:
     os.replace(tmp, target)
 
 
+def require_empty(target, holds: str = "files") -> None:
+    """Refuses, in one line, a ``target`` that exists and is not an empty folder (checked before expensive work
+    and again by :func:`whole_or_absent`)."""
+    target = path(target)
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        raise ValueError(f"{target} already holds {holds}; choose a new or empty directory")
+
+
 @contextlib.contextmanager
 def whole_or_absent(target, holds: str):
     """Yields a temporary sibling folder of ``target`` to write a whole output into (a workdir, a model folder);
@@ -81,8 +89,7 @@ def whole_or_absent(target, holds: str):
     rerun after any failure starts clean (a killed attempt's sibling is removed first). ``target`` must not exist,
     or be an empty folder; otherwise one line says it already holds ``holds``."""
     target = path(target)
-    if target.exists() and (not target.is_dir() or any(target.iterdir())):
-        raise ValueError(f"{target} already holds {holds}; choose a new or empty directory")
+    require_empty(target, holds)
     staging = target.parent / f".{target.name}.partial"
     if staging.exists():  # what a killed attempt left: never a finished output
         staging.rmtree()

@@ -12,7 +12,7 @@ import pytest
 
 from tests.helpers import REPO
 
-pytest.importorskip("torch")  # the torch section's reference (the bench extra; CI installs it)
+pytest.importorskip("torch", reason="the torch section needs the optional bench extra (CI installs it)")
 
 
 def test_gpu_check_smoke_runs_every_section(tmp_path):

@@ -106,11 +106,10 @@ def load_pretrained(folder: str, max_len: int | None = None):
 def import_folder(folder: str, workdir: str, max_len: int | None = None):
     """Writes the model of ``folder`` (a decoder LM, or BERT's encoder) as a workdir; returns its run Config."""
     from qkvjax.train.config import Config, DataConfig, to_json
-    from qkvjax.workdir import CONFIG_FILE, export_params, path, whole_or_absent, write_text
+    from qkvjax.workdir import CONFIG_FILE, export_params, path, require_empty, whole_or_absent, write_text
 
     out = path(workdir)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):  # refused before anything is read
-        raise ValueError(f"--workdir {out} already holds files; choose a new or empty directory")
+    require_empty(out)  # refused before anything is read
     model, params = load_pretrained(folder, max_len)
     tokenizer = checked_tokenizer(folder)
     data = DataConfig(tokenizer=TOKENIZER if tokenizer else None)
@@ -132,13 +131,12 @@ def import_folder(folder: str, workdir: str, max_len: int | None = None):
 def export_workdir(workdir: str, folder: str, fmt: str | None = None, step: int | None = None) -> str:
     """Writes a workdir's model (its newest checkpoint, or ``step``) as a Hugging Face folder; returns the format."""
     from qkvjax.evaluate import restore_params
-    from qkvjax.workdir import load_config, path, whole_or_absent
+    from qkvjax.workdir import load_config, path, require_empty, whole_or_absent
 
     model = load_config(workdir).model  # every refusal before anything is restored (resume keeps the model)
     fmt = fmt or infer_format(model)
     check_exportable(model, fmt)
-    if os.path.exists(folder) and (not os.path.isdir(folder) or os.listdir(folder)):
-        raise ValueError(f"{folder} already holds files; choose a new or empty directory")
+    require_empty(folder)
     _, params, config, _ = restore_params(workdir, step)
     hf, tensors = EXPORTERS[fmt](config.model, jax.tree.map(np.asarray, nn.meta.unbox(params)))
     tokenizer = checked_tokenizer(os.fspath(path(workdir))) if config.data.tokenizer else None
