@@ -33,9 +33,9 @@ import jax.numpy as jnp
 from qkvjax import SCHEMES, stack_cost
 from qkvjax.attention import Attention, AttentionConfig
 from qkvjax.attention.layers import example_layouts
+from qkvjax.config import Config, apply_overrides, load_config_file
 from qkvjax.models.lm import DecodeCache, DecoderLM, kv_cache_bytes_per_token, param_count, train_flops_per_token
 from qkvjax.perf import measure_peak_flops
-from qkvjax.train.config import Config, apply_overrides, load_config_file
 from qkvjax.train.state import create_state, make_optimizer
 from qkvjax.train.step import make_train_step
 

@@ -27,8 +27,8 @@ if __package__ in (None, ""):  # run as a script: make the repository (or this f
 from bench import alternate, prepare_train, timing_config  # noqa: E402
 
 from qkvjax.attention import core  # noqa: E402
+from qkvjax.config import load_config_file  # noqa: E402
 from qkvjax.models.lm import DecoderLM  # noqa: E402
-from qkvjax.train.config import load_config_file  # noqa: E402
 
 
 def full_square(q, k, v):

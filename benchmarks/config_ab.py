@@ -24,8 +24,8 @@ if __package__ in (None, ""):  # run as a script: make the repository and this f
 
 import bench  # noqa: E402
 
+from qkvjax.config import apply_overrides  # noqa: E402
 from qkvjax.models.lm import DecoderLM  # noqa: E402
-from qkvjax.train.config import apply_overrides  # noqa: E402
 
 
 def _variant(text: str) -> tuple[str, dict[str, str]]:

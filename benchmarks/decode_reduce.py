@@ -29,8 +29,8 @@ if __package__ in (None, ""):  # run as a script: make the repository and this f
 import bench  # noqa: E402
 
 from qkvjax.attention import core  # noqa: E402
+from qkvjax.config import apply_overrides, load_config_file  # noqa: E402
 from qkvjax.models.lm import DecoderLM  # noqa: E402
-from qkvjax.train.config import apply_overrides, load_config_file  # noqa: E402
 from qkvjax.train.state import create_state, make_optimizer  # noqa: E402
 
 QK, MIX = core.qk_logits, core.mix_values

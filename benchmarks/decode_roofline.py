@@ -32,9 +32,9 @@ if __package__ in (None, ""):  # run as a script: make the repository (or this f
 
 from bench import bench_decode, bench_decode_on_device  # noqa: E402
 
+from qkvjax.config import apply_overrides, load_config_file  # noqa: E402
 from qkvjax.models.lm import DecoderLM, kv_cache_bytes_per_token  # noqa: E402
 from qkvjax.perf import measure_peak_flops  # noqa: E402
-from qkvjax.train.config import apply_overrides, load_config_file  # noqa: E402
 from qkvjax.train.state import create_state, make_optimizer  # noqa: E402
 
 

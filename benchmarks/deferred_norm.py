@@ -31,8 +31,8 @@ import bench  # noqa: E402
 
 from experiments.scaling import DEFAULT_SIZES, size_config  # noqa: E402
 from qkvjax.attention import core  # noqa: E402
+from qkvjax.config import DataConfig  # noqa: E402
 from qkvjax.models.lm import DecoderLM  # noqa: E402
-from qkvjax.train.config import DataConfig  # noqa: E402
 
 
 def weights_causal_attention(logits_of, v, block, mask_self=False):

@@ -34,8 +34,8 @@ import bench  # noqa: E402
 from experiments.scaling import size_config  # noqa: E402
 from qkvjax import axes  # noqa: E402
 from qkvjax.attention import core, module  # noqa: E402
+from qkvjax.config import DataConfig, apply_overrides  # noqa: E402
 from qkvjax.models.lm import DecoderLM  # noqa: E402
-from qkvjax.train.config import DataConfig, apply_overrides  # noqa: E402
 
 FUSED = "w_fused"
 

@@ -104,7 +104,7 @@ def _rel(out, ref) -> float:
 
 
 def _config(path: str, overrides: dict):
-    from qkvjax.train.config import apply_overrides, load_config_file
+    from qkvjax.config import apply_overrides, load_config_file
 
     return apply_overrides(load_config_file(str(REPO / path)), {k: str(v) for k, v in overrides.items()})
 

@@ -29,16 +29,18 @@ import bench  # noqa: E402
 
 from experiments.scaling import DEFAULT_SIZES, size_config  # noqa: E402
 from qkvjax.attention import core, kernels  # noqa: E402
+from qkvjax.config import DataConfig  # noqa: E402
 from qkvjax.models.lm import DecoderLM  # noqa: E402
-from qkvjax.train.config import DataConfig  # noqa: E402
 
 
-def _repeat_blocks(s: kernels.Scores):
+def _repeat_blocks(a: kernels.Inputs):
     """The blocks kernel with K/V copied to every query head (G = 1 inside)."""
-    k, v = s.read(s.length)
-    k, v = jnp.repeat(k, s.group_size, axis=2), jnp.repeat(v, s.group_size, axis=2)  # BSKH -> BSNH
+    k, v = a.slots.read(a.slots.length)
+    k, v = jnp.repeat(k, a.group_size, axis=2), jnp.repeat(v, a.group_size, axis=2)  # BSKH -> BSNH
     kt = k.transpose(0, 2, 1, 3)  # BSNH -> BNSH once, sliced per block
-    return core.causal_attention(lambda lo, hi: core.qk_logits(s.q[:, lo:hi], kt[:, :, :hi], "BKSH"), v, s.causal_block)
+    q = a.queries.q
+    logits_of = lambda lo, hi: core.qk_logits(q[:, lo:hi], kt[:, :, :hi], "BKSH")  # noqa: E731
+    return core.causal_attention(logits_of, v, a.how.causal_block)
 
 
 def main(argv=None) -> int:

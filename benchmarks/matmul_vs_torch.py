@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 if __package__ in (None, ""):  # run as a script: make the repository (or this folder) importable
     sys.path.insert(0, str(REPO))
 
-from qkvjax.train.config import apply_overrides, load_config_file  # noqa: E402
+from qkvjax.config import apply_overrides, load_config_file  # noqa: E402
 
 
 def shapes(cfg) -> dict[str, tuple[tuple[int, ...], tuple[int, ...], int]]:

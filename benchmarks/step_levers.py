@@ -34,9 +34,9 @@ if __package__ in (None, ""):  # run as a script: make the repository and this f
 import bench  # noqa: E402
 
 from experiments.scaling import DEFAULT_SIZES, size_config  # noqa: E402
+from qkvjax.config import DataConfig  # noqa: E402
 from qkvjax.models.lm import DecoderLM  # noqa: E402
 from qkvjax.train import step  # noqa: E402
-from qkvjax.train.config import DataConfig  # noqa: E402
 from qkvjax.train.state import learning_rate_schedule  # noqa: E402
 
 

@@ -30,8 +30,8 @@ REPO = Path(__file__).resolve().parents[1]
 if __package__ in (None, ""):  # run as a script: make the repository (or this folder) importable
     sys.path.insert(0, str(REPO))
 
+from qkvjax.config import Config, TrainConfig, apply_overrides, load_config_file  # noqa: E402
 from qkvjax.models.lm import ModelConfig  # noqa: E402
-from qkvjax.train.config import Config, TrainConfig, apply_overrides, load_config_file  # noqa: E402
 
 
 def _trunc_fan_in(shape: tuple[int, ...], fan_in: int) -> torch.Tensor:

@@ -69,8 +69,8 @@ def scaling_sizes(sizes: list[int], steps: int, rounds: int, json_path: str | No
 
     sys.path.insert(0, str(REPO))
     from experiments.scaling import BATCH, SHARED_LR, size_config
+    from qkvjax.config import DataConfig, to_json
     from qkvjax.models.lm import param_count
-    from qkvjax.train.config import DataConfig, to_json
 
     print(f"{time.strftime('%Y-%m-%d %H:%M')} | scaling sizes {sizes}, batch {BATCH} | {rounds} rounds")
     rows = []

@@ -58,8 +58,8 @@ def child(args) -> None:
     import jax
     import jax.numpy as jnp
 
+    from qkvjax.config import apply_overrides, load_config_file
     from qkvjax.models.lm import DecoderLM
-    from qkvjax.train.config import apply_overrides, load_config_file
     from qkvjax.train.state import create_state, make_optimizer
     from qkvjax.train.step import make_train_step
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import time
 
+from qkvjax.config import Config
 from qkvjax.models.lm import train_flops_per_token
-from qkvjax.train.config import Config
 
 OVERHEAD_S = 25.0  # per run: compiling, the final evaluation over the whole split, checkpoints
 

@@ -52,8 +52,8 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 from experiments import budget, report
 from qkvjax.attention import SCHEMES, attention_cost
+from qkvjax.config import Config, apply_overrides, from_dict, load_config_file, to_dict
 from qkvjax.models.lm import kv_cache_bytes_per_token, param_count
-from qkvjax.train.config import Config, apply_overrides, from_dict, load_config_file, to_dict
 from qkvjax.train.loop import Interrupted
 from qkvjax.workdir import learning_curve
 

@@ -35,10 +35,10 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from qkvjax.config import apply_overrides, load_config_file
 from qkvjax.convert import convert_workdir
 from qkvjax.evaluate import evaluate
 from qkvjax.models.lm import kv_cache_bytes_per_token
-from qkvjax.train.config import apply_overrides, load_config_file
 from qkvjax.train.loop import Interrupted, train
 from qkvjax.workdir import load_config
 

@@ -58,8 +58,8 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 from experiments import budget
 from experiments.compare_schemes import _append, _blank, _csv_list, read_csv
+from qkvjax.config import AttentionConfig, Config, DataConfig, ModelConfig, TrainConfig
 from qkvjax.models.lm import kv_cache_bytes_per_token, param_count
-from qkvjax.train.config import AttentionConfig, Config, DataConfig, ModelConfig, TrainConfig
 from qkvjax.train.loop import Interrupted
 from qkvjax.workdir import learning_curve
 

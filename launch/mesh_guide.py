@@ -17,8 +17,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from qkvjax.config import MeshConfig, load_config_file  # noqa: E402
 from qkvjax.plan import GIB, plan  # noqa: E402
-from qkvjax.train.config import MeshConfig, load_config_file  # noqa: E402
 
 # (name, devices, GiB per device): a TPU chip is one JAX device (v4 and v5p run their two cores as one).
 HARDWARE = [

@@ -317,7 +317,7 @@ def layer_from_params(attention: dict, scheme) -> LayerWeights:
 
         def product(down: str, scale: str, up: str):
             w = attention[down] * (attention[scale][None] if scale in attention else 1.0)
-            return xp.einsum("DR,RCH->CDH", w, attention[up])
+            return xp.einsum("DR,RNH->NDH", w, attention[up])  # N: the up-projection's heads (N or K)
 
         q = attention["w_q"].transpose(1, 0, 2) if "w_q" in attention else product("w_q_down", "q_norm_scale", "w_q_up")
         return LayerWeights(

@@ -1,26 +1,42 @@
 """The shape legend and the logical axis names that go with it.
 
-One legend is used everywhere: in einsum strings, in annotations and in logical axis names.
+One legend is used everywhere: in einsum strings, in reshape and transpose comments (``BSKH -> BKSH``), in
+shape annotations (``Float[Array, "B T N H"]``) and in logical axis names. Each letter has one meaning.
 
-====  ===================  ====================
-axis  meaning              logical axis name
-====  ===================  ====================
-B     batch                ``batch``
-T     query position       ``length``
-S     key position         ``length``
-D     model width          ``embed``
-N     query heads          ``heads``
-K     key/value heads      ``kv_heads``
-G     N // K               (never a parameter axis)
-H     head dim             ``head_dim``
-F     MLP hidden width     ``mlp``
-V     vocabulary           ``vocab``
-R     latent rank (MLA)    ``latent``
-====  ===================  ====================
+====  =============================================================  ====================
+axis  meaning                                                        logical axis name
+====  =============================================================  ====================
+B     batch                                                          ``batch``
+T     query position                                                 ``length``
+S     key position (a cache's slot)                                  ``length``
+Q     folded query rows, T * G (the G heads of a K/V head, t-major)  (activations only)
+D     model width                                                    ``embed``
+E     a second model-width axis: a bilinear form's key side, W_QK     (``embed``)
+      (N, D, E), or the output side of a (D, E) map
+N     query heads                                                    ``heads``
+K     key/value heads                                                ``kv_heads``
+G     N // K, query heads per K/V head                               (never a parameter axis)
+H     head width of queries and keys                                 ``head_dim``
+U     head width of values (``v_head_dim``; "Hv" in prose)           ``head_dim``
+J     a second head-width axis: a map between two heads' features,   (converted weights only)
+      (K, J, H)
+P     a latent scheme's decoupled rotary width ("H_r" in prose)      ``head_dim``
+R     latent rank (MLA's K/V latent; "Rq" in prose for the queries') ``latent``
+M     the largest relative offset of a relative bias: (N, 2 M + 1)   (none)
+F     MLP hidden width                                               ``mlp``
+V     vocabulary                                                     ``vocab``
+C     classes (an encoder's outputs)                                 (none)
+L     layers                                                         (none)
+====  =============================================================  ====================
+
+``tests/test_axes.py`` reads every einsum string and arrow comment in the package and fails on a letter that is
+not here.
 
 Parameters carry logical names (``flax.linen.with_logical_partitioning``); :data:`DEFAULT_RULES` maps them to
 the mesh axes ``data``, ``fsdp`` and ``tensor``, so a new tying scheme needs no new sharding code.
 """
+
+LEGEND = "BTSQDENKGHUJPRMFVCL"  # the letters above, in their order
 
 BATCH = "batch"
 LENGTH = "length"

@@ -59,7 +59,7 @@ def _distributed(args: argparse.Namespace) -> None:
 
 
 def _train(args: argparse.Namespace, overrides: dict[str, str]) -> int:
-    from qkvjax.train.config import apply_overrides, load_config_file
+    from qkvjax.config import apply_overrides, load_config_file
     from qkvjax.train.loop import train
 
     _distributed(args)
@@ -72,8 +72,8 @@ def _train(args: argparse.Namespace, overrides: dict[str, str]) -> int:
 
 
 def _plan(args: argparse.Namespace, overrides: dict[str, str]) -> int:
+    from qkvjax.config import apply_overrides, load_config_file, require_decoder
     from qkvjax.plan import format_plan, plan
-    from qkvjax.train.config import apply_overrides, load_config_file, require_decoder
 
     if args.per_device_memory is not None and not args.per_device_memory > 0:
         raise ValueError(f"--per-device-memory={args.per_device_memory}; allowed: GiB > 0")
@@ -101,10 +101,10 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _sample(args: argparse.Namespace) -> int:
+    from qkvjax.config import require_decoder
     from qkvjax.data.tokenizer import check_vocab, load_tokenizer
     from qkvjax.evaluate import restore_params
     from qkvjax.sample import check_request, encode, generate_batch
-    from qkvjax.train.config import require_decoder
     from qkvjax.workdir import load_config
 
     saved = load_config(args.workdir)
@@ -350,15 +350,189 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def _config_fields_epilog(preset) -> str:
-    from qkvjax.train.config import format_fields
+    from qkvjax.config import format_fields
 
     where = "the --config file's values" if preset is not None else "their defaults (with --config FILE: its values)"
     head = f"config fields: override any with --config.SECTION.FIELD=VALUE; shown with {where}\n\n"
     return head + format_fields(preset, width=100)
 
 
+@dataclasses.dataclass(frozen=True)
+class Option:
+    """One option of a command, as ``argparse.add_argument`` takes it: its flags (or a positional's name) and
+    keywords (``help``, ``type``, ``default``, ``choices``, ``action``, ``metavar``, ``nargs``, ``required``)."""
+
+    flags: tuple[str, ...]
+    kwargs: dict
+
+
+def opt(*flags: str, **kwargs) -> Option:
+    return Option(flags, kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class Command:
+    """One subcommand: its function, one-line ``help``, longer ``description``, options (a tuple of
+    :class:`Option`, or ``(title, (Option, ...))`` for an argument group); ``overrides``: it takes ``--config.*``
+    overrides (and ``train --config FILE --help`` lists the fields)."""
+
+    name: str
+    func: object
+    help: str
+    options: tuple
+    description: str | None = None
+    overrides: bool = False
+
+
+WORKDIR = opt("--workdir", required=True, help="a training run's folder")
+STEP = opt("--step", type=int, default=None, help="checkpoint step (None: the newest)")
+
+
+def commands() -> tuple[Command, ...]:
+    """Every subcommand and its options, as data, in ``--help``'s order; :func:`build_parser` builds the parsers."""
+    run, tools = _run_commands(), _tool_commands()
+    return (tools[0], *run, *tools[1:])
+
+
+def _run_commands() -> tuple[Command, ...]:
+    """Training and reading a run: train, plan, eval, sample, info."""
+    return (
+        Command("train", _train, "train (or resume) a language model", (
+            opt("--config", required=True,
+                help="a Python file with get_config(), e.g. experiments/configs/tiny.py, or a run's config.json"),
+            opt("--workdir", required=True, help="checkpoints, metrics.jsonl, TensorBoard events, config.json"),
+            opt("--overwrite", action="store_true", help="delete a run of another config found in --workdir"),
+            ("multi-process (one process per host; see launch/)", (
+                opt("--distributed", action="store_true", help="jax.distributed.initialize() with auto-detection"),
+                opt("--coordinator", default=None, help="host:port of process 0 (explicit set-up)"),
+                opt("--coordinator-port", type=int, default=None,
+                    help="port of the auto-detected coordinator with --distributed (default: the platform's, e.g. "
+                    "8482 on TPU VMs)"),
+                opt("--num-processes", type=int, default=None, help="processes in the run (with --coordinator)"),
+                opt("--process-id", type=int, default=None, help="this process's index (with --coordinator)"),
+                opt("--cpu-collectives", action="store_true", help="gloo collectives, for multi-process CPU runs"),
+                opt("--distributed-timeout", type=int, default=300,
+                    help="seconds to wait for the coordinator at start-up, and for a silent peer during the run "
+                    "(default 300)"),
+            )),
+        ), "Train a decoder LM; rerun the same command on the same workdir to resume. Override any config field "
+           "with --config.a.b=value (e.g. --config.model.attention.scheme=shared_kv).", overrides=True),
+        Command("plan", _plan,
+                "memory per device of a config on N devices (parameters, optimizer, gradients, activations)", (
+            opt("--config", required=True, help="a Python file with get_config()"),
+            opt("--devices", type=int, required=True, help="devices in the job (chips on TPU, GPUs)"),
+            opt("--per-device-memory", type=float, default=None, help="GiB per device; warns when it will not fit"),
+        ), "Per-device memory of training a config on a mesh of --devices devices (the config's mesh, e.g. "
+           "--config.mesh.fsdp=8; -1 fills the rest). Takes --config.a.b=value overrides like train.",
+           overrides=True),
+        Command("eval", _eval, "evaluate a checkpoint on a whole split; prints one JSON object", (
+            WORKDIR,
+            opt("--step", type=int, default=None, help="checkpoint step (None: the newest that restores)"),
+            opt("--split", default="validation", choices=["train", "validation", "test"], help="split to score"),
+            opt("--output", default=None, help="also write the JSON here"),
+            opt("--source-path", default=None, help="the text file, if it moved since training"),
+            opt("--data-dir", default=None, help="the TFDS data_dir, if not the run's"),
+        )),
+        Command("sample", _sample, "generate text from a checkpoint with the KV cache", (
+            WORKDIR,
+            opt("--prompt", required=True, action="append",
+                help="text to continue (bytes; prompt + new tokens <= max_len); repeat it to decode several prompts "
+                "of any lengths in one batch (one prompt is streamed as it is made)"),
+            opt("--num-tokens", type=int, default=200, help="bytes to generate"),
+            opt("--temperature", type=float, default=0.8, help="0 = greedy"),
+            opt("--top-k", type=int, default=40, help="0 = no top-k cut"),
+            opt("--seed", type=int, default=0, help="sampling seed"),
+            STEP,
+        )),
+        Command("info", _info, "checkpoints, config, parameters per component and last metrics of a run", (
+            WORKDIR,
+            opt("--json", action="store_true", help="print JSON instead of text"),
+        )),
+    )  # fmt: skip
+
+
+def _tool_commands() -> tuple[Command, ...]:
+    """The cost table and the model tools: schemes, convert, analyze, import, export, compare."""
+    from qkvjax.convert import TARGETS
+
+    return (
+        Command("schemes", _schemes, "parameters, FLOPs and KV-cache bytes of every tying scheme", (
+            opt("--d-model", type=int, default=768, help="D, the model width"),
+            opt("--num-heads", type=int, default=12, help="N, query heads"),
+            opt("--num-kv-heads", type=int, default=None, help="K (default: num_heads)"),
+            opt("--head-dim", type=int, default=None, help="H (default: d_model // num_heads)"),
+            opt("--seq-len", type=int, default=1024, help="keys each query attends to, for the FLOPs column"),
+            opt("--dtype", default="bfloat16", help="cache dtype for the bytes column"),
+            opt("--num-layers", type=int, default=None,
+                help="L: also compare whole stacks (K = V, GQA, cross-layer K/V...)"),
+            opt("--layers", action="append", default=[], metavar="NAME=PATTERN",
+                help="a layer pattern to add to the stack table (repeatable; see qkvjax.attention.layers)"),
+        )),
+        Command("convert", _convert, "convert a checkpoint: another scheme (bilinear, shared_kv, mla), GQA, CLA", (
+            opt("--workdir", required=True, help="the run to convert"),
+            opt("--out", required=True, help="a new (or empty) folder for the converted workdir"),
+            opt("--to", default=None, choices=TARGETS,
+                help="target scheme (bilinear: exact; mla: truncated SVD, needs --rank)"),
+            opt("--rank", type=int, default=None,
+                help="latent rank R of --to mla (full rank min(D, K(H+Hv)) is exact)"),
+            opt("--rope-dim", type=int, default=None,
+                help="--to mla of a rotary model: features per head kept rotated (MHA2MLA's partial RoPE, the pairs "
+                "of highest frequency; the others lose their rotation: uptrain)"),
+            opt("--num-kv-heads", type=int, default=None, help="mean-pool kv heads to K (GQA/MQA)"),
+            opt("--cla", type=int, default=None, metavar="G",
+                help="Cross-Layer Attention: groups of G layers share K/V"),
+            STEP,
+        ), "Writes a new workdir holding a run's checkpoint converted to another tying scheme (--to), fewer K/V heads "
+           "(--num-kv-heads) or cross-layer K/V sharing (--cla), with the approximation error of each changed "
+           "projection; exact conversions (bilinear, mla at full rank) compute the same function. Uptrain the result "
+           "with `qkvjax train --workdir OUT`."),
+        Command("analyze", _analyze,
+                "how similar W^Q, W^K, W^V are, per layer, with random and mismatched-head controls", (
+            opt("--workdir", default=None, help="a qkvjax training run"),
+            opt("--step", type=int, default=None, help="checkpoint step of --workdir (default: the newest)"),
+            opt("--safetensors", default=None, help="a .safetensors file in the nn.Linear [out, in] convention"),
+            opt("--format", default=None, choices=["bert", "gpt2", "llama"], help="tensor layout of --safetensors"),
+            opt("--label", default=None, help="what to call --safetensors in the report (default: its file name)"),
+            opt("--num-heads", type=int, default=None, help="N (default: from config.json beside the file)"),
+            opt("--num-kv-heads", type=int, default=None, help="K for llama (default: config.json, else N)"),
+            opt("--json", default=None, help="write the report as JSON here"),
+            opt("--plot", default=None,
+                help="write a heat map (layers x measures, controls below) as PNG here, e.g. WORKDIR/analyze.png"),
+            opt("--seed", type=int, default=0, help="seed of the random control (default 0)"),
+            opt("--random-seeds", type=int, default=3, help="random draws averaged in the control (default 3)"),
+        ), "Basis-invariant similarity of the query, key and value projections of a qkvjax run or of safetensors "
+           "weights (bert, gpt2, llama layouts): qk/qv/kv principal-angle cosines, symmetry, trace ratio and effective "
+           "rank of W^Q (W^K)^T per head. See qkvjax/analyze.py for the definitions."),
+        Command("import", _import, "a Hugging Face model folder (gpt2, llama, mistral, qwen2, bert) as a workdir", (
+            opt("folder", help="a Hugging Face model folder (config.json + model.safetensors)"),
+            opt("--workdir", required=True, help="a new workdir"),
+            opt("--max-len", type=int, default=None, help="context of a rotary model (default: its config's)"),
+        ), "Reads config.json and the safetensors weights (sharded or not; no torch) into an ordinary workdir: "
+           "config.json, params/0 and the folder's tokenizer.json. eval, sample, info, analyze and convert read it; "
+           "train --workdir OUT --config OUT/config.json uptrains from it. BERT becomes an encoder (hidden states, no "
+           "LM head): info, analyze, convert and export read it; eval, sample and train refuse it."),
+        Command("export", _export,
+                "a workdir's model as a Hugging Face folder (gpt2 or llama layout; bert for an imported encoder)", (
+            opt("folder", help="a new folder for the Hugging Face model"),
+            opt("--workdir", required=True, help="the run to export"),
+            opt("--format", default=None, choices=["gpt2", "llama", "bert"],
+                help="default: bert if an encoder, llama if rotary, else gpt2"),
+            STEP,
+        ), "Writes config.json and model.safetensors that transformers' from_pretrained loads. Tied projections are "
+           "written out per role (the same function, without the tie's savings); schemes the layout cannot express "
+           "(bilinear, reformer_qk, mla, CLA layers, QK-norm) are refused."),
+        Command("compare", _compare,
+                "several runs side by side: scheme, params, KV cache, losses, speed; validation curves as PNG", (
+            opt("workdirs", nargs="+", metavar="DIR", help="workdirs of training runs"),
+            opt("--plot", default=None,
+                help="write the loss curves (against step and time) as PNG here, e.g. runs/compare.png"),
+            opt("--json", default=None, help="write the rows (and curves) as JSON here"),
+        )),
+    )  # fmt: skip
+
+
 def build_parser(preset=None) -> argparse.ArgumentParser:
-    """The CLI; ``preset`` (a Config) gives ``train --help``'s field list its values."""
+    """The CLI, built from :func:`commands`; ``preset`` (a Config) gives ``train --help``'s field list its values."""
     from qkvjax import __version__
 
     parser = argparse.ArgumentParser(prog="qkvjax", description=USAGE)
@@ -374,201 +548,21 @@ def build_parser(preset=None) -> argparse.ArgumentParser:
         "again (default: $JAX_COMPILATION_CACHE_DIR, else ~/.cache/qkvjax/jax; 'off' to disable)",
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    # Every option's help shows its default.
-    add_parser = sub.add_parser
-    sub.add_parser = lambda *a, **kw: add_parser(*a, formatter_class=_HelpFormatter, **kw)
-
-    p = sub.add_parser("schemes", help="parameters, FLOPs and KV-cache bytes of every tying scheme")
-    p.add_argument("--d-model", type=int, default=768, help="D, the model width")
-    p.add_argument("--num-heads", type=int, default=12, help="N, query heads")
-    p.add_argument("--num-kv-heads", type=int, default=None, help="K (default: num_heads)")
-    p.add_argument("--head-dim", type=int, default=None, help="H (default: d_model // num_heads)")
-    p.add_argument("--seq-len", type=int, default=1024, help="keys each query attends to, for the FLOPs column")
-    p.add_argument("--dtype", default="bfloat16", help="cache dtype for the bytes column")
-    p.add_argument(
-        "--num-layers", type=int, default=None, help="L: also compare whole stacks (K = V, GQA, cross-layer K/V...)"
-    )
-    p.add_argument(
-        "--layers",
-        action="append",
-        default=[],
-        metavar="NAME=PATTERN",
-        help="a layer pattern to add to the stack table (repeatable; see qkvjax.attention.layers)",
-    )
-    p.set_defaults(func=_schemes)
-
-    p = sub.add_parser(
-        "train",
-        help="train (or resume) a language model",
-        description="Train a decoder LM; rerun the same command on the same workdir to resume. "
-        "Override any config field with --config.a.b=value (e.g. --config.model.attention.scheme=shared_kv).",
-        epilog=_config_fields_epilog(preset),
-    )
-    p.add_argument(
-        "--config",
-        required=True,
-        help="a Python file with get_config(), e.g. experiments/configs/tiny.py, or a run's config.json",
-    )
-    p.add_argument("--workdir", required=True, help="checkpoints, metrics.jsonl, TensorBoard events, config.json")
-    p.add_argument("--overwrite", action="store_true", help="delete a run of another config found in --workdir")
-    g = p.add_argument_group("multi-process (one process per host; see launch/)")
-    g.add_argument("--distributed", action="store_true", help="jax.distributed.initialize() with auto-detection")
-    g.add_argument("--coordinator", default=None, help="host:port of process 0 (explicit set-up)")
-    g.add_argument(
-        "--coordinator-port",
-        type=int,
-        default=None,
-        help="port of the auto-detected coordinator with --distributed (default: the platform's, e.g. 8482 on TPU VMs)",
-    )
-    g.add_argument("--num-processes", type=int, default=None, help="processes in the run (with --coordinator)")
-    g.add_argument("--process-id", type=int, default=None, help="this process's index (with --coordinator)")
-    g.add_argument("--cpu-collectives", action="store_true", help="gloo collectives, for multi-process CPU runs")
-    g.add_argument(
-        "--distributed-timeout",
-        type=int,
-        default=300,
-        help="seconds to wait for the coordinator at start-up, and for a silent peer during the run (default 300)",
-    )
-    p.set_defaults(func=_train, takes_overrides=True)
-
-    p = sub.add_parser(
-        "plan",
-        help="memory per device of a config on N devices (parameters, optimizer, gradients, activations)",
-        description="Per-device memory of training a config on a mesh of --devices devices (the config's mesh, "
-        "e.g. --config.mesh.fsdp=8; -1 fills the rest). Takes --config.a.b=value overrides like train.",
-    )
-    p.add_argument("--config", required=True, help="a Python file with get_config()")
-    p.add_argument("--devices", type=int, required=True, help="devices in the job (chips on TPU, GPUs)")
-    p.add_argument("--per-device-memory", type=float, default=None, help="GiB per device; warns when it will not fit")
-    p.set_defaults(func=_plan, takes_overrides=True)
-
-    p = sub.add_parser("eval", help="evaluate a checkpoint on a whole split; prints one JSON object")
-    p.add_argument("--workdir", required=True, help="a training run's folder")
-    p.add_argument("--step", type=int, default=None, help="checkpoint step (None: the newest that restores)")
-    p.add_argument("--split", default="validation", choices=["train", "validation", "test"], help="split to score")
-    p.add_argument("--output", default=None, help="also write the JSON here")
-    p.add_argument("--source-path", default=None, help="the text file, if it moved since training")
-    p.add_argument("--data-dir", default=None, help="the TFDS data_dir, if not the run's")
-    p.set_defaults(func=_eval)
-
-    p = sub.add_parser("sample", help="generate text from a checkpoint with the KV cache")
-    p.add_argument("--workdir", required=True, help="a training run's folder")
-    p.add_argument(
-        "--prompt",
-        required=True,
-        action="append",
-        help="text to continue (bytes; prompt + new tokens <= max_len); repeat it to decode several prompts of any "
-        "lengths in one batch (one prompt is streamed as it is made)",
-    )
-    p.add_argument("--num-tokens", type=int, default=200, help="bytes to generate")
-    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=40, help="0 = no top-k cut")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed")
-    p.add_argument("--step", type=int, default=None, help="checkpoint step (None: the newest)")
-    p.set_defaults(func=_sample)
-
-    p = sub.add_parser("info", help="checkpoints, config, parameters per component and last metrics of a run")
-    p.add_argument("--workdir", required=True, help="a training run's folder")
-    p.add_argument("--json", action="store_true", help="print JSON instead of text")
-    p.set_defaults(func=_info)
-
-    from qkvjax.convert import TARGETS
-
-    p = sub.add_parser(
-        "convert",
-        help="convert a checkpoint: another scheme (bilinear, shared_kv, mla), GQA, CLA",
-        description="Writes a new workdir holding a run's checkpoint converted to another tying scheme (--to), fewer "
-        "K/V heads (--num-kv-heads) or cross-layer K/V sharing (--cla), with the approximation error of each changed "
-        "projection; exact conversions (bilinear, mla at full rank) compute the same function. Uptrain the result "
-        "with `qkvjax train --workdir OUT`.",
-    )
-    p.add_argument("--workdir", required=True, help="the run to convert")
-    p.add_argument("--out", required=True, help="a new (or empty) folder for the converted workdir")
-    p.add_argument(
-        "--to", default=None, choices=TARGETS, help="target scheme (bilinear: exact; mla: truncated SVD, needs --rank)"
-    )
-    p.add_argument(
-        "--rank", type=int, default=None, help="latent rank R of --to mla (full rank min(D, K(H+Hv)) is exact)"
-    )
-    p.add_argument(
-        "--rope-dim",
-        type=int,
-        default=None,
-        help="--to mla of a rotary model: features per head kept rotated (MHA2MLA's partial RoPE, the pairs of "
-        "highest frequency; the others lose their rotation: uptrain)",
-    )
-    p.add_argument("--num-kv-heads", type=int, default=None, help="mean-pool kv heads to K (GQA/MQA)")
-    p.add_argument(
-        "--cla", type=int, default=None, metavar="G", help="Cross-Layer Attention: groups of G layers share K/V"
-    )
-    p.add_argument("--step", type=int, default=None, help="checkpoint step (None: the newest)")
-    p.set_defaults(func=_convert)
-
-    p = sub.add_parser(
-        "analyze",
-        help="how similar W^Q, W^K, W^V are, per layer, with random and mismatched-head controls",
-        description="Basis-invariant similarity of the query, key and value projections of a qkvjax run or of "
-        "safetensors weights (bert, gpt2, llama layouts): qk/qv/kv principal-angle cosines, symmetry, trace ratio "
-        "and effective rank of W^Q (W^K)^T per head. See qkvjax/analyze.py for the definitions.",
-    )
-    p.add_argument("--workdir", default=None, help="a qkvjax training run")
-    p.add_argument("--step", type=int, default=None, help="checkpoint step of --workdir (default: the newest)")
-    p.add_argument("--safetensors", default=None, help="a .safetensors file in the nn.Linear [out, in] convention")
-    p.add_argument("--format", default=None, choices=["bert", "gpt2", "llama"], help="tensor layout of --safetensors")
-    p.add_argument("--label", default=None, help="what to call --safetensors in the report (default: its file name)")
-    p.add_argument("--num-heads", type=int, default=None, help="N (default: from config.json beside the file)")
-    p.add_argument("--num-kv-heads", type=int, default=None, help="K for llama (default: config.json, else N)")
-    p.add_argument("--json", default=None, help="write the report as JSON here")
-    p.add_argument(
-        "--plot",
-        default=None,
-        help="write a heat map (layers x measures, controls below) as PNG here, e.g. WORKDIR/analyze.png",
-    )
-    p.add_argument("--seed", type=int, default=0, help="seed of the random control (default 0)")
-    p.add_argument("--random-seeds", type=int, default=3, help="random draws averaged in the control (default 3)")
-    p.set_defaults(func=_analyze)
-
-    p = sub.add_parser(
-        "import",
-        help="a Hugging Face model folder (gpt2, llama, mistral, qwen2, bert) as a workdir",
-        description="Reads config.json and the safetensors weights (sharded or not; no torch) into an ordinary "
-        "workdir: config.json, params/0 and the folder's tokenizer.json. eval, sample, info, analyze and convert "
-        "read it; train --workdir OUT --config OUT/config.json uptrains from it. BERT becomes an encoder "
-        "(hidden states, no LM head): info, analyze, convert and export read it; eval, sample and train refuse it.",
-    )
-    p.add_argument("folder", help="a Hugging Face model folder (config.json + model.safetensors)")
-    p.add_argument("--workdir", required=True, help="a new workdir")
-    p.add_argument("--max-len", type=int, default=None, help="context of a rotary model (default: its config's)")
-    p.set_defaults(func=_import)
-
-    p = sub.add_parser(
-        "export",
-        help="a workdir's model as a Hugging Face folder (gpt2 or llama layout; bert for an imported encoder)",
-        description="Writes config.json and model.safetensors that transformers' from_pretrained loads. Tied "
-        "projections are written out per role (the same function, without the tie's savings); schemes the layout "
-        "cannot express (bilinear, reformer_qk, mla, CLA layers, QK-norm) are refused.",
-    )
-    p.add_argument("folder", help="a new folder for the Hugging Face model")
-    p.add_argument("--workdir", required=True, help="the run to export")
-    p.add_argument(
-        "--format",
-        default=None,
-        choices=["gpt2", "llama", "bert"],
-        help="default: bert if an encoder, llama if rotary, else gpt2",
-    )
-    p.add_argument("--step", type=int, default=None, help="checkpoint step (None: the newest)")
-    p.set_defaults(func=_export)
-
-    p = sub.add_parser(
-        "compare",
-        help="several runs side by side: scheme, params, KV cache, losses, speed; validation curves as PNG",
-    )
-    p.add_argument("workdirs", nargs="+", metavar="DIR", help="workdirs of training runs")
-    p.add_argument(
-        "--plot", default=None, help="write the loss curves (against step and time) as PNG here, e.g. runs/compare.png"
-    )
-    p.add_argument("--json", default=None, help="write the rows (and curves) as JSON here")
-    p.set_defaults(func=_compare)
+    for command in commands():
+        extra = {} if command.description is None else {"description": command.description}
+        if command.name == "train":
+            extra["epilog"] = _config_fields_epilog(preset)
+        # Every option's help shows its default.
+        p = sub.add_parser(command.name, help=command.help, formatter_class=_HelpFormatter, **extra)
+        for item in command.options:
+            if isinstance(item, Option):
+                p.add_argument(*item.flags, **item.kwargs)
+                continue
+            title, options = item
+            group = p.add_argument_group(title)
+            for option in options:
+                group.add_argument(*option.flags, **option.kwargs)
+        p.set_defaults(func=command.func, **({"takes_overrides": True} if command.overrides else {}))
     return parser
 
 
@@ -579,7 +573,7 @@ def _help_preset(rest: list[str], overrides: dict[str, str]):
     path = next((a.split("=", 1)[1] for a in rest if a.startswith("--config=")), None)
     if path is None and "--config" in rest[:-1]:
         path = rest[rest.index("--config") + 1]
-    from qkvjax.train.config import apply_overrides, load_config_file
+    from qkvjax.config import apply_overrides, load_config_file
 
     try:
         return apply_overrides(load_config_file(path), overrides) if path else None

@@ -161,8 +161,8 @@ def latent_attention_params(att: dict, cfg: AttentionConfig, rank: int, rope_dim
     } | {name: jnp.asarray(w, dtype) for name, w in rotary.items()}
     if cfg.use_bias:  # b_k: q . b_k is the same for every key, so the softmax drops it; b_v passes to the output
         out["b_q"] = att["b_" + scheme.group_of("q")]
-        b_v = np.repeat(np.asarray(att["b_" + scheme.group_of("v")], np.float64), cfg.group_size, axis=0)  # KV->NV
-        shift = np.einsum("NV,NVD->D", b_v, np.asarray(att["w_o"], np.float64))
+        b_v = np.repeat(np.asarray(att["b_" + scheme.group_of("v")], np.float64), cfg.group_size, axis=0)  # KU -> NU
+        shift = np.einsum("NU,NUD->D", b_v, np.asarray(att["w_o"], np.float64))
         out["b_o"] = jnp.asarray(np.asarray(att["b_o"], np.float64) + shift, dtype)
     elif "b_o" in att:
         out["b_o"] = att["b_o"]
@@ -194,7 +194,7 @@ def _value_output_error(approx_v: np.ndarray, w_v: np.ndarray, w_o: np.ndarray, 
     """``sqrt(sum_n |(V' - W^V) W^O_n|_F^2 / sum_n |W^V W^O_n|_F^2)`` over query heads n (kv head n // G);
     ``approx_v``, ``w_v``: (D, K, Hv), ``w_o``: (N, Hv, D)."""
     per_head = lambda w: np.repeat(w, g, axis=1)  # noqa: E731 (D, K, .) -> (D, N, .)
-    ov = lambda w: np.einsum("DNV,NVE->NDE", per_head(w), w_o)  # noqa: E731
+    ov = lambda w: np.einsum("DNU,NUE->NDE", per_head(w), w_o)  # noqa: E731
     return float(np.sqrt(np.sum(ov(approx_v - w_v) ** 2) / np.sum(ov(w_v) ** 2)))
 
 
@@ -212,15 +212,15 @@ def shared_kv_attention_params(att: dict, cfg: AttentionConfig) -> tuple[dict, f
     w_o = np.asarray(att["w_o"], np.float64)  # (N, Hv, D)
     g = cfg.group_size
     c = _lstsq_heads(w_k, w_v)  # (K, H, Hv)
-    c_n = np.repeat(c, g, axis=0)  # KHV -> NHV: query head n reads kv head n // G
-    error = _value_output_error(np.einsum("DKH,KHV->DKV", w_k, c), w_v, w_o, g)
+    c_n = np.repeat(c, g, axis=0)  # KHU -> NHU: query head n reads kv head n // G
+    error = _value_output_error(np.einsum("DKH,KHU->DKU", w_k, c), w_v, w_o, g)
     dtype = att["w_o"].dtype
-    out = {"w_q": att["w_q"], "w_kv": att["w_k"], "w_o": jnp.asarray(np.einsum("NHV,NVD->NHD", c_n, w_o), dtype)}
+    out = {"w_q": att["w_q"], "w_kv": att["w_k"], "w_o": jnp.asarray(np.einsum("NHU,NUD->NHD", c_n, w_o), dtype)}
     if cfg.use_bias:
         b_k, b_v = np.asarray(att["b_k"], np.float64), np.asarray(att["b_v"], np.float64)  # (K, H), (K, Hv)
-        shift = b_v - np.einsum("KH,KHV->KV", b_k, c)  # constant in every value: passes through the softmax
+        shift = b_v - np.einsum("KH,KHU->KU", b_k, c)  # constant in every value: passes through the softmax
         out |= {"b_q": att["b_q"], "b_kv": att["b_k"]}
-        out["b_o"] = jnp.asarray(np.asarray(att["b_o"]) + np.einsum("NV,NVD->D", np.repeat(shift, g, 0), w_o), dtype)
+        out["b_o"] = jnp.asarray(np.asarray(att["b_o"]) + np.einsum("NU,NUD->D", np.repeat(shift, g, 0), w_o), dtype)
     return out, float(error)
 
 
@@ -241,19 +241,19 @@ def cross_layer_attention_params(att: dict, donor: dict, cfg: AttentionConfig) -
     b = np.repeat(fit(f64("w_k", donor), f64("w_k")), g, axis=0)  # (N, H, H): k_i ~ k_d B
     c = np.repeat(_lstsq_heads(f64("w_v", donor), f64("w_v")), g, axis=0)  # (N, Hv, Hv): v_i ~ v_d C
     w_o = f64("w_o")
-    key_error = np.linalg.norm(np.einsum("DKG,KGH->DKH", f64("w_k", donor), b[::g]) - f64("w_k")) / np.linalg.norm(
+    key_error = np.linalg.norm(np.einsum("DKJ,KJH->DKH", f64("w_k", donor), b[::g]) - f64("w_k")) / np.linalg.norm(
         f64("w_k")
     )
-    value_error = _value_output_error(np.einsum("DKU,KUV->DKV", f64("w_v", donor), c[::g]), f64("w_v"), w_o, g)
+    value_error = _value_output_error(np.einsum("DKJ,KJU->DKU", f64("w_v", donor), c[::g]), f64("w_v"), w_o, g)
     dtype = att["w_o"].dtype
     out = {
-        "w_q": jnp.asarray(np.einsum("DNH,NGH->DNG", f64("w_q"), b), dtype),  # q . (k_d B) = (B q) . k_d
-        "w_o": jnp.asarray(np.einsum("NUV,NVD->NUD", c, w_o), dtype),
+        "w_q": jnp.asarray(np.einsum("DNH,NJH->DNJ", f64("w_q"), b), dtype),  # q . (k_d B) = (B q) . k_d
+        "w_o": jnp.asarray(np.einsum("NJU,NUD->NJD", c, w_o), dtype),
     }
     if cfg.use_bias:
-        out["b_q"] = jnp.asarray(np.einsum("NH,NGH->NG", f64("b_q"), b), dtype)
-        shift = f64("b_v") - np.einsum("KU,KUV->KV", f64("b_v", donor), c[::g])  # passes through the softmax
-        out["b_o"] = jnp.asarray(f64("b_o") + np.einsum("NV,NVD->D", np.repeat(shift, g, 0), w_o), dtype)
+        out["b_q"] = jnp.asarray(np.einsum("NH,NJH->NJ", f64("b_q"), b), dtype)
+        shift = f64("b_v") - np.einsum("KJ,KJU->KU", f64("b_v", donor), c[::g])  # passes through the softmax
+        out["b_o"] = jnp.asarray(f64("b_o") + np.einsum("NU,NUD->D", np.repeat(shift, g, 0), w_o), dtype)
     elif "b_o" in att:
         out["b_o"] = att["b_o"]
     return out, float(key_error), float(value_error)
@@ -389,13 +389,21 @@ def convert_workdir(
     """Writes a new workdir whose checkpoint holds the converted params (fresh optimizer state, same step and
     data position), so ``qkvjax eval`` / ``sample`` / ``train`` (to uptrain) all work on it. ``errors``: as in
     :func:`convert`."""
+    from qkvjax.config import to_dict, to_json
     from qkvjax.evaluate import restore_params
-    from qkvjax.hf import SPECIAL_IDS_FILE
-    from qkvjax.hf.folder import TOKENIZER
     from qkvjax.train import checkpoint
-    from qkvjax.train.config import to_dict, to_json
     from qkvjax.train.state import TrainState, make_optimizer
-    from qkvjax.workdir import CONFIG_FILE, export_params, params_only, path, require_empty, whole_or_absent, write_text
+    from qkvjax.workdir import (
+        CONFIG_FILE,
+        SPECIAL_IDS_FILE,
+        TOKENIZER,
+        export_params,
+        params_only,
+        path,
+        require_empty,
+        whole_or_absent,
+        write_text,
+    )
 
     if to is None and num_kv_heads is None and cross_layer is None:
         raise ValueError("nothing to convert: pass --to SCHEME, --num-kv-heads K and/or --cla G")

@@ -10,11 +10,11 @@ import flax.linen as nn
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from qkvjax.config import Config, MeshConfig, from_dict, require_decoder
 from qkvjax.data import SPLITS
 from qkvjax.data.tokenizer import check_vocab, load_tokenizer, tokenize_splits
 from qkvjax.models.encoder import model_of
 from qkvjax.train import checkpoint
-from qkvjax.train.config import Config, MeshConfig, from_dict, require_decoder
 from qkvjax.train.mesh import batch_sharding, make_mesh
 from qkvjax.train.state import abstract_state, make_optimizer
 from qkvjax.train.step import make_eval_step, mean_loss

@@ -12,10 +12,10 @@ import jax.numpy as jnp
 from etils import epath
 
 from qkvjax.attention import stack_cost
+from qkvjax.config import to_dict
 from qkvjax.evaluate import resolve_step
 from qkvjax.models.encoder import EncoderConfig, model_of, parameter_count
 from qkvjax.train import checkpoint
-from qkvjax.train.config import to_dict
 from qkvjax.workdir import exported_steps, load_config, params_only, path, read_metrics
 
 

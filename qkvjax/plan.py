@@ -29,8 +29,8 @@ import flax.linen as nn
 import jax
 import numpy as np
 
+from qkvjax.config import Config, MeshConfig
 from qkvjax.models.lm import DecoderLM, param_count
-from qkvjax.train.config import Config, MeshConfig
 from qkvjax.train.mesh import mesh_shape, partition_spec
 from qkvjax.train.state import abstract_state, make_optimizer
 

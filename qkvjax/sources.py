@@ -149,8 +149,8 @@ def initial_params(workdir: str, config):
     from qkvjax.workdir import exported_steps
 
     if 0 in exported_steps(workdir):  # imported at step 0 (trained since or not)
+        from qkvjax.config import MeshConfig
         from qkvjax.evaluate import _restore_exported
-        from qkvjax.train.config import MeshConfig
         from qkvjax.train.mesh import make_mesh
 
         return _restore_exported(workdir, 0, make_mesh(MeshConfig(data=-1, fsdp=1, tensor=1)))[1]

@@ -30,13 +30,15 @@ import uuid
 
 from etils import epath
 
-from qkvjax.train.config import Config, from_dict
+from qkvjax.config import Config, from_dict
 
 CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"
 DAMAGED_DIR = "checkpoints_damaged"  # steps moved aside on evidence of damage (never deleted)
 DATA_FILE = "data.json"  # the sha256 of the text a run trains on, to notice a corpus replaced under the same path
 REPLACED_PREFIX = "replaced-"  # a run --overwrite replaces, kept until the new run's first checkpoint
+TOKENIZER = "tokenizer.json"  # a run's (or an imported model's) tokenizer, in the Hugging Face format
+SPECIAL_IDS_FILE = "special_tokens.json"  # an imported model's bos/eos/pad ids, written back by export
 IMPORTED_STEP = 0  # ``params/0``: an imported model (training exports params at steps >= 1 only)
 
 

@@ -84,7 +84,7 @@ def _leaf_fields(cls, prefix=""):
 def test_train_help_lists_every_config_field_with_type_default_and_meaning(capsys):
     import pytest
 
-    from qkvjax.train.config import Config, describe_fields
+    from qkvjax.config import Config, describe_fields
     from tests.helpers import TINY
 
     rows = describe_fields()

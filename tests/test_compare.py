@@ -12,8 +12,8 @@ import pytest
 from experiments import compare_schemes
 from experiments.compare_schemes import MATCHINGS, kv_cache_bytes, matched_config, plan
 from qkvjax import SCHEMES
+from qkvjax.config import load_config_file
 from qkvjax.models.lm import param_count
-from qkvjax.train.config import load_config_file
 from tests.helpers import REPO, TINY, xla_flags
 
 STRICT_DTYPE_PROMOTION = False  # optax
@@ -131,7 +131,7 @@ def test_bad_arguments_fail_before_training(tmp_path, small_text, data_dir, caps
 def test_rows_stated_outright_run_as_given_with_their_own_accounting(tmp_path, small_text, data_dir, capsys):
     """Layer patterns and options per row (CLA, K = V with Gemma's norms): params and cache bytes equal the
     accounting of each row's own config; a rerun trains nothing."""
-    from qkvjax.train.config import apply_overrides
+    from qkvjax.config import apply_overrides
 
     out = tmp_path / "rows"
     rows = {
@@ -191,7 +191,7 @@ def test_rows_files_and_plan_only_print_the_bill_and_train_nothing(tmp_path, sma
 def test_the_committed_mechanism_rows_build_at_the_middle_size_with_the_caches_they_claim():
     """experiments/configs/rows_*.txt against scaling_middle.py: every row a valid model, the equal-cache rows at
     exactly 1/2 or 1/4 of separate's cache as their comments say, the Reformer rows at separate's (no training)."""
-    from qkvjax.train.config import apply_overrides
+    from qkvjax.config import apply_overrides
 
     base = load_config_file(str(REPO / "experiments" / "configs" / "scaling_middle.py"))
     full = kv_cache_bytes(base)

@@ -9,9 +9,9 @@ import pytest
 from qkvjax import Attention, AttentionConfig
 from qkvjax.attention.costs import layout_table, stack_cost
 from qkvjax.attention.layers import expand
+from qkvjax.config import Config, apply_overrides
 from qkvjax.models.lm import DecodeCache, DecoderLM, ModelConfig, kv_cache_bytes_per_token, param_count
 from qkvjax.sample import generate, generate_batch
-from qkvjax.train.config import Config, apply_overrides
 
 B, T, D, V, L = 3, 7, 10, 11, 4
 
@@ -232,7 +232,7 @@ def test_the_readme_patterns_fit_the_presets_the_first_hour_trains():
     only repeat to fill, on tiny (2 layers, 4 heads) too; and '*' that cannot fill says so."""
     import re
 
-    from qkvjax.train.config import load_config_file
+    from qkvjax.config import load_config_file
     from tests.helpers import REPO, TINY
 
     text = (REPO / "README.md").read_text()

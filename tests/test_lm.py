@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from qkvjax import SCHEMES, AttentionConfig
+from qkvjax.config import MeshConfig
 from qkvjax.models.lm import DecodeCache, DecoderLM, ModelConfig, param_count
-from qkvjax.train.config import MeshConfig
 from qkvjax.train.mesh import make_mesh, shardings_for
 
 B, T, D, V = 3, 7, 10, 11
@@ -157,7 +157,7 @@ def test_the_training_loss_is_the_float64_cross_entropy_of_the_model_logits():
 def test_training_learns_a_deterministic_sequence_below_the_bound_of_its_alphabet():
     """Bytes that step through a cycle of 5 symbols from a random offset: 120 steps of the real train step
     must take the loss from about ln V to well below ln 5, what knowing only the alphabet would give."""
-    from qkvjax.train.config import Config, TrainConfig
+    from qkvjax.config import Config, TrainConfig
     from qkvjax.train.state import create_state, make_optimizer
     from qkvjax.train.step import make_train_step
 

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 
+from qkvjax.config import apply_overrides, load_config_file
 from qkvjax.models.lm import REMAT_POLICIES, DecoderLM, param_count
 from qkvjax.plan import GIB, activation_bytes, plan
-from qkvjax.train.config import apply_overrides, load_config_file
 from qkvjax.train.mesh import make_mesh, shardings_for
 from qkvjax.train.state import abstract_state, make_optimizer
 from tests.helpers import REPO, TINY, run_in_process

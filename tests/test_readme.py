@@ -50,6 +50,9 @@ def test_first_hour_commands_run_as_written(clone):
     result = json.loads(_out(rows, "qkvjax eval"))
     assert result["split"] == "test" and result["loss"] > 0
     assert _out(rows, 'qkvjax sample --workdir runs/shakespeare_char --prompt "ROMEO:"').startswith("ROMEO:")
+    for run in ("shakespeare_char", "shared_kv"):  # the compare plot's validation curves have a shape, not 2 points
+        evals = [json.loads(line) for line in (clone / "runs" / run / "metrics.jsonl").read_text().splitlines()]
+        assert sum(1 for r in evals if r.get("eval")) >= 5
     table = _out(rows, "qkvjax compare")
     assert "shakespeare_char" in table and "shared_kv" in table
     assert (clone / "runs" / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

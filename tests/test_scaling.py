@@ -15,8 +15,8 @@ import jax
 import pytest
 
 from experiments import build_corpus, scaling
+from qkvjax.config import DataConfig
 from qkvjax.models.lm import DecoderLM, param_count
-from qkvjax.train.config import DataConfig
 from tests.helpers import REPO, xla_flags
 
 STRICT_DTYPE_PROMOTION = False  # optax

@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from qkvjax.config import apply_overrides, load_config_file
 from qkvjax.models.lm import DecoderLM, param_count
-from qkvjax.train.config import apply_overrides, load_config_file
 from tests.helpers import TINY
 
 try:

@@ -12,8 +12,8 @@ import jax
 import numpy as np
 import pytest
 
+from qkvjax.config import apply_overrides, load_config_file
 from qkvjax.train import checkpoint
-from qkvjax.train.config import apply_overrides, load_config_file
 from qkvjax.train.loop import train
 from tests.helpers import (
     REPO,
@@ -247,8 +247,8 @@ def test_a_run_written_before_a_config_field_existed_still_resumes(tmp_path):
     read as their defaults, which the run was trained with; a real change of such a field is still refused."""
     import json
 
+    from qkvjax.config import to_dict
     from qkvjax.train.checks import check_resume, check_workdir
-    from qkvjax.train.config import to_dict
 
     config = load_config_file(TINY)
     old = to_dict(config)

@@ -5,7 +5,7 @@ The learning rate (2e-3, cosine to 10%) was set once for ``separate`` before any
 same for every scheme: nothing here is tuned per scheme.
 """
 
-from qkvjax.train.config import AttentionConfig, Config, DataConfig, ModelConfig, TrainConfig
+from qkvjax.config import AttentionConfig, Config, DataConfig, ModelConfig, TrainConfig
 
 
 def get_config() -> Config:

@@ -1,7 +1,7 @@
 """compare_gpu: the scheme comparison's GPU model (8 layers, 8 heads, d_model 512, context 1024, about 25M
 parameters, bfloat16) for one H100/H200-class GPU: 5,000 steps of 32 x 1024 tokens per run."""
 
-from qkvjax.train.config import AttentionConfig, Config, DataConfig, ModelConfig, TrainConfig
+from qkvjax.config import AttentionConfig, Config, DataConfig, ModelConfig, TrainConfig
 
 
 def get_config() -> Config:

@@ -1,7 +1,7 @@
 """gpt2_medium: GPT-2 355M's shape (24 layers, 16 heads, d_model 1024, context 1024), byte-level vocabulary
 (about 300M parameters: the byte vocabulary has no 50k-entry embedding)."""
 
-from qkvjax.train.config import AttentionConfig, Config, DataConfig, ModelConfig, TrainConfig
+from qkvjax.config import AttentionConfig, Config, DataConfig, ModelConfig, TrainConfig
 
 
 def get_config() -> Config:

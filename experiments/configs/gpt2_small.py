@@ -1,6 +1,6 @@
 """gpt2_small: GPT-2 124M's shape (12 layers, 12 heads, d_model 768, context 1024), byte-level vocabulary."""
 
-from qkvjax.train.config import AttentionConfig, Config, DataConfig, ModelConfig, TrainConfig
+from qkvjax.config import AttentionConfig, Config, DataConfig, ModelConfig, TrainConfig
 
 
 def get_config() -> Config:

@@ -16,8 +16,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: experiments.scaling
 
 from experiments.scaling import size_config  # noqa: E402
+from qkvjax.config import Config, DataConfig  # noqa: E402
 from qkvjax.models.lm import param_count  # noqa: E402
-from qkvjax.train.config import Config, DataConfig  # noqa: E402
 
 D_MODEL, LEARNING_RATE, TOKENS_PER_PARAM = 96, 4e-3, 10.0
 

@@ -9,7 +9,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from scaling_middle import config_at  # noqa: E402
 
-from qkvjax.train.config import Config  # noqa: E402
+from qkvjax.config import Config  # noqa: E402
 
 
 def get_config() -> Config:

@@ -1,6 +1,6 @@
 """shakespeare_char: nanoGPT's character-level Shakespeare model (6 layers, 6 heads, d_model 384, context 256)."""
 
-from qkvjax.train.config import AttentionConfig, Config, DataConfig, ModelConfig, TrainConfig
+from qkvjax.config import AttentionConfig, Config, DataConfig, ModelConfig, TrainConfig
 
 
 def get_config() -> Config:

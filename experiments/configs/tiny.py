@@ -1,6 +1,6 @@
 """tiny: a two-layer model for tests and smoke runs (seconds on a CPU)."""
 
-from qkvjax.train.config import AttentionConfig, Config, DataConfig, ModelConfig, TrainConfig
+from qkvjax.config import AttentionConfig, Config, DataConfig, ModelConfig, TrainConfig
 
 
 def get_config() -> Config:

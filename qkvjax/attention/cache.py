@@ -24,40 +24,52 @@ FRESH, CACHED = "BSKH", "BKSH"  # the two layouts of a K/V group's tensor
 class KV:
     """The keys and values a layer attends over, as its scheme's K/V groups produced them: ``tensors`` maps each
     group (``"k"``, ``"v"``, ``"kv"``; ``"x"`` (B, S, D) for a bilinear key side; ``"latent"`` and ``"k_rope"`` for
-    a latent scheme) to an array. A key-only group ``"k"`` holds finished keys (QK-norm and rotary applied); every
-    other group is raw (norms and rotary on read).
+    a latent scheme) to an array. A key-only tensor (``"k"``, ``"k_rope"``) holds finished keys (QK-norm and rotary
+    applied, :attr:`Scheme.keys_finished_at_write`); every other group is raw (norms and rotary on read).
 
-    Two layouts, told apart by ``start`` (:attr:`layout`; build them with :meth:`fresh` and :meth:`cached`):
+    ``layout`` says which of two kinds it is (build them with :meth:`fresh` and :meth:`cached`):
 
-    * fresh (``start`` None): made by this forward pass, (B, S, K, H), at the query positions (``FRESH``);
-    * a decode cache (``start`` (B,) int): (B, K, S, H) over S slots (``CACHED``), where row b's current queries
-      sit at positions start_b + t and every slot before them is filled; slot s is visible to a query at position
-      p when s <= p (so prompts of different lengths decode together, each row at its own position).
+    * ``FRESH``: made by this forward pass, a group's tensor (B, S, K, H), at the query positions; ``start`` None;
+    * ``CACHED``: a decode cache, (B, K, S, H) over S slots, with ``start`` (B,) int: row b's current queries sit at
+      positions start_b + t and every slot before them is filled; slot s is visible to a query at position p when
+      s <= p (so prompts of different lengths decode together, each row at its own position).
+
+    Per-token tensors (``"x"``, ``"latent"``, a shared ``"k_rope"``) are (B, S, C) in both. ``KV(tensors, start)``
+    without a layout (the positional form) is a cache when ``start`` is given.
     """
 
     tensors: dict[str, Array]
     start: Array | None = None
+    layout: str | None = flax.struct.field(pytree_node=False, default=None)
+
+    def __post_init__(self):
+        if self.layout is None:  # KV(tensors) or KV(tensors, start): the layout follows from the start
+            object.__setattr__(self, "layout", FRESH if self.start is None else CACHED)
+        if self.layout not in (FRESH, CACHED):
+            raise ValueError(f"KV.layout={self.layout!r}; allowed: {FRESH!r} (fresh) or {CACHED!r} (cached)")
 
     @classmethod
     def fresh(cls, tensors: dict[str, Array]) -> KV:
-        return cls(tensors)
+        return cls(tensors, None, FRESH)
 
     @classmethod
     def cached(cls, tensors: dict[str, Array], start: Array) -> KV:
-        return cls(tensors, start)
+        return cls(tensors, start, CACHED)
 
     @property
     def is_cache(self) -> bool:
-        return self.start is not None
-
-    @property
-    def layout(self) -> str:
-        """How a K/V group's 4-d tensor is laid out: ``FRESH`` (B, S, K, H) or ``CACHED`` (B, K, S, H)."""
-        return CACHED if self.is_cache else FRESH
+        return self.layout == CACHED
 
     @property
     def seq_axis(self) -> int:
+        """The slot axis S of a group's 4-d tensor (per-token 3-d tensors: axis 1)."""
         return self.layout.index("S")
+
+    @property
+    def length(self) -> int:
+        """S, the key slots."""
+        tensor = next(iter(self.tensors.values()))
+        return tensor.shape[self.seq_axis if tensor.ndim == 4 else 1]
 
 
 def cache_shapes(config: AttentionConfig, d_model: int, length: int) -> dict[str, tuple[int, ...]]:
@@ -85,8 +97,7 @@ def write(cache: KV, new: dict[str, Array], t: int) -> KV:
     written at each row's start; the positions of the ``t`` new tokens, per row, are start_b .. start_b + t - 1."""
     if set(new) != set(cache.tensors):
         raise ValueError(f"the cache holds {sorted(cache.tensors)} but this layer makes {sorted(new)}")
-    length = next(iter(cache.tensors.values())).shape[-2]
-    start = cache.start
+    length, start = cache.length, cache.start
     if not isinstance(start, jax.core.Tracer) and int(jnp.max(start)) + t > length:  # under jit the caller checks
         raise ValueError(
             f"decoding {t} more position(s) at cache index {int(jnp.max(start))} overflows the cache of {length} "

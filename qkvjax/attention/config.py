@@ -46,7 +46,7 @@ class AttentionConfig:
       dtype: compute dtype; softmax is always taken in float32 (float64, with ``jax_enable_x64``, is for
         references computed on the host: its matmuls run in float64, its softmax, norms and rotary in float32).
       param_dtype: dtype of the parameters.
-      relative_bias: R > 0 adds a learned bias per head and relative offset, b_n(clip(s - t, -R, R)), to every
+      relative_bias: M > 0 adds a learned bias per head and relative offset, b_n(clip(s - t, -M, M)), to every
         score (a T5-style term without buckets, Raffel et al. 2020). b(d) and b(-d) are separate, so it breaks the
         symmetry s(t, s) = s(s, t) of shared-QK scores; 0 (default) is off.
       qk_norm: RMS-normalise queries and keys over the head dim, each with a learned (H,) scale, before rotary

@@ -32,13 +32,13 @@ def dense(x: Array, w: Array, contract: int = 1) -> Array:
 
 
 def project(x: Array, kernels: Sequence[Array], biases: Sequence[Array] | None = None) -> list[Array]:
-    """Each distinct projection of one input once: ``BTD,DCH->BTCH`` per kernel (C = N or K heads).
+    """Each distinct projection of one input once: ``BTD,DNH->BTNH`` per kernel (``BTD,DKH->BTKH`` for a K/V group).
 
     One einsum over the kernels concatenated on heads was slower (forward + backward) on the CPU: the
     concatenation and the split of its gradient cost more than the one larger matmul saves
     (``benchmarks/attention_layouts.py``).
     """
-    ys = [dense(x, w) for w in kernels]  # BTD,DCH->BTCH
+    ys = [dense(x, w) for w in kernels]  # BTD,DNH->BTNH
     if biases is not None:
         ys = [y + b[None, None] for y, b in zip(ys, biases, strict=True)]
     return ys
@@ -101,14 +101,14 @@ def causal_mask(q_pos: Array, k_pos: Array) -> Array:
 
 
 def fold_queries(x: Array, num_kv_heads: int) -> Array:
-    """(B, T, N, E) -> (B, K, T * G, E)."""
+    """(B, T, N, H) -> (B, K, Q, H), Q = T * G (any last axis: H, P, E)."""
     b, t, n, e = x.shape
     g = n // num_kv_heads
     return x.reshape(b, t, num_kv_heads, g, e).transpose(0, 2, 1, 3, 4).reshape(b, num_kv_heads, t * g, e)
 
 
 def unfold_queries(x: Array, t: int) -> Array:
-    """(B, K, T * G, H) -> (B, T, N, H)."""
+    """(B, K, Q, U) -> (B, T, N, U), Q = T * G."""
     b, kv, q, h = x.shape
     return x.reshape(b, kv, t, q // t, h).transpose(0, 2, 1, 3, 4).reshape(b, t, kv * (q // t), h)
 
@@ -143,12 +143,12 @@ def bilinear_logits(x_q: Array, w_qk: Array, x_kv: Array, num_kv_heads: int, hea
 
 
 def relative_bias(table: Array, q_pos: Array, k_pos: Array, num_kv_heads: int) -> Array:
-    """A learned score bias per head and relative offset, b_n(clip(s - t, -R, R)): table (N, 2R + 1), positions
+    """A learned score bias per head and relative offset, b_n(clip(s - t, -M, M)): table (N, 2M + 1), positions
     (B|1, T), (B|1, S) -> (B|1, K, T * G, S), folded like the logits. b(d) and b(-d) are separate parameters, so
     the term is asymmetric in (t, s)."""
     n, width = table.shape
-    r = (width - 1) // 2
-    offsets = jnp.clip(k_pos[:, None, :] - q_pos[:, :, None], -r, r) + r  # (B, T, S) in [0, 2R]
+    m = (width - 1) // 2
+    offsets = jnp.clip(k_pos[:, None, :] - q_pos[:, :, None], -m, m) + m  # (B, T, S) in [0, 2M]
     bias = jnp.take(table, offsets, axis=1).transpose(1, 0, 2, 3)  # NBTS -> BNTS
     return grouped(bias, num_kv_heads, n // num_kv_heads)
 
@@ -226,7 +226,7 @@ def chunked_attention(
     def step(carry, block):
         m, l, acc = carry
         kb, vb, ib, mb = block
-        logits = jnp.einsum("BKQH,BCKH->BKQC", qf, kb).astype(jnp.float32)
+        logits = jnp.einsum("BKQH,BSKH->BKQS", qf, kb).astype(jnp.float32)
         ok = (ib >= 0)[:, None, None, :]
         if causal:
             ok = ok & (ib[:, None, None, :] <= q_rows[:, None, :, None])
@@ -237,7 +237,7 @@ def chunked_attention(
         p = jnp.exp(logits - m_new[..., None])
         scale = jnp.exp(m - m_new)
         l = l * scale + p.sum(-1)
-        acc = acc * scale[..., None] + jnp.einsum("BKQC,BCKH->BKQH", p.astype(vb.dtype), vb).astype(jnp.float32)
+        acc = acc * scale[..., None] + jnp.einsum("BKQS,BSKU->BKQU", p.astype(vb.dtype), vb).astype(jnp.float32)
         return (m_new, l, acc), None
 
     q_len = qf.shape[2]
@@ -325,5 +325,6 @@ def block_logits(q: Array, k: Array):
 
 
 def mix_values(weights: Array, v: Array, t: int, kv_layout: str = "BSKH") -> Array:
-    """Weighted sum of values: weights (B, K, T * G, S), v laid out as ``kv_layout`` -> (B, T, N, H)."""
-    return unfold_queries(jnp.einsum(f"BKQS,{kv_layout}->BKQH", weights.astype(v.dtype), v), t)
+    """Weighted sum of values: weights (B, K, T * G, S), v laid out as ``kv_layout`` (with U for H) -> (B, T, N, U)."""
+    v_layout = kv_layout.replace("H", "U")  # BSKU or BKSU
+    return unfold_queries(jnp.einsum(f"BKQS,{v_layout}->BKQU", weights.astype(v.dtype), v), t)

@@ -1,10 +1,14 @@
-"""Scores and mixing: one attention call's queries, keys, values and masks (:class:`Scores`), and the five ways
-to compute ``softmax(scores) V`` from them, a table of named kernels (:data:`KERNELS`) tried in order.
+"""Stage 4, scores and mixing: what one attention call reads (:class:`Inputs`: :class:`Queries`, :class:`Slots`,
+:class:`Rules`, :class:`How`) and the six ways to compute ``softmax(scores) V`` from it, a table of named kernels
+(:data:`KERNELS`) tried in order; :func:`choose` says which one runs.
 
-Every kernel computes the same function up to float rounding (tested against :func:`attend` on the same
-inputs); they differ in what they hold and skip:
+Every kernel computes the same function up to float rounding (``tests/test_kernels.py`` runs each against a
+float64 reference on the inputs its ``applies`` test accepts); they differ in what they hold and skip:
 
 ========== ==============================================================================================
+absorbed   a latent scheme's decode cache (:class:`Absorbed`): queries taken into the latent space, scores
+           against the cached latents, W^UV after mixing (DeepSeek-V2's absorbed form); over a prefix of
+           slots as ``prefix`` below when that kernel's rule holds. Decoding MLA.
 chunked    ``implementation='chunked'``, plain q.k scores over fresh keys: blocks of keys with an online
            softmax, never the (T, S) scores (:func:`core.chunked_attention`). Long contexts, large batches.
 blocks     causal self-attention over fresh keys with no other mask (any score function, einsum path):
@@ -17,159 +21,273 @@ einsum     everything else this package computes itself (:func:`attend`): custom
 xla        plain q.k scores with nothing above: ``jax.nn.dot_product_attention`` picks (cuDNN flash
            attention with ``implementation='cudnn'``).
 ========== ==============================================================================================
+
+Every kernel that normalises whole rows of scores does it through :func:`weights`, the one masked softmax (and
+the one place analysis collects logits and weights); ``chunked`` and ``blocks`` normalise blocks on the fly.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 
 import jax
 from jax import Array
+from jaxtyping import Bool, Float, Int
 
 from qkvjax.attention import core
-from qkvjax.attention.cache import CACHED, FRESH
+from qkvjax.attention.cache import CACHED, FRESH, prefix
 
 
 @dataclasses.dataclass(frozen=True)
-class Scores:
-    """What the kernels read. Queries are either finished (B, T, N, H) ``q``, or, for a bilinear form, the
-    inputs ``x_q`` (B, T, D) and ``w_qk`` (N, D, D). ``read(p)`` gives the keys (bilinear: the key side's
-    inputs (B, S, D)) and values of key slots 0..p-1, as the scores use them, in ``layout``."""
+class Queries:
+    """Finished queries ``q`` (QK-norm, rotary, temperature applied) at mask indices ``index``; or, for a
+    bilinear form, no ``q`` but its query-side inputs ``x`` and per-head forms ``w_qk``, scaled by ``head_dim``."""
 
-    q: Array | None
-    x_q: Array | None
-    w_qk: Array | None
-    read: Callable[[int], tuple[Array, Array]]
-    layout: str  # FRESH (B, S, K, H) or CACHED (B, K, S, H)
-    length: int  # S, key slots
-    t: int  # T, queries
-    index_q: Array  # (B|1, T): query indices (causal masks, relative offsets)
-    index_k: Array  # (1, S)
-    mask: Array | None  # the caller's, boolean (B|1, N|1, T|1, S|1)
-    full_mask: Array | None  # the caller's and the causal triangle, combined
-    self_mask: Array | None  # (B|1, K, T G, S): each query's own key (Reformer), else None
-    causal: bool
-    rel_table: Array | None  # (N, 2 R + 1) relative bias per head and offset, or None
-    kv_heads: int
-    group_size: int
+    q: Float[Array, "B T N H"] | None
+    index: Int[Array, "#B T"]
     head_dim: int
+    x: Float[Array, "B T D"] | None = None
+    w_qk: Float[Array, "N D E"] | None = None
+
+    @property
+    def t(self) -> int:
+        return (self.x if self.q is None else self.q).shape[1]
+
+    @property
+    def heads(self) -> int:
+        return self.w_qk.shape[0] if self.q is None else self.q.shape[2]
+
+
+@dataclasses.dataclass(frozen=True)
+class Absorbed:
+    """A latent scheme's decode cache as the absorbed kernel reads it: the cached ``latent`` (B, S, R) and rotated
+    ``k_rope`` ((B, S, P) shared by every head, (B, K, S, P) one per KV head, or None), and the up-projections
+    ``w_k_up`` (R, K, H) and ``w_v_up`` (R, K, U). The queries are [q ; q_rope], (B, T, N, H + P)."""
+
+    latent: Float[Array, "B S R"]
+    k_rope: Array | None
+    w_k_up: Float[Array, "R K H"]
+    w_v_up: Float[Array, "R K U"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Slots:
+    """The key slots 0..S-1 the queries read. ``read(p)`` gives the keys (bilinear: the key side's inputs
+    (B, S, E)) and values of slots 0..p-1, finished as the scores use them, laid out as ``layout`` (FRESH
+    (B, S, K, H) or CACHED (B, K, S, H)); ``index`` (1, S) the slots' mask indices; ``start`` (B,) each row's first
+    new position when the slots are a decode cache, else None; ``absorbed`` a latent cache's own reading."""
+
+    read: Callable[[int], tuple[Array, Array]]
+    layout: str
+    length: int
+    index: Int[Array, "1 S"]
+    start: Int[Array, " B"] | None
+    kv_heads: int
     value_dim: int
-    start: Array | None  # (B,) rows' first new position when reading a cache
-    implementation: str  # 'einsum', 'chunked', 'xla', 'cudnn'
+    absorbed: Absorbed | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Rules:
+    """Which scores count and what is added or dropped: the caller's ``mask`` (True = may attend), ``causal``,
+    ``allowed`` (the mask and the causal triangle by index, combined), Reformer's ``self_mask`` (each query's own
+    slot, folded like the scores), a relative-bias table ``rel_table`` (N, 2 M + 1), attention dropout."""
+
+    mask: Bool[Array, "#B #N #T #S"] | None
+    causal: bool
+    allowed: Bool[Array, "#B #N #T #S"] | None
+    self_mask: Bool[Array, "#B #K Q S"] | None = None
+    rel_table: Float[Array, "N _"] | None = None  # (N, 2 M + 1)
+    dropout_rate: float = 0.0  # 0 when deterministic
+    dropout_rng: Array | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class How:
+    """The config's kernel choices and what the caller collects: ``implementation`` ('einsum', 'chunked', 'xla',
+    'cudnn'), ``chunk_size``, ``causal_block``; ``collecting`` when analysis collects the (T, S) logits and weights
+    (``mutable=["intermediates"]``), through ``sow(name, value)``."""
+
+    implementation: str
     chunk_size: int
     causal_block: int
-    dropout_rate: float  # 0 when deterministic
-    dropout_rng: Array | None
-    collecting: bool  # analysis collects the (T, S) logits and weights (``mutable=["intermediates"]``)
+    collecting: bool = False
     sow: Callable[[str, Array], None] = lambda name, value: None
+
+
+@dataclasses.dataclass(frozen=True)
+class Inputs:
+    """One attention call's stage 4, all a kernel reads."""
+
+    queries: Queries
+    slots: Slots
+    rules: Rules
+    how: How
+
+    @property
+    def group_size(self) -> int:
+        """G = N / K, the query heads that read one K/V head."""
+        return self.queries.heads // self.slots.kv_heads
 
     @property
     def custom(self) -> bool:
         """Scores or weights only this package computes: bilinear, self-mask, relative bias, dropout."""
-        return self.q is None or self.self_mask is not None or self.rel_table is not None or self.dropout_rate > 0
+        r = self.rules
+        return self.queries.q is None or r.self_mask is not None or r.rel_table is not None or r.dropout_rate > 0
 
 
-def logits(s: Scores, lo: int, hi: int, keys: Array, layout: str) -> Array:
-    """Folded scores (B, K, (hi - lo) G, S') of queries lo..hi-1 against ``keys`` (bilinear: key-side inputs)."""
-    if s.q is None:
-        out = core.bilinear_logits(s.x_q[:, lo:hi], s.w_qk, keys, s.kv_heads, s.head_dim)
+def logits(a: Inputs, lo: int, hi: int, keys: Array, layout: str) -> Float[Array, "B K Q S"]:
+    """Folded scores of queries lo..hi-1 against ``keys`` (bilinear: the key side's inputs), Q = (hi - lo) G."""
+    q = a.queries
+    if q.q is None:
+        out = core.bilinear_logits(q.x[:, lo:hi], q.w_qk, keys, a.slots.kv_heads, q.head_dim)
     else:
-        out = core.qk_logits(s.q[:, lo:hi], keys, layout)
-    if s.rel_table is not None:
-        key_index = s.index_k[:, : out.shape[-1]]
-        out = out + core.relative_bias(s.rel_table.astype(out.dtype), s.index_q[:, lo:hi], key_index, s.kv_heads)
+        out = core.qk_logits(q.q[:, lo:hi], keys, layout)
+    if a.rules.rel_table is not None:
+        key_index = a.slots.index[:, : out.shape[-1]]
+        table = a.rules.rel_table.astype(out.dtype)
+        out = out + core.relative_bias(table, q.index[:, lo:hi], key_index, a.slots.kv_heads)
     return out
 
 
-def attend(s: Scores, p: int) -> Array:
-    """Scores over key slots 0..p-1, masked softmax in float32, values mixed: (B, T, N, Hv)."""
-    keys, v = s.read(p)
-    scores = logits(s, 0, s.t, keys, s.layout)
-    s.sow("attention_logits", scores)  # (B, K, T * G, S), before masking
-    weights = core.softmax_weights(
+def weights(a: Inputs, scores: Float[Array, "B K Q S"]) -> Float[Array, "B K Q S"]:
+    """The masked softmax over key slots 0..S-1 (S = ``scores``' last axis), in float32, dropout applied; the
+    logits before masking and the weights are collected for analysis."""
+    p, r = scores.shape[-1], a.rules
+    a.how.sow("attention_logits", scores)
+    allowed = (
+        None if r.allowed is None else core.grouped(r.allowed[..., :p], a.slots.kv_heads, a.group_size, a.queries.t)
+    )
+    out = core.softmax_weights(
         scores,
-        None if s.full_mask is None else core.grouped(s.full_mask[..., :p], s.kv_heads, s.group_size, s.t),
-        None if s.self_mask is None else s.self_mask[..., :p],
-        dropout_rate=s.dropout_rate,
-        dropout_rng=s.dropout_rng,
+        allowed,
+        None if r.self_mask is None else r.self_mask[..., :p],
+        dropout_rate=r.dropout_rate,
+        dropout_rng=r.dropout_rng,
     )
-    s.sow("attention_weights", weights)  # (B, K, T * G, S), for analysis
-    return core.mix_values(weights, v, s.t, s.layout)
+    a.how.sow("attention_weights", out)
+    return out
 
 
-def _chunked(s: Scores) -> Array:
-    k, v = s.read(s.length)
-    return core.chunked_attention(s.q, k, v, s.mask, s.index_q, s.index_k, s.causal, s.chunk_size)
+def attend(a: Inputs, p: int) -> Float[Array, "B T N U"]:
+    """Scores over key slots 0..p-1, :func:`weights`, values mixed."""
+    keys, v = a.slots.read(p)
+    return core.mix_values(weights(a, logits(a, 0, a.queries.t, keys, a.slots.layout)), v, a.queries.t, a.slots.layout)
 
 
-def _blocks(s: Scores) -> Array:
-    k, v = s.read(s.length)
-    keys = k if s.q is None else k.transpose(0, 2, 1, 3)  # BSKH -> BKSH once, sliced per block
-    key_axis = 1 if s.q is None else 2
+def attend_absorbed(a: Inputs, p: int) -> Float[Array, "B T N U"]:
+    """MLA's absorbed form over cache slots 0..p-1: q . (c W^UK_j) = (q (W^UK_j)^T) . c, so the queries' first H
+    features go into the latent space once, score against the latents c, and the weights mix the latents before
+    W^UV is applied; the last P features score against the rotated rotary keys. No (S, K, H) tensor is made."""
+    ab, q = a.slots.absorbed, a.queries.q
+    h, kv, t = ab.w_k_up.shape[-1], a.slots.kv_heads, a.queries.t
+    folded = core.fold_queries(q / math.sqrt(q.shape[-1]), kv)  # (B, K, Q, H + P), scaled as qk_logits does
+    latent = prefix(ab.latent, p, FRESH)
+    q_lat = jax.numpy.einsum("BKQH,RKH->BKQR", folded[..., :h], ab.w_k_up)
+    scores = jax.numpy.einsum("BKQR,BSR->BKQS", q_lat, latent)
+    if ab.k_rope is not None and ab.k_rope.ndim == 4:  # one rotary key per KV head: (B, K, S, P)
+        scores = scores + jax.numpy.einsum("BKQP,BKSP->BKQS", folded[..., h:], prefix(ab.k_rope, p, CACHED))
+    elif ab.k_rope is not None:  # one rotary key for every head: (B, S, P)
+        scores = scores + jax.numpy.einsum("BKQP,BSP->BKQS", folded[..., h:], prefix(ab.k_rope, p, FRESH))
+    mixed = jax.numpy.einsum("BKQS,BSR->BKQR", weights(a, scores).astype(latent.dtype), latent)
+    return core.unfold_queries(jax.numpy.einsum("BKQR,RKU->BKQU", mixed, ab.w_v_up), t)
+
+
+def reads_prefix(a: Inputs) -> bool:
+    """The prefix rule: a decode cache read in blocks (``causal_block``), with no dropout (a branch cannot hold
+    its random draws) and nobody collecting the whole (T, S) weights."""
+    return bool(a.how.causal_block and a.slots.start is not None and not a.rules.dropout_rate and not a.how.collecting)
+
+
+def over_filled(a: Inputs, attend_p: Callable[[Inputs, int], Array]) -> Array:
+    """``attend_p(a, p)`` over the shortest prefix of slots that holds every row's queries, when
+    :func:`reads_prefix`; else over all S."""
+    if not reads_prefix(a):
+        return attend_p(a, a.slots.length)
+    filled = jax.numpy.max(a.slots.start) + a.queries.t
+    return core.within_prefix(lambda p: attend_p(a, p), filled, a.slots.length, a.how.causal_block)
+
+
+def _chunked(a: Inputs) -> Array:
+    k, v = a.slots.read(a.slots.length)
+    r = a.rules
+    return core.chunked_attention(
+        a.queries.q, k, v, r.mask, a.queries.index, a.slots.index, r.causal, a.how.chunk_size
+    )  # fmt: skip
+
+
+def _blocks(a: Inputs) -> Array:
+    k, v = a.slots.read(a.slots.length)
+    bilinear = a.queries.q is None
+    keys = k if bilinear else k.transpose(0, 2, 1, 3)  # BSKH -> BKSH once, sliced per block
+    key_axis = 1 if bilinear else 2
     return core.causal_attention(
-        lambda lo, hi: logits(s, lo, hi, jax.lax.slice_in_dim(keys, 0, hi, axis=key_axis), CACHED),
+        lambda lo, hi: logits(a, lo, hi, jax.lax.slice_in_dim(keys, 0, hi, axis=key_axis), CACHED),
         v,
-        s.causal_block,
-        mask_self=s.self_mask is not None,
+        a.how.causal_block,
+        mask_self=a.rules.self_mask is not None,
     )
 
 
-def _prefix(s: Scores) -> Array:
-    return core.within_prefix(lambda p: attend(s, p), jax.numpy.max(s.start) + s.t, s.length, s.causal_block)
-
-
-def _xla(s: Scores) -> Array:
-    only_causal = s.mask is None and s.causal
-    k, v = s.read(s.length)
+def _xla(a: Inputs) -> Array:
+    r = a.rules
+    only_causal = r.mask is None and r.causal
+    k, v = a.slots.read(a.slots.length)
     return jax.nn.dot_product_attention(
-        s.q, k, v, mask=None if only_causal else s.full_mask, is_causal=only_causal, implementation=s.implementation
-    )
+        a.queries.q, k, v, mask=None if only_causal else r.allowed, is_causal=only_causal,
+        implementation=a.how.implementation,
+    )  # fmt: skip
 
 
-def _blocks_apply(s: Scores) -> bool:
+def _chunked_applies(a: Inputs) -> bool:
+    return a.how.implementation == "chunked" and not a.custom and a.slots.layout == FRESH and a.slots.start is None
+
+
+def _blocks_applies(a: Inputs) -> bool:
     """Causal self-attention over fresh keys (masked by index, so the mask is the plain triangle), no other mask,
     at least two blocks, and nobody collecting the (T, S) logits and weights."""
-    plain = s.custom or s.implementation == "einsum"
+    s, block = a.slots, a.how.causal_block
+    plain = a.custom or a.how.implementation == "einsum"
     return bool(
-        plain and not s.dropout_rate and s.causal_block and s.causal and s.mask is None and s.layout == FRESH
-        and s.length == s.t and s.t >= 2 * s.causal_block and not s.collecting
+        plain and not a.rules.dropout_rate and block and a.rules.causal and a.rules.mask is None and s.start is None
+        and s.layout == FRESH and s.length == a.queries.t and a.queries.t >= 2 * block and not a.how.collecting
+    )  # fmt: skip
+
+
+def _einsum_applies(a: Inputs) -> bool:
+    """What ``jax.nn.dot_product_attention`` cannot take: custom scores, a cache, keys laid out (B, K, S, H),
+    values of another width than the keys; or asked for."""
+    s, q = a.slots, a.queries
+    return bool(
+        a.custom or a.how.implementation in ("einsum", "chunked") or s.start is not None or s.layout == CACHED
+        or s.value_dim != q.q.shape[-1]
     )  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
 class Kernel:
     name: str
-    applies: Callable[[Scores], bool]
-    run: Callable[[Scores], Array]
+    applies: Callable[[Inputs], bool]
+    run: Callable[[Inputs], Array]
 
 
 KERNELS = (
-    Kernel("chunked", lambda s: s.implementation == "chunked" and not s.custom and s.layout == FRESH, _chunked),
-    Kernel("blocks", _blocks_apply, _blocks),
-    # the prefix's branches cannot hold attention dropout's random draws, nor hand out the whole (T, S) weights
-    Kernel(
-        "prefix",
-        lambda s: bool(s.causal_block and s.start is not None and not s.dropout_rate and not s.collecting),
-        _prefix,
-    ),  # fmt: skip
-    # jax.nn.dot_product_attention wants one width for keys and values, and fresh (B, S, K, H) keys
-    Kernel(
-        "einsum",
-        lambda s: (
-            s.custom or s.implementation in ("einsum", "chunked") or s.layout == CACHED or s.value_dim != s.head_dim
-        ),
-        lambda s: attend(s, s.length),
-    ),  # fmt: skip
-    Kernel("xla", lambda s: True, _xla),
+    Kernel("absorbed", lambda a: a.slots.absorbed is not None, lambda a: over_filled(a, attend_absorbed)),
+    Kernel("chunked", _chunked_applies, _chunked),
+    Kernel("blocks", _blocks_applies, _blocks),
+    Kernel("prefix", reads_prefix, lambda a: over_filled(a, attend)),
+    Kernel("einsum", _einsum_applies, lambda a: attend(a, a.slots.length)),
+    Kernel("xla", lambda a: True, _xla),
 )
 
 
-def choose(s: Scores) -> Kernel:
+def choose(a: Inputs) -> Kernel:
     """The first kernel of :data:`KERNELS` that applies."""
-    return next(k for k in KERNELS if k.applies(s))
+    return next(k for k in KERNELS if k.applies(a))
 
 
-def mix(s: Scores) -> Array:
-    """softmax(scores) V of every query, (B, T, N, Hv), by the kernel :func:`choose` picks."""
-    return choose(s).run(s)
+def mix(a: Inputs) -> Float[Array, "B T N U"]:
+    """softmax(scores) V of every query by the kernel :func:`choose` picks."""
+    return choose(a).run(a)

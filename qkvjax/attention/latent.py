@@ -15,11 +15,13 @@ With ``use_bias`` the queries' non-rotary part gets a bias ``b_q: (N, H)`` and t
 same for every key, which the softmax removes; a value bias reaches the output as sum_n b_v W^O_n, a constant the
 output bias holds. So ``qkvjax convert --to mla`` carries a biased model (GPT-2, Qwen2 without rotary) exactly.
 
-Training and a forward pass without a cache use this form as written (K and V materialised; the ``chunked``
-implementation applies). Decoding caches only ``c`` (R per token) and the rotated ``x W^KR`` (H_r) and uses the
-*absorbed* form: since ``q . (c W^UK_j) = (q (W^UK_j)^T) . c``, queries are taken into the latent space once per
-step, scores are taken against the cached latents, the latents are mixed with the weights and ``W^UV`` is applied
-to the R-wide mixture: no (S, K, H) key or value tensor is ever made from the cache. The rotary part stays apart
+The layer runs the pipeline of :mod:`qkvjax.attention.module`; :class:`Latent` is its stages. Training and a
+forward pass without a cache use the form as written: the slots' reader up-projects K and V from the latents, and
+any kernel of :data:`qkvjax.attention.kernels.KERNELS` applies (``chunked``, ``blocks``, ...). Decoding caches only
+``c`` (R per token) and the rotated ``x W^KR`` (H_r) and is read by the ``absorbed`` kernel: since
+``q . (c W^UK_j) = (q (W^UK_j)^T) . c``, queries are taken into the latent space once per step, scores are taken
+against the cached latents, the latents are mixed with the weights and ``W^UV`` is applied to the R-wide mixture:
+no (S, K, H) key or value tensor is ever made from the cache. The rotary part stays apart
 because a position-dependent rotation between ``W^Q`` and ``W^UK`` would not let them merge; that is why
 DeepSeek-V2 decouples it. With R = K (H + Hv) and ``w_kv_down`` = [W^K, W^V] the layer is ``separate`` (or GQA)
 exactly (tested); ``qkvjax convert --to mla --rank R`` starts from there by truncated SVD. A rotary model's keys
@@ -30,7 +32,7 @@ go into the latent (``convert --rope-dim``).
 
 from __future__ import annotations
 
-import math
+import dataclasses
 
 import flax.linen as nn
 import jax.numpy as jnp
@@ -39,8 +41,103 @@ from jax import Array
 from qkvjax import axes
 from qkvjax.attention import core, kernels
 from qkvjax.attention.base import AttentionModule, Call
-from qkvjax.attention.cache import FRESH, KV, write
-from qkvjax.attention.module import positions
+from qkvjax.attention.cache import FRESH, KV, prefix
+from qkvjax.attention.config import AttentionConfig
+from qkvjax.attention.module import Positions, Stages, run
+
+
+@dataclasses.dataclass(frozen=True)
+class LatentProjections:
+    """One latent layer's parameters in the compute dtype (see the module docstring for the maths): ``w_q``
+    (D, N, H) or, with a low-rank query path, ``w_q_down`` (D, Rq), ``q_norm_scale`` (Rq,) and ``w_q`` (Rq, N, H);
+    ``b_q`` (N, H); ``w_q_rope`` (D or Rq, N, P); ``w_kv_down`` (D, R), ``kv_norm_scale`` (R,); ``w_k_rope`` (D, P)
+    or (D, K, P); ``w_k_up`` (R, K, H), ``w_v_up`` (R, K, U); ``w_o`` (N, U, D), ``b_o`` (D,). Absent parts are
+    None."""
+
+    w_q_down: Array | None
+    q_norm_scale: Array | None
+    w_q: Array
+    b_q: Array | None
+    w_kv_down: Array
+    w_k_up: Array
+    w_v_up: Array
+    w_o: Array
+    kv_norm_scale: Array | None
+    w_q_rope: Array | None
+    w_k_rope: Array | None
+    b_o: Array | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Latent(Stages):
+    """MLA's stages: queries (through the low-rank path if any) with their decoupled rotary part, the latent and
+    the rotary key (rotated once, when made: it is key-only); slots read by up-projection, or, from a cache, by
+    the ``absorbed`` kernel."""
+
+    config: AttentionConfig
+    p: LatentProjections
+
+    w_o = property(lambda self: self.p.w_o)
+    b_o = property(lambda self: self.p.b_o)
+
+    def project(self, x_q: Array, x_kv: Array, call: Call) -> tuple[dict[str, Array], KV]:
+        p = self.p
+        q_in = x_q if p.w_q_down is None else norm(core.dense(x_q, p.w_q_down), p.q_norm_scale)  # BTD,DR->BTR
+        queries = {"q": core.dense(q_in, p.w_q)}  # BTD,DNH->BTNH (BTR,RNH->BTNH)
+        if p.b_q is not None:
+            queries["q"] = queries["q"] + p.b_q[None, None]
+        if p.w_q_rope is not None:
+            queries["q_rope"] = core.dense(q_in, p.w_q_rope)  # BTD,DNP->BTNP
+        fresh = {"latent": norm(core.dense(x_kv, p.w_kv_down), p.kv_norm_scale)}  # BSD,DR->BSR
+        if p.w_k_rope is not None:  # BSD,DKP->BSKP, or BSD,DP->BSP: one rotary key for every head
+            fresh["k_rope"] = core.dense(x_kv, p.w_k_rope)
+        return queries, KV.fresh(fresh)
+
+    def finish_new(self, tensors: dict[str, Array], pos: Array) -> dict[str, Array]:
+        if "k_rope" not in tensors:
+            return tensors
+        k = tensors["k_rope"]
+        shared = k.ndim == 3
+        k = k[:, :, None] if shared else k  # BSP -> BS1P, one head for all
+        k = self._rotary(k, jnp.broadcast_to(pos, k.shape[:2]))
+        return tensors | {"k_rope": k[:, :, 0] if shared else k}
+
+    def queries(self, queries: dict[str, Array], x_q: Array, pos: Positions) -> kernels.Queries:
+        q = queries["q"]
+        if "q_rope" in queries:  # [q ; rope(q_rope)]: (B, T, N, H + P), scored against [k ; k_rope]
+            q_rope = self._rotary(queries["q_rope"], jnp.broadcast_to(pos.q, q.shape[:2]))
+            q = jnp.concatenate([q, q_rope], -1)
+        return kernels.Queries(q, pos.index_q, q.shape[-1])
+
+    def slots(self, side: KV, pos: Positions) -> kernels.Slots:
+        cfg, p = self.config, self.p
+        k_rope = side.tensors.get("k_rope")
+
+        def read(n: int) -> tuple[Array, Array]:  # slots 0..n-1 as written: K and V up-projected, (B, n, K, .)
+            latent = prefix(side.tensors["latent"], n, FRESH)
+            k, v = core.dense(latent, p.w_k_up), core.dense(latent, p.w_v_up)  # BSR,RKH->BSKH; BSR,RKU->BSKU
+            if k_rope is None:
+                return k, v
+            rope = prefix(k_rope, n, side.layout)
+            if rope.ndim == 3:  # BSP -> BSKP: a shared rotary key part is the same for every head
+                rope = rope[:, :, None]
+            elif side.is_cache:
+                rope = rope.transpose(0, 2, 1, 3)  # BKSP -> BSKP
+            return jnp.concatenate([k, jnp.broadcast_to(rope, k.shape[:3] + rope.shape[3:])], -1), v
+
+        absorbed = None
+        if side.is_cache:
+            absorbed = kernels.Absorbed(side.tensors["latent"], k_rope, p.w_k_up, p.w_v_up)
+        return kernels.Slots(read, FRESH, side.length, pos.index_k, side.start, cfg.kv_heads, cfg.value_dim, absorbed)
+
+    def _rotary(self, x: Array, pos: Array) -> Array:
+        cfg = self.config
+        return core.rotary(x, pos, cfg.rope_base, 1, cfg.rope_interleaved)
+
+
+def norm(x: Array, scale: Array | None) -> Array:
+    """A latent's RMS norm with its learned scale; no norm without one (``latent_norm=False``)."""
+    return x if scale is None else core.rms_norm(x, scale)
 
 
 class LatentAttention(AttentionModule):
@@ -52,117 +149,48 @@ class LatentAttention(AttentionModule):
 
     @nn.compact
     def forward(self, call: Call):
-        cfg = self.config
         if call.decode or call.kv is not None:
             raise ValueError(
-                f"scheme {cfg.scheme!r} decodes with the functional cache only (cache=, DecodeCache) and reads no "
-                "other layer's K/V; decode=True and kv= are not supported"
+                f"scheme {self.config.scheme!r} decodes with the functional cache only (cache=, DecodeCache) and "
+                "reads no other layer's K/V; decode=True and kv= are not supported"
             )
+        return run(self, call, Latent(self.config, self.projections(call.shape[2])))
+
+    def projections(self, d: int) -> LatentProjections:
+        """The parameters, made in a fixed order (it decides their initial values)."""
+        cfg = self.config
         n, kh, h, hv, r, hr = cfg.num_heads, cfg.kv_heads, cfg.head_dim, cfg.value_dim, cfg.latent_dim, cfg.rope_dim
-        b, t, d = call.shape
-        dtype = jnp.dtype(cfg.dtype)
         heads, kv_heads, hd, lat = axes.HEADS, axes.KV_HEADS, axes.HEAD_DIM, axes.LATENT
 
-        def norm(x, name, width):
-            if not cfg.latent_norm:
-                return x
-            return core.rms_norm(x, self._param(name, (width,), (lat,), nn.initializers.ones))
+        def scale(name, width):
+            return self._param(name, (width,), (lat,), nn.initializers.ones) if cfg.latent_norm else None
 
-        # 1. project: queries (optionally through a low-rank path), the latent, and the rotary parts
-        x_q, x_kv = call.x_q.astype(dtype), call.x_kv.astype(dtype)
         if cfg.q_rank is None:
-            q_in, q_axis, up = x_q, axes.EMBED, ""
+            w_q_down = q_scale = None
+            q_width, q_axis, up = d, axes.EMBED, ""
         else:
             w_q_down = self._kernel("w_q_down", (d, cfg.q_rank), (axes.EMBED, lat), 0, 1)
-            q_in = norm(jnp.einsum("BTD,DR->BTR", x_q, w_q_down), "q_norm_scale", cfg.q_rank)
-            q_axis, up = lat, "_up"
-        # C below is the query path's input width: D, or Rq with low-rank queries
-        w_q = self._kernel(f"w_q{up}", (q_in.shape[-1], n, h), (q_axis, heads, hd), 0, (1, 2))
-        q = jnp.einsum("BTC,CNH->BTNH", q_in, w_q)
+            q_scale = scale("q_norm_scale", cfg.q_rank)
+            q_width, q_axis, up = cfg.q_rank, lat, "_up"
+        w_q = self._kernel(f"w_q{up}", (q_width, n, h), (q_axis, heads, hd), 0, (1, 2))
+        b_q = None
         if cfg.use_bias:
-            q = q + self._param("b_q", (n, h), (heads, hd), nn.initializers.zeros).astype(dtype)[None, None]
+            b_q = self._param("b_q", (n, h), (heads, hd), nn.initializers.zeros).astype(cfg.dtype)
         w_kv_down = self._kernel("w_kv_down", (d, r), (axes.EMBED, lat), 0, 1)
         w_k_up = self._kernel("w_k_up", (r, kh, h), (lat, kv_heads, hd), 0, (1, 2))
         w_v_up = self._kernel("w_v_up", (r, kh, hv), (lat, kv_heads, hd), 0, (1, 2))
         w_o = self._kernel("w_o", (n, hv, d), (heads, hd, axes.EMBED), (0, 1), 2)
-        fresh = {"latent": norm(jnp.einsum("BSD,DR->BSR", x_kv, w_kv_down), "kv_norm_scale", r)}
-
-        # 2. positions: only the decoupled rotary parts are rotated (a rotation between W^UQ and W^UK would stop
-        # them from being absorbed), the key part once, when made
-        own = KV.fresh(fresh) if call.cache is None else call.cache
-        q_pos, k_pos, index_q, _ = positions(own, call, x_kv.shape[1])
+        kv_scale = scale("kv_norm_scale", r)
+        w_q_rope = w_k_rope = None
         if hr:
-            w_q_rope = self._kernel(f"w_q_rope{up}", (q_in.shape[-1], n, hr), (q_axis, heads, hd), 0, (1, 2))
-            q_rope = jnp.einsum("BTC,CNH->BTNH", q_in, w_q_rope)
-            q_rope = core.rotary(q_rope, jnp.broadcast_to(q_pos, (b, t)), cfg.rope_base, 1, cfg.rope_interleaved)
-            if call.cache is not None:  # the new keys' positions are the queries'
-                k_pos = q_pos
+            w_q_rope = self._kernel(f"w_q_rope{up}", (q_width, n, hr), (q_axis, heads, hd), 0, (1, 2))
             if cfg.rope_key_per_head:
                 w_k_rope = self._kernel("w_k_rope", (d, kh, hr), (axes.EMBED, kv_heads, hd), 0, (1, 2))
-                k_rope = jnp.einsum("BSD,DKH->BSKH", x_kv, w_k_rope)
             else:
                 w_k_rope = self._kernel("w_k_rope", (d, hr), (axes.EMBED, hd), 0, 1)
-                k_rope = jnp.einsum("BSD,DH->BSH", x_kv, w_k_rope)[:, :, None]  # BSH -> BS1H, one head for all
-            k_pos = jnp.broadcast_to(k_pos, k_rope.shape[:2])
-            k_rope = core.rotary(k_rope, k_pos, cfg.rope_base, 1, cfg.rope_interleaved)
-            fresh["k_rope"] = k_rope if cfg.rope_key_per_head else k_rope[:, :, 0]
-
-        # 3. cache: the latents (and rotated rotary keys) are what a row keeps
-        side = KV.fresh(fresh) if call.cache is None else write(call.cache, fresh, t)
-        latent = side.tensors["latent"]
-        index_k = jnp.arange(latent.shape[1])[None]
-        causal = call.causal or side.is_cache
-        full_mask = core.combine_masks(call.mask, core.causal_mask(index_q, index_k) if causal else None)
-        dropout = cfg.dropout_rate > 0.0 and not call.deterministic
-        dropout_rng = self.make_rng("dropout") if dropout else None
-        scale = 1.0 / math.sqrt(h + hr)
-
-        # 4. scores and mixing
-        if side.is_cache:  # absorbed: scores and mixing in the latent space, W^UV after mixing
-            q_lat = jnp.einsum("BKQH,RKH->BKQR", core.fold_queries(q * scale, kh), w_k_up)
-
-            def attend(p: int) -> Array:  # over cache slots 0..p-1
-                logits = jnp.einsum("BKQR,BSR->BKQS", q_lat, latent[:, :p])
-                if hr and cfg.rope_key_per_head:  # the cached rotary keys: (B, K, S, H_r)
-                    logits = logits + jnp.einsum(
-                        "BKQE,BKSE->BKQS", core.fold_queries(q_rope * scale, kh), side.tensors["k_rope"][:, :, :p]
-                    )
-                elif hr:  # one rotary key for every head: (B, S, H_r)
-                    logits = logits + jnp.einsum(
-                        "BKQE,BSE->BKQS", core.fold_queries(q_rope * scale, kh), side.tensors["k_rope"][:, :p]
-                    )
-                self.sow("intermediates", "attention_logits", logits)  # (B, K, T * G, S), before masking
-                grouped = None if full_mask is None else core.grouped(full_mask[..., :p], kh, cfg.group_size, t)
-                weights = core.softmax_weights(
-                    logits, grouped, dropout_rate=cfg.dropout_rate if dropout else 0.0, dropout_rng=dropout_rng
-                )
-                self.sow("intermediates", "attention_weights", weights)
-                mixed = jnp.einsum("BKQS,BSR->BKQR", weights.astype(dtype), latent[:, :p])
-                return core.unfold_queries(jnp.einsum("BKQR,RKH->BKQH", mixed, w_v_up), t)
-
-            length = latent.shape[1]
-            if cfg.causal_block and not dropout and not self.collecting:  # read only as far as rows are filled
-                out = core.within_prefix(attend, jnp.max(side.start) + t, length, cfg.causal_block)
-            else:
-                out = attend(length)
-        else:  # as written: keys and values up-projected from the latents of this call, then any kernel
-            k = jnp.einsum("BSR,RKH->BSKH", latent, w_k_up)
-            v = jnp.einsum("BSR,RKH->BSKH", latent, w_v_up)
-            if hr:  # BSH -> BSKH: a shared rotary key part is the same for every head
-                k_rope = fresh["k_rope"] if cfg.rope_key_per_head else fresh["k_rope"][:, :, None]
-                k_rope = jnp.broadcast_to(k_rope, k.shape[:3] + (hr,))
-                q, k = jnp.concatenate([q, q_rope], -1), jnp.concatenate([k, k_rope], -1)
-            scores = kernels.Scores(
-                q=q, x_q=None, w_qk=None, read=lambda p: (k[:, :p], v[:, :p]), layout=FRESH, length=v.shape[1], t=t,
-                index_q=index_q, index_k=index_k, mask=call.mask, full_mask=full_mask, self_mask=None,
-                causal=causal, rel_table=None, kv_heads=kh, group_size=cfg.group_size, head_dim=h + hr,
-                value_dim=hv, start=None, implementation="chunked" if cfg.implementation == "chunked" else "einsum",
-                chunk_size=cfg.chunk_size, causal_block=cfg.causal_block,
-                dropout_rate=cfg.dropout_rate if dropout else 0.0, dropout_rng=dropout_rng,
-                collecting=self.collecting, sow=lambda name, value: self.sow("intermediates", name, value),
-            )  # fmt: skip
-            out = kernels.mix(scores)
-        y = core.dense(out, w_o, 2)  # 5. output: BTNH,NHD->BTD
+        b_o = None
         if cfg.has_output_bias:
-            y = y + self._param("b_o", (d,), (axes.EMBED,), nn.initializers.zeros).astype(dtype)[None, None]
-        return (y, side) if call.hand_back else y
+            b_o = self._param("b_o", (d,), (axes.EMBED,), nn.initializers.zeros).astype(cfg.dtype)
+        return LatentProjections(
+            w_q_down, q_scale, w_q, b_q, w_kv_down, w_k_up, w_v_up, w_o, kv_scale, w_q_rope, w_k_rope, b_o
+        )

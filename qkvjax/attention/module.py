@@ -1,11 +1,27 @@
-"""The linen ``Attention`` module: parameters from the scheme, then five stages, the same for every scheme.
+"""The attention pipeline: five stages, the same for every module and scheme, and the linen ``Attention``.
 
-    project  ->  finish keys and queries  ->  cache  ->  scores and mixing  ->  output projection
+    1 project  ->  2 finish keys and queries  ->  3 cache  ->  4 scores and mixing  ->  5 output projection
 
-Where a scheme differs from ``separate`` is data, read at two lines: which kernels exist (:meth:`Attention.
-projections`: one ``w_<group>`` per group of its partition, or the merged ``w_qk_merged`` of a bilinear form) and
-which group answers for each role (:func:`project`; ``scheme.group_of``). Reformer's extras are two flags that
-the finishing (``normalize_keys``) and the masks (``mask_self``) read.
+:func:`run` is the pipeline. A module hands it its :class:`Stages`: how it projects (stage 1), which of its new
+key tensors it finishes when made and how it finishes its queries (stage 2), and how its key slots are read
+(stage 4's :class:`~qkvjax.attention.kernels.Slots`). Everything else is written here once: the cache (stage 3,
+:mod:`qkvjax.attention.cache`), positions (:func:`positions`), the rules of stage 4 (masks, causality by index,
+Reformer's self-mask, dropout: :func:`rules`), the output projection (stage 5). Stage 4's kernel is the first row
+of :data:`qkvjax.attention.kernels.KERNELS` whose ``applies`` test holds. Two modules provide stages:
+:class:`Attention` (:class:`Tied`, every partition scheme and the bilinear form) and
+:class:`qkvjax.attention.latent.LatentAttention` (MLA).
+
+Where a scheme differs from ``separate`` is data (:mod:`qkvjax.attention.schemes`), read at four places, all in
+:class:`Attention` and :class:`Tied`:
+
+1. parameters (:meth:`Attention.projections`): one kernel ``w_<group>`` per group of the partition, (D, N, H) if it
+   makes queries, else (D, K, H); a bilinear form's ``w_qk_merged`` (N, D, D) instead of queries and keys;
+2. roles (:func:`project`): each role reads its group's tensor (``scheme.group_of``), so tied roles are one tensor;
+3. what is cached and handed on: one tensor per K/V group (``scheme.kv_groups``), plus a bilinear key side's ``x``;
+4. when keys are finished (:attr:`Scheme.keys_finished_at_write`): a key-only group at write, once; keys tied to
+   values (K = V) or to queries on read, over the slots read (the K = V cache stays raw and one tensor).
+
+Reformer's two extras are flags that finishing (``normalize_keys``) and the rules (``mask_self``) read.
 """
 
 from __future__ import annotations
@@ -16,6 +32,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax import Array
+from jaxtyping import Float, Int
 
 from qkvjax import axes
 from qkvjax.attention import core, kernels
@@ -24,14 +41,113 @@ from qkvjax.attention.cache import FRESH, KV, linen_cache, prefix, write
 from qkvjax.attention.config import AttentionConfig
 from qkvjax.attention.schemes import Scheme
 
-__all__ = ["KV", "Attention", "AttentionModule"]
+__all__ = ["KV", "Attention", "AttentionModule", "Positions", "Stages", "Tied", "positions", "run"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Positions:
+    """Rotary positions ``q``, ``k`` and mask indices ``index_q``, ``index_k`` of the queries and the key slots."""
+
+    q: Int[Array, "#B T"]
+    k: Int[Array, "#B S"]
+    index_q: Int[Array, "#B T"]
+    index_k: Int[Array, "1 S"]
+
+
+def positions(call: Call, start: Array | None, length: int) -> Positions:
+    """Fresh keys (``start`` None) sit at the query positions (or 0..S-1 for cross-attention) and are masked
+    causally by index, as flax's ``make_causal_mask``; a cache's row b has its queries at start_b + t and its
+    ``length`` slots at 0..S-1. A new key's position is ``q`` (a cache) or ``k`` (fresh)."""
+    t, slots = call.shape[1], jnp.arange(length)[None]
+    if start is None:
+        q = jnp.arange(t)[None] if call.positions is None else call.positions
+        return Positions(q, q if call.self_attention else slots, jnp.arange(t)[None], slots)
+    index_q = start[:, None] + jnp.arange(t)[None]
+    return Positions(index_q, slots, index_q, slots)
+
+
+class Stages:
+    """What a module hands :func:`run`: its output projection ``w_o`` (N, U, D) and ``b_o`` (D,) or None, its
+    score extras (Reformer's ``mask_self``, a relative-bias table ``rel_table`` (N, 2 M + 1)), and four stages."""
+
+    w_o: Array
+    b_o: Array | None
+    mask_self: bool = False
+    rel_table: Array | None = None
+
+    def project(self, x_q: Array, x_kv: Array, call: Call) -> tuple[dict[str, Array], KV]:
+        """Stage 1: the query side's tensors by name, and this layer's fresh keys and values (or ``call.kv``)."""
+        raise NotImplementedError
+
+    def finish_new(self, tensors: dict[str, Array], pos: Array) -> dict[str, Array]:
+        """Stage 2 at write: the fresh K/V tensors with each key-only one finished at its positions (B|1, S)."""
+        raise NotImplementedError
+
+    def queries(self, queries: dict[str, Array], x_q: Array, pos: Positions) -> kernels.Queries:
+        """Stage 2 on the query side: the finished queries."""
+        raise NotImplementedError
+
+    def slots(self, side: KV, pos: Positions) -> kernels.Slots:
+        """Stage 4's key slots: how ``side`` is read, finished as the scores use it."""
+        raise NotImplementedError
+
+
+def run(module: AttentionModule, call: Call, stages: Stages):
+    """The five stages of one call: (B, T, D) -> (B, T, D), or ``(y, KV)`` when the call hands K/V back."""
+    cfg, (b, t, _) = module.config, call.shape
+    dtype = jnp.dtype(cfg.dtype)
+    x_q, x_kv = call.x_q.astype(dtype), call.x_kv.astype(dtype)
+
+    queries, fresh = stages.project(x_q, x_kv, call)  # 1. project
+    cache, store = linen_cache(module, fresh, b) if call.decode else (call.cache, None)
+    if call.kv is None:  # 2. this layer's new key-only tensors, finished once, at their own positions
+        start = None if cache is None else cache.start
+        new = positions(call, start, x_kv.shape[1])
+        fresh = KV.fresh(stages.finish_new(fresh.tensors, new.k if start is None else new.q))
+    side = fresh if cache is None else write(cache, fresh.tensors, t)  # 3. cache
+    if store is not None and cache is not None:
+        store(side, t)
+    pos = positions(call, side.start, side.length)
+    inputs = kernels.Inputs(  # 4. scores and mixing
+        stages.queries(queries, x_q, pos), stages.slots(side, pos), rules(module, call, side, pos, stages), how(module)
+    )
+    y = core.dense(kernels.mix(inputs), stages.w_o, 2)  # 5. output: BTNU,NUD->BTD
+    if stages.b_o is not None:
+        y = y + stages.b_o[None, None]
+    return (y, side) if call.hand_back else y
+
+
+def rules(module: AttentionModule, call: Call, side: KV, pos: Positions, stages: Stages) -> kernels.Rules:
+    """What a query may see: the caller's mask, the causal triangle by index (a cache row's view is always causal
+    by position), each query's own slot for Reformer's self-mask; attention dropout when not deterministic."""
+    cfg = module.config
+    causal = call.causal or side.is_cache
+    allowed = core.combine_masks(call.mask, core.causal_mask(pos.index_q, pos.index_k) if causal else None)
+    self_mask = None
+    if stages.mask_self and call.self_attention:
+        own = pos.index_k[:, None, None, :] == pos.index_q[:, None, :, None]
+        self_mask = core.grouped(own, cfg.kv_heads, cfg.group_size)
+    dropout = cfg.dropout_rate > 0.0 and not call.deterministic
+    return kernels.Rules(
+        call.mask, causal, allowed, self_mask, stages.rel_table, cfg.dropout_rate if dropout else 0.0,
+        module.make_rng("dropout") if dropout else None,
+    )  # fmt: skip
+
+
+def how(module: AttentionModule) -> kernels.How:
+    """The config's kernel choices ('einsum' on the CPU, 'xla' elsewhere unless set), and analysis' collection."""
+    cfg = module.config
+    return kernels.How(
+        cfg.implementation or ("einsum" if jax.default_backend() == "cpu" else "xla"), cfg.chunk_size,
+        cfg.causal_block, module.collecting, lambda name, value: module.sow("intermediates", name, value),
+    )  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
 class Projections:
     """One layer's parameters, in the compute dtype: ``kernels[group]`` (D, N or K, H) and ``biases[group]``
-    (N or K, H) for each group it projects; ``w_qk`` (N, D, D) of a bilinear form; ``w_o`` (N, Hv, D), ``b_o``
-    (D,); ``norm_scale[role]`` (H,) of QK-norm; ``rel_bias`` (N, 2 R + 1); ``temperature`` (N,), log scale."""
+    (N or K, H) for each group it projects; ``w_qk`` (N, D, E) of a bilinear form; ``w_o`` (N, U, D), ``b_o``
+    (D,); ``norm_scale[role]`` (H,) of QK-norm; ``rel_bias`` (N, 2 M + 1); ``temperature`` (N,), log scale."""
 
     kernels: dict[str, Array]
     biases: dict[str, Array] | None
@@ -48,43 +164,51 @@ def project(x_q: Array, x_kv: Array, p: Projections, scheme: Scheme, call: Call)
     added), as the query side's groups and this layer's fresh keys and values; a layer reading another layer's
     K/V (``call.kv``) projects its queries only. A bilinear form also hands on the key side's inputs ``"x"``."""
 
-    def run(x, groups):
+    def run_groups(x, groups):
         biases = None if p.biases is None else [p.biases[g] for g in groups]
         return dict(zip(groups, core.project(x, [p.kernels[g] for g in groups], biases), strict=True))
 
     extra = {"x": x_kv} if scheme.bilinear else {}
     if call.kv is not None:
-        return run(x_q, scheme.query_groups), call.kv
+        return run_groups(x_q, scheme.query_groups), call.kv
     if call.self_attention:  # queries, keys and values from one input: every group in one product
-        out = run(x_q, scheme.groups)
+        out = run_groups(x_q, scheme.groups)
         return out, KV.fresh({g: out[g] for g in scheme.kv_groups} | extra)
-    queries = run(x_q, scheme.query_groups) if scheme.query_groups else {}
-    return queries, KV.fresh(run(x_kv, scheme.kv_groups) | extra)
+    queries = run_groups(x_q, scheme.query_groups) if scheme.query_groups else {}
+    return queries, KV.fresh(run_groups(x_kv, scheme.kv_groups) | extra)
 
 
 @dataclasses.dataclass(frozen=True)
-class Finishing:
-    """Stage 2: norms, Reformer's unit-length keys and rotary positions, and when keys get them.
-
-    A key-only projection (not shared with values) is finished once, when made (``keys_at_write``): it is cached
-    and handed to other layers finished, so decoding does not rotate the whole cache at every step (that cost
-    6-13x the rest of the step, ``benchmarks/rope_cache.py``). Keys shared with values (K = V) stay raw, so their
-    cache stays halved, and are finished on read, over the slots read only."""
+class Tied(Stages):
+    """The stages of a partition scheme (and the bilinear form): its groups' projections, QK-norm, Reformer's
+    unit-length keys, rotary positions and a learned temperature."""
 
     config: AttentionConfig
-    scheme: Scheme
-    norm_scale: dict[str, Array]
-    temperature: Array | None = None
+    p: Projections
 
     @property
-    def keys_at_write(self) -> bool:
-        return not self.scheme.bilinear and self.scheme.group_of("k") == "k"
+    def scheme(self) -> Scheme:
+        return self.config.tying
 
-    def keys(self, k: Array, pos: Array, seq_axis: int) -> Array:
-        """k (B, S, K, H) with ``seq_axis`` 1, or (B, K, S, H) with 2; pos (B|1, S)."""
+    w_o = property(lambda self: self.p.w_o)
+    b_o = property(lambda self: self.p.b_o)
+    mask_self = property(lambda self: self.scheme.mask_self)
+    rel_table = property(lambda self: self.p.rel_bias)
+
+    def project(self, x_q: Array, x_kv: Array, call: Call) -> tuple[dict[str, Array], KV]:
+        return project(x_q, x_kv, self.p, self.scheme, call)
+
+    def finish_new(self, tensors: dict[str, Array], pos: Array) -> dict[str, Array]:
+        if not self.scheme.keys_finished_at_write:
+            return tensors
+        return tensors | {"k": self.finish_keys(tensors["k"], pos, 1)}
+
+    def finish_keys(self, k: Float[Array, "B S K H"] | Float[Array, "B K S H"], pos: Array, seq_axis: int) -> Array:
+        """QK-norm, unit length (Reformer), rotary: k laid out (B, S, K, H) (``seq_axis`` 1) or (B, K, S, H) (2);
+        pos (B|1, S)."""
         cfg = self.config
         if cfg.qk_norm:
-            k = core.rms_norm(k, self.norm_scale["k"])
+            k = core.rms_norm(k, self.p.norm_scale["k"])
         if self.scheme.normalize_keys:
             k = core.unit_length(k)
         if cfg.rope:
@@ -92,32 +216,31 @@ class Finishing:
             k = core.rotary(k, pos, cfg.rope_base, seq_axis, cfg.rope_interleaved)
         return k
 
-    def queries(self, q: Array, pos: Array) -> Array:
-        """q (B, T, N, H) at positions pos (B|1, T)."""
-        if self.config.qk_norm:
-            q = core.rms_norm(q, self.norm_scale["q"])
-        if self.config.rope:
-            cfg = self.config
-            q = core.rotary(q, jnp.broadcast_to(pos, q.shape[:2]), cfg.rope_base, 1, cfg.rope_interleaved)
-        if self.temperature is not None:  # q.k exp(tau_n): the score's scale per head, free of |q|
-            q = (q.astype(jnp.float32) * jnp.exp(self.temperature)[None, None, :, None]).astype(q.dtype)
-        return q
+    def queries(self, queries: dict[str, Array], x_q: Array, pos: Positions) -> kernels.Queries:
+        cfg = self.config
+        if self.scheme.bilinear:  # no queries: the scores are x_t^T W_QK[n] x_s
+            return kernels.Queries(None, pos.index_q, cfg.head_dim, x=x_q, w_qk=self.p.w_qk)
+        q = queries[self.scheme.group_of("q")]
+        if cfg.qk_norm:
+            q = core.rms_norm(q, self.p.norm_scale["q"])
+        if cfg.rope:
+            q = core.rotary(q, jnp.broadcast_to(pos.q, q.shape[:2]), cfg.rope_base, 1, cfg.rope_interleaved)
+        if self.p.temperature is not None:  # q.k exp(tau_n): the score's scale per head, free of |q|
+            q = (q.astype(jnp.float32) * jnp.exp(self.p.temperature)[None, None, :, None]).astype(q.dtype)
+        return kernels.Queries(q, pos.index_q, cfg.head_dim)
 
-    def values(self, v: Array) -> Array:
-        return core.rms_norm(v) if self.config.v_norm else v
+    def slots(self, side: KV, pos: Positions) -> kernels.Slots:
+        cfg, scheme = self.config, self.scheme
 
+        def read(n: int) -> tuple[Array, Array]:  # key slots 0..n-1 (bilinear: the key side's inputs)
+            v = prefix(side.tensors[scheme.group_of("v")], n, side.layout)
+            v = core.rms_norm(v) if cfg.v_norm else v
+            if scheme.bilinear:
+                return prefix(side.tensors["x"], n, FRESH), v
+            k = prefix(side.tensors[scheme.group_of("k")], n, side.layout)
+            return (k if scheme.keys_finished_at_write else self.finish_keys(k, pos.k[:, :n], side.seq_axis)), v
 
-def positions(side: KV, call: Call, length: int) -> tuple[Array, Array, Array, Array]:
-    """(q_pos, k_pos, index_q, index_k): rotary positions and mask indices of the queries and the key slots.
-    Fresh keys sit at the query positions (or 0..S-1 for cross-attention) and are masked causally by index, as
-    flax's ``make_causal_mask``; a cache's row b has its queries at start_b + t and its slots at 0..S-1."""
-    t = call.shape[1]
-    if not side.is_cache:
-        q_pos = jnp.arange(t)[None] if call.positions is None else call.positions
-        k_pos = q_pos if call.self_attention else jnp.arange(length)[None]
-        return q_pos, k_pos, jnp.arange(t)[None], jnp.arange(length)[None]
-    index_q = side.start[:, None] + jnp.arange(t)[None]
-    return index_q, jnp.arange(length)[None], index_q, jnp.arange(length)[None]
+        return kernels.Slots(read, side.layout, side.length, pos.index_k, side.start, cfg.kv_heads, cfg.value_dim)
 
 
 class Attention(AttentionModule):
@@ -145,63 +268,12 @@ class Attention(AttentionModule):
 
     @nn.compact
     def forward(self, call: Call):
-        cfg, scheme = self.config, self.config.tying
-        if scheme.latent:
+        if self.config.tying.latent:
             raise ValueError(
-                f"scheme {cfg.scheme!r} is a latent scheme: its module is qkvjax.attention.LatentAttention "
+                f"scheme {self.config.scheme!r} is a latent scheme: its module is qkvjax.attention.LatentAttention "
                 "(qkvjax.attention.attention_module(config) picks the module for any config)"
             )
-        b, t, _ = call.shape
-        dtype = jnp.dtype(cfg.dtype)
-        p = self.projections(call.shape[2], reads_kv=call.kv is not None)
-        x_q, x_kv = call.x_q.astype(dtype), call.x_kv.astype(dtype)
-        finish = Finishing(cfg, scheme, p.norm_scale, p.temperature)
-
-        queries, fresh = project(x_q, x_kv, p, scheme, call)  # 1. project
-        cache, store = linen_cache(self, fresh, b) if call.decode else (call.cache, None)
-        if finish.keys_at_write and call.kv is None:  # 2. this layer's new keys, finished at their positions
-            if cache is None:
-                new_pos = positions(fresh, call, x_kv.shape[1])[1]  # the fresh keys' own positions
-            else:
-                new_pos = positions(cache, call, 0)[0]  # the rows' next t positions
-            fresh = KV.fresh(fresh.tensors | {"k": finish.keys(fresh.tensors["k"], new_pos, 1)})
-        side = fresh if cache is None else write(cache, fresh.tensors, t)  # 3. cache
-        if store is not None and cache is not None:
-            store(side, t)
-
-        length = side.tensors[scheme.group_of("v")].shape[side.seq_axis]  # S: key slots
-        q_pos, k_pos, index_q, index_k = positions(side, call, length)
-        causal = call.causal or side.is_cache  # what a cache row sees is causal by position
-
-        def read(n: int) -> tuple[Array, Array]:  # key slots 0..n-1 (bilinear: the key side's inputs)
-            v = finish.values(prefix(side.tensors[scheme.group_of("v")], n, side.layout))
-            if scheme.bilinear:
-                return prefix(side.tensors["x"], n, FRESH), v
-            k = prefix(side.tensors[scheme.group_of("k")], n, side.layout)
-            return (k if finish.keys_at_write else finish.keys(k, k_pos[:, :n], side.seq_axis)), v
-
-        full_mask = core.combine_masks(call.mask, core.causal_mask(index_q, index_k) if causal else None)
-        self_mask = None
-        if scheme.mask_self and call.self_attention:
-            own = index_k[:, None, None, :] == index_q[:, None, :, None]
-            self_mask = core.grouped(own, cfg.kv_heads, cfg.group_size)
-        dropout = cfg.dropout_rate > 0.0 and not call.deterministic
-        scores = kernels.Scores(  # 4. scores and mixing
-            q=None if scheme.bilinear else finish.queries(queries[scheme.group_of("q")], q_pos),
-            x_q=x_q, w_qk=p.w_qk, read=read, layout=side.layout, length=length, t=t, index_q=index_q,
-            index_k=index_k, mask=call.mask, full_mask=full_mask, self_mask=self_mask, causal=causal,
-            rel_table=p.rel_bias, kv_heads=cfg.kv_heads, group_size=cfg.group_size, head_dim=cfg.head_dim,
-            value_dim=cfg.value_dim, start=side.start,
-            implementation=cfg.implementation or ("einsum" if jax.default_backend() == "cpu" else "xla"),
-            chunk_size=cfg.chunk_size, causal_block=cfg.causal_block,
-            dropout_rate=cfg.dropout_rate if dropout else 0.0,
-            dropout_rng=self.make_rng("dropout") if dropout else None, collecting=self.collecting,
-            sow=lambda name, value: self.sow("intermediates", name, value),
-        )  # fmt: skip
-        y = core.dense(kernels.mix(scores), p.w_o, 2)  # 5. output: BTNH,NHD->BTD
-        if p.b_o is not None:
-            y = y + p.b_o[None, None]
-        return (y, side) if call.hand_back else y
+        return run(self, call, Tied(self.config, self.projections(call.shape[2], reads_kv=call.kv is not None)))
 
     def projections(self, d: int, reads_kv: bool) -> Projections:
         """The layer's parameters. One kernel per group of the scheme's partition that this layer projects (only
@@ -224,7 +296,7 @@ class Attention(AttentionModule):
         if cfg.has_output_bias:
             b_o = self._param("b_o", (d,), (axes.EMBED,), nn.initializers.zeros).astype(cfg.dtype)
         # a layer reading another layer's finished keys has no key norm of its own
-        roles = ("q",) + (() if not scheme.bilinear and scheme.group_of("k") == "k" and reads_kv else ("k",))
+        roles = ("q",) + (() if scheme.keys_finished_at_write and reads_kv else ("k",))
         norm_scale = {
             r: self._param(f"{r}_norm_scale", (h,), (axes.HEAD_DIM,), nn.initializers.ones)
             for r in (roles if cfg.qk_norm else ())

@@ -28,6 +28,7 @@ from qkvjax.hf.export import EXPORTERS, check_exportable, infer_format
 from qkvjax.hf.folder import TOKENIZER, Tensors, checked_tokenizer, read_config, read_tensors, write_folder
 from qkvjax.hf.layouts import LAYOUTS, MODEL_TYPES
 from qkvjax.models.encoder import model_of
+from qkvjax.workdir import SPECIAL_IDS_FILE
 
 
 def layout_of(hf: dict):
@@ -58,7 +59,6 @@ def check_tree(params: dict, config) -> None:
 
 
 SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
-SPECIAL_IDS_FILE = "special_tokens.json"  # an imported model's ids, written back by export
 MAX_CONTEXT = 1 << 20  # positions a model may be imported with (a decode cache is (B, K, max_len, H) per layer)
 
 
@@ -105,7 +105,7 @@ def load_pretrained(folder: str, max_len: int | None = None):
 
 def import_folder(folder: str, workdir: str, max_len: int | None = None):
     """Writes the model of ``folder`` (a decoder LM, or BERT's encoder) as a workdir; returns its run Config."""
-    from qkvjax.train.config import Config, DataConfig, to_json
+    from qkvjax.config import Config, DataConfig, to_json
     from qkvjax.workdir import CONFIG_FILE, export_params, path, require_empty, whole_or_absent, write_text
 
     out = path(workdir)

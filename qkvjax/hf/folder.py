@@ -17,10 +17,11 @@ import os
 
 import numpy as np
 
+from qkvjax.workdir import TOKENIZER
+
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
-TOKENIZER = "tokenizer.json"
 
 
 def read_config(folder: str) -> dict:

@@ -96,7 +96,7 @@ class Encoder(nn.Module):
         if mask is not None:  # padding: (B, S) keys -> (B, 1, 1, S)
             mask = mask.astype(jnp.bool_)[:, None, None, :]
         for i in range(cfg.num_layers):
-            x, _ = Block(cfg, causal=False, name=f"block_{i}")(x, None, deterministic, mask=mask)
+            x, _ = Block(cfg, causal=False, deterministic=deterministic, name=f"block_{i}")(x, mask=mask)
         if cfg.family.norm_position == "pre":
             x = _layer_norm(cfg, "ln_final")(x)
         if not cfg.num_classes:

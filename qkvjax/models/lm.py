@@ -138,29 +138,32 @@ class Block(nn.Module):
     ``attention``, ``mlp_width``, ``dtype``, ``param_dtype`` and ``dropout_rate`` (the encoder's config). Returns
     ``(x, KV)`` with the K/V its attention used (another layer may read them), or ``(x, None)`` for an
     ``attention_cls`` that does not hand them back.
+
+    The call's flags (``deterministic``, flax's ``decode``) are fields, not arguments: every argument of the call is
+    an array or a pytree of arrays, so ``nn.remat(Block)`` needs no ``static_argnums`` tied to argument positions.
     """
 
     config: ModelConfig
     attention_cls: type = Attention
     causal: bool = True
     attention: AttentionConfig | None = None
+    deterministic: bool = True
+    decode: bool = False
 
     @nn.compact
     def __call__(
         self,
         x: Array,
-        positions: Array | None,
-        deterministic: bool,
+        positions: Array | None = None,
         kv: KV | None = None,
         cache: KV | None = None,
         mask: Array | None = None,
-        decode: bool = False,
     ):
-        cfg = self.config
+        cfg, deterministic = self.config, self.deterministic
         pre = cfg.family.norm_position == "pre"
         drop = nn.Dropout(cfg.dropout_rate)
         extra = {} if mask is None else {"mask": mask}  # attention_cls need not take these unless given them
-        if decode:
+        if self.decode:
             extra["decode"] = True
         att = self.attention or cfg.attention
         cls = self.attention_cls
@@ -271,20 +274,18 @@ class DecoderLM(nn.Module):
         block = Block
         if cfg.remat != "none":
             policy = None if cfg.remat == "full" else jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims
-            block = nn.remat(Block, policy=policy, static_argnums=(3, 7))  # (self, x, positions, deterministic, ...)
+            block = nn.remat(Block, policy=policy)
         made: dict[int, KV] = {}
         entries = iter(cache.kv) if cache is not None else None
         new_entries = []
         for i, layer in enumerate(cfg.layer_attention):
-            own = None if cache is None or not layer.produces_kv else KV(next(entries), cache.lengths)
-            x, used = block(cfg, self.attention_cls, attention=layer.config, name=f"block_{i}")(
-                x,
-                positions,
-                deterministic,
-                None if layer.produces_kv else made[layer.kv_from],
-                own,
-                None,
-                decode and layer.produces_kv,  # a layer reading another's K/V reads them as the donor wrote them
+            own = None if cache is None or not layer.produces_kv else KV.cached(next(entries), cache.lengths)
+            flags = {  # a layer reading another's K/V reads them as the donor wrote them (no decode variables)
+                "deterministic": deterministic,
+                "decode": decode and layer.produces_kv,
+            }
+            x, used = block(cfg, self.attention_cls, attention=layer.config, **flags, name=f"block_{i}")(
+                x, positions, kv=None if layer.produces_kv else made[layer.kv_from], cache=own
             )
             if layer.produces_kv:
                 made[i] = used

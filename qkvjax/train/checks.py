@@ -7,8 +7,8 @@ import json
 
 import jax
 
+from qkvjax.config import Config, TrainConfig, from_dict, to_dict
 from qkvjax.data.pipeline import check_corpus
-from qkvjax.train.config import Config, TrainConfig, from_dict, to_dict
 from qkvjax.train.state import learning_rate_schedule
 from qkvjax.workdir import CONFIG_FILE, IMPORTED_STEP, exported_steps, params_only, path
 

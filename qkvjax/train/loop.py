@@ -26,12 +26,12 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
 from qkvjax.analyze import attention_kernels, drift_stats, weight_stats
+from qkvjax.config import Config, require_decoder, to_dict, to_json
 from qkvjax.data.tokenizer import check_vocab, load_tokenizer, tokenize_splits
 from qkvjax.models.lm import DecoderLM, param_count, train_flops_per_token
 from qkvjax.perf import measure_peak_flops
 from qkvjax.train import checkpoint
 from qkvjax.train.checks import check_resume, check_splits, check_workdir, imported
-from qkvjax.train.config import Config, require_decoder, to_dict, to_json
 from qkvjax.train.mesh import batch_sharding, data_parallel_size, make_mesh, shardings_for
 from qkvjax.train.progress import TrainProgress
 from qkvjax.train.state import abstract_state, create_state, learning_rate_schedule, make_optimizer
@@ -263,52 +263,67 @@ class NonFiniteError(ValueError):
     """The loss or gradient norm stopped being finite; nothing non-finite was saved."""
 
 
-def _train(config: Config, workdir: epath.Path, overwrite: bool, lock: WorkdirLock) -> dict:
-    from qkvjax.data.builders import load_splits  # TFDS and grain load when a run reads data, not on import
-    from qkvjax.data.pipeline import train_batches
+@dataclasses.dataclass
+class Prepared:
+    """What :func:`prepare` checked and loaded before anything compiles: the model and optimizer, the layout
+    (:class:`_Parallel`), the token ids of each split with its tokens per byte (bits per byte from a loss per
+    token), the text's digest, and ``aside``: the run ``--overwrite`` moved aside, until this run's first
+    checkpoint is committed."""
 
-    tc = config.train
-    # Everything that can be checked is checked before anything compiles.
+    config: Config
+    workdir: epath.Path
+    model: DecoderLM
+    tx: object  # optax.GradientTransformation
+    par: _Parallel
+    splits: dict
+    tokens_per_byte: dict
+    digest: str
+    aside: epath.Path | None = None
+
+
+def prepare(config: Config, workdir: epath.Path, overwrite: bool) -> Prepared:
+    """Stage 1: everything that can be checked is checked (config, workdir, devices, data, tokenizer) before
+    anything compiles; only then does ``--overwrite`` touch the old run, and only by moving it aside."""
     model = DecoderLM(config.model)
-    tx = make_optimizer(tc)
-    abstract = abstract_state(model, config, tx)
-    par = _Parallel(config, abstract)
+    tx = make_optimizer(config.train)
+    par = _Parallel(config, abstract_state(model, config, tx))
     check_workdir(workdir, config, overwrite)
-    if jax.process_count() > 1:
-        multihost_utils.sync_global_devices("qkvjax: workdir checked")
-    data_dir = os.path.expanduser(config.data.data_dir)
-    if jax.process_count() > 1:  # process 0 prepares the dataset first: processes sharing a data_dir would race
-        if jax.process_index() == 0:
-            load_splits(config.data.dataset, config.data.source_path, data_dir)
-        multihost_utils.sync_global_devices("qkvjax: dataset prepared")
-    splits = load_splits(config.data.dataset, config.data.source_path, data_dir)
-    digest = splits_digest(splits)
-    tokenizer = load_tokenizer(config.data.tokenizer, workdir)
-    if config.data.tokenizer is not None:  # byte-level text is checked against the vocabulary by check_splits
-        check_vocab(tokenizer, config.model.vocab_size)
-    # bits per byte from a loss per token: x tokens / bytes of the split (1 for byte-level text)
-    tokens = tokenize_splits(splits, tokenizer)
-    tokens_per_byte = {k: len(tokens[k]) / max(1, len(splits[k])) for k in splits}
-    splits = tokens
+    _sync("workdir checked")
+    splits, tokens_per_byte, digest = _load_data(config, workdir)
     check_splits(splits, config)
-    # Checked: config, workdir, data, tokenizer, devices. Only now does --overwrite touch the old run, and only by
-    # moving it aside; it is deleted once this run's first checkpoint is committed (save below).
     aside = None
     if overwrite and jax.process_index() == 0:
         aside = set_aside(workdir, keep_imported=imported(workdir))
         if aside is not None:
             _say(f"--overwrite: the previous run is in {aside} until this run's first checkpoint is committed")
-    if jax.process_count() > 1:
-        multihost_utils.sync_global_devices("qkvjax: old run set aside")
+    _sync("old run set aside")
+    return Prepared(config, workdir, model, tx, par, splits, tokens_per_byte, digest, aside)
 
-    mngr = checkpoint.manager(workdir, tc.max_to_keep)
-    latest = mngr.latest_step()
-    batches = train_batches(
-        splits["train"], config.seq_len, tc.batch_size, config.seed, jax.process_index(), jax.process_count()
-    )
-    # The newest checkpoint that restores. Only evidence of damage moves a step aside (never deleted); any other
-    # failure (I/O, memory, a mesh the layout does not fit) stops here with the step and the cause, moving nothing.
-    moved = []
+
+def _load_data(config: Config, workdir: epath.Path) -> tuple[dict, dict, str]:
+    """The splits as token ids, their tokens per byte (1 for byte-level text) and the text's digest."""
+    from qkvjax.data.builders import load_splits  # TFDS and grain load when a run reads data, not on import
+
+    data_dir = os.path.expanduser(config.data.data_dir)
+    if jax.process_count() > 1:  # process 0 prepares the dataset first: processes sharing a data_dir would race
+        if jax.process_index() == 0:
+            load_splits(config.data.dataset, config.data.source_path, data_dir)
+        _sync("dataset prepared")
+    text = load_splits(config.data.dataset, config.data.source_path, data_dir)
+    tokenizer = load_tokenizer(config.data.tokenizer, workdir)
+    if config.data.tokenizer is not None:  # byte-level text is checked against the vocabulary by check_splits
+        check_vocab(tokenizer, config.model.vocab_size)
+    tokens = tokenize_splits(text, tokenizer)
+    return tokens, {k: len(tokens[k]) / max(1, len(text[k])) for k in text}, splits_digest(text)
+
+
+def restore(prep: Prepared, mngr, batches, overwrite: bool):
+    """Stage 2: ``(state, step)`` from the newest checkpoint that restores (the data iterator set to it), or a fresh
+    state (from an imported model's params, if any) and None. Only evidence of damage moves a step aside (never
+    deleted); any other failure (I/O, memory, a mesh the layout does not fit) stops here with the step and the
+    cause, moving nothing."""
+    config, workdir, par = prep.config, prep.workdir, prep.par
+    latest, moved = mngr.latest_step(), []
     while latest is not None:
         try:
             check_resume(checkpoint.restore_config(mngr, latest), config, latest, overwrite)
@@ -320,112 +335,171 @@ def _train(config: Config, workdir: epath.Path, overwrite: bool, lock: WorkdirLo
             continue
         batches.set_state(data_state)
         _say(f"resumed from checkpoint step {latest} in {mngr.directory}")
-        break
-    if latest is None and (moved or checkpoint.damaged_steps(workdir)):
+        return state, latest
+    if moved or checkpoint.damaged_steps(workdir):
         raise checkpoint.CheckpointError(
             f"workdir {workdir} has no checkpoint that restores: every one was damaged and is kept in "
             f"{checkpoint.DAMAGED_DIR}/ ({', '.join(checkpoint.damaged_steps(workdir))}); a run never starts "
             "afresh by itself: pass --overwrite to delete the run and start again"
         )
-    if latest is None:
-        state = create_state(model, config, tx, par.state_shardings)
-        exported = exported_steps(workdir)
-        if exported:  # an imported (or exported) model: start from its params, a fresh optimizer, step 0
-            state = state.replace(params=restore_exported(workdir, exported[-1], par.target().params))
-            _say(f"starting from the params in {workdir / 'params' / str(exported[-1])}")
+    state = create_state(prep.model, config, prep.tx, par.state_shardings)
+    exported = exported_steps(workdir)
+    if exported:  # an imported (or exported) model: start from its params, a fresh optimizer, step 0
+        state = state.replace(params=restore_exported(workdir, exported[-1], par.target().params))
+        _say(f"starting from the params in {workdir / 'params' / str(exported[-1])}")
+    return state, None
+
+
+def _record_provenance(prep: Prepared) -> None:
+    """The config the run trains (config.json) and the digest of its text (data.json), on process 0."""
     if jax.process_index() == 0:
-        write_text(workdir / CONFIG_FILE, to_json(config))
-        changed = check_data(workdir, digest, config.data.source_path, record=True)
+        write_text(prep.workdir / CONFIG_FILE, to_json(prep.config))
+        changed = check_data(prep.workdir, prep.digest, prep.config.data.source_path, record=True)
         if changed:
             _say(changed)
 
-    step_fn = make_train_step(model, tx, tc.grad_accum_steps, axis_name="data" if par.mesh is None else None)
-    eval_fn = make_eval_step(model)
-    if par.mesh is not None:
-        train_step = jax.jit(
-            step_fn,
-            in_shardings=(par.state_shardings, par.batch),
-            out_shardings=(par.state_shardings, None),
-            donate_argnums=0,
-        )
-        eval_step = jax.jit(eval_fn, in_shardings=(par.state_shardings.params, par.batch))
-    else:
-        train_step = jax.pmap(step_fn, axis_name="data", donate_argnums=0)
+
+def _compiled_steps(prep: Prepared):
+    """The train and eval steps, jitted over the mesh (state donated) or pmapped over local devices."""
+    par, tc = prep.par, prep.config.train
+    step_fn = make_train_step(prep.model, prep.tx, tc.grad_accum_steps, axis_name="data" if par.mesh is None else None)
+    eval_fn = make_eval_step(prep.model)
+    if par.mesh is None:
         eval_step = jax.pmap(eval_fn, axis_name="data")  # per-device sums; mean_loss adds them up
-    state = par.replicate(state)
+        return jax.pmap(step_fn, axis_name="data", donate_argnums=0), eval_step
+    shardings = dict(in_shardings=(par.state_shardings, par.batch), out_shardings=(par.state_shardings, None))
+    train_step = jax.jit(step_fn, **shardings, donate_argnums=0)
+    return train_step, jax.jit(eval_fn, in_shardings=(par.state_shardings.params, par.batch))
 
-    flops_per_token = train_flops_per_token(config.model, config.seq_len)
-    devices = 1 if jax.devices()[0].platform == "cpu" else jax.device_count()
-    peak = tc.peak_flops or measure_peak_flops(config.model.attention.dtype) * devices
-    peak_source = "train.peak_flops" if tc.peak_flops else f"a {config.model.attention.dtype} matmul measured at start"
-    schedule = learning_rate_schedule(tc)
-    writer = MetricsWriter(workdir, latest, tc.tensorboard)
-    step = int(par.unreplicate(state).step) if latest is not None else 0
-    _say(
-        f"qkvjax train: scheme={config.model.attention.scheme} params={param_count(config.model):,} "
-        f"devices={jax.device_count()} {('mesh ' + str(dict(par.mesh.shape))) if par.mesh else 'pmap'} "
-        f"step {step}/{tc.num_steps} workdir={workdir}"
-    )
-    _say(f"MFU is model FLOPs over a peak of {peak / 1e9:,.1f} GFLOP/s ({peak_source})")
-    if tc.warmup_steps >= tc.num_steps:
+
+def _train(config: Config, workdir: epath.Path, overwrite: bool, lock: WorkdirLock) -> dict:
+    from qkvjax.data.pipeline import train_batches
+
+    prep = prepare(config, workdir, overwrite)
+    mngr = checkpoint.manager(workdir, config.train.max_to_keep)
+    batches = train_batches(
+        prep.splits["train"], config.seq_len, config.train.batch_size, config.seed, jax.process_index(),
+        jax.process_count(),
+    )  # fmt: skip
+    state, latest = restore(prep, mngr, batches, overwrite)
+    _record_provenance(prep)
+    return Loop(prep, mngr, batches, lock, state, latest).run()
+
+
+@dataclasses.dataclass(frozen=True)
+class Cadence:
+    """Something the loop does every ``every`` (a ``train`` config field) steps and at the last step, after
+    checking that the steps so far were finite; ``on_stop``: also when a signal stops the run."""
+
+    name: str
+    every: str
+    action: str  # the Loop method
+    on_stop: bool = False
+
+    def due(self, step: int, tc, stopping: bool) -> bool:
+        return step % getattr(tc, self.every) == 0 or step == tc.num_steps or (self.on_stop and stopping)
+
+
+CADENCES = (
+    Cadence("log", "log_every", "log"),
+    Cadence("evaluation", "eval_every", "evaluate"),
+    Cadence("checkpoint", "checkpoint_every", "save", on_stop=True),
+)
+
+
+class Loop:
+    """Stage 3: the loop around the pure train step, with its cadences (:data:`CADENCES`): the log records, the
+    evaluations and the checkpoints; the only place that writes metrics and checkpoints."""
+
+    def __init__(self, prep: Prepared, mngr, batches, lock: WorkdirLock, state, latest: int | None):
+        config, par = prep.config, prep.par
+        self.prep, self.tc, self.mngr, self.batches, self.lock = prep, config.train, mngr, batches, lock
+        self.train_step, self.eval_step = _compiled_steps(prep)
+        self.state = par.replicate(state)
+        self.step = int(par.unreplicate(self.state).step) if latest is not None else 0
+        self.flops_per_token = train_flops_per_token(config.model, config.seq_len)
+        self.devices = 1 if jax.devices()[0].platform == "cpu" else jax.device_count()
+        self.peak = self.tc.peak_flops or measure_peak_flops(config.model.attention.dtype) * self.devices
+        self.schedule = learning_rate_schedule(self.tc)
+        self.writer = MetricsWriter(prep.workdir, latest, self.tc.tensorboard)
+        self._announce()
+        self.progress = TrainProgress(self.step, self.tc.num_steps, enabled=jax.process_index() == 0)
+        self.similarity = _similarity(prep, self.state, latest) if self.tc.log_weight_similarity else None
+        # The first non-finite step and why (0: none), tracked on the device so the loop need not wait on each step.
+        self.track = jax.jit(lambda seen, code, s: jnp.where((seen[0] == 0) & (code > 0), jnp.stack([s, code]), seen))
+        self.nonfinite, self.skipped = jnp.zeros(2, jnp.int32), 0
+        self.record: dict = {}
+        self.compile_s = self.last_time = 0.0
+        self.last_step, self.paused_s = self.step, 0.0
+
+    def _announce(self) -> None:
+        config, tc, par = self.prep.config, self.tc, self.prep.par
+        dtype = config.model.attention.dtype
         _say(
-            f"warning: train.warmup_steps={tc.warmup_steps} >= train.num_steps={tc.num_steps}: the learning rate never "
-            f"reaches train.learning_rate={tc.learning_rate:g} (it ends at {float(schedule(tc.num_steps - 1)):.3g}); "
-            f"pass a smaller --config.train.warmup_steps for a short (up)training run"
+            f"qkvjax train: scheme={config.model.attention.scheme} params={param_count(config.model):,} "
+            f"devices={jax.device_count()} {('mesh ' + str(dict(par.mesh.shape))) if par.mesh else 'pmap'} "
+            f"step {self.step}/{tc.num_steps} workdir={self.prep.workdir}"
         )
-    progress = TrainProgress(step, tc.num_steps, enabled=jax.process_index() == 0)
+        source = "train.peak_flops" if tc.peak_flops else f"a {dtype} matmul measured at start"
+        _say(f"MFU is model FLOPs over a peak of {self.peak / 1e9:,.1f} GFLOP/s ({source})")
+        if tc.warmup_steps >= tc.num_steps:
+            _say(
+                f"warning: train.warmup_steps={tc.warmup_steps} >= train.num_steps={tc.num_steps}: the learning rate "
+                f"never reaches train.learning_rate={tc.learning_rate:g} (it ends at "
+                f"{float(self.schedule(tc.num_steps - 1)):.3g}); pass a smaller --config.train.warmup_steps for a "
+                "short (up)training run"
+            )
 
-    if tc.log_weight_similarity:  # and each attention kernel's drift from W_0 (imported params, or the seed's init)
-        if 0 in exported_steps(workdir):
-            initial = restore_exported(workdir, 0, par.target().params)
-        elif latest is None:
-            initial = par.unreplicate(state).params
-        else:  # resumed: the seed's initialisation, recomputed
-            initial = create_state(model, config, tx, par.state_shardings).params
-        initial = jax.tree.map(lambda x: x.copy(), attention_kernels(initial))  # the step donates the state's buffers
-        similarity = jax.jit(
-            lambda params, w0: weight_stats(params, config.model.layer_attention) | drift_stats(params, w0)
-        )
+    def run(self) -> dict:
+        """Trains to ``num_steps`` (or until a signal); returns the last log record."""
+        par, tc = self.prep.par, self.tc
+        first_step, start_time = self.step, time.perf_counter()
+        try:
+            with _Preemption() as preemption:
+                while self.step < tc.num_steps:
+                    self.state, metrics = self.train_step(self.state, par.put_batch(next(self.batches)))
+                    self.step += 1
+                    self.nonfinite = self.track(self.nonfinite, jnp.max(metrics["nonfinite"]), jnp.int32(self.step))
+                    self.progress.step(self.step, lambda m=metrics: jax.block_until_ready(m["loss"]))
+                    if self.step == first_step + 1:  # the first call compiles: keep it out of the throughput
+                        jax.block_until_ready(metrics)
+                        self.compile_s = time.perf_counter() - start_time
+                        self.last_time, self.last_step, self.paused_s = time.perf_counter(), self.step, 0.0
+                        self.progress.message(f"compiled and ran the first step in {self.compile_s:.1f}s")
+                    for cadence in CADENCES:
+                        if cadence.due(self.step, tc, preemption.requested is not None):
+                            self.check_finite()
+                            getattr(self, cadence.action)(metrics)
+                    if preemption.requested:
+                        self.progress.message(f"{preemption.requested}: saved checkpoint step {self.step}; exiting")
+                        break
+        finally:  # also on an error: the checkpoint in flight completes, metrics are flushed
+            self.progress.close()
+            try:
+                checkpoint.close(self.mngr)
+            finally:
+                self.writer.close()
+        if preemption.requested:
+            raise Interrupted(preemption.requested, self.step)
+        if self.step >= tc.num_steps:
+            export_params(self.prep.workdir, self.step, par.unreplicate(self.state).params)
+        _say(f"done at step {self.step}; checkpoints in {self.prep.workdir / 'checkpoints'}")
+        return self.record
 
-    def evaluate(params) -> dict:
-        put = lambda b: par.put_batch(_local_rows(b))  # noqa: E731
-        loss, count = mean_loss(
-            eval_step, params, splits["validation"], config.seq_len, tc.batch_size, put, tc.eval_batches
-        )
-        bpb = loss / math.log(2) * tokens_per_byte["validation"]
-        out = {"split": "validation", "loss": loss, "bits_per_byte": bpb, "tokens": count}
-        if tc.log_weight_similarity:
-            stats = jax.device_get(similarity(params if par.mesh is not None else par.unreplicate(params), initial))
-            out.update({k: float(v) for k, v in stats.items()})
-        return out
-
-    def save(state, step):
-        nonlocal aside
-        host_state = par.unreplicate(state)
-        checkpoint.save(mngr, step, host_state, batches.get_state(), to_dict(config))
-        if aside is not None:  # the replaced run goes once this run has a checkpoint of its own
-            checkpoint.finish(mngr)
-            drop_aside(aside)
-            _say(f"deleted the replaced run {aside} (checkpoint step {step} is committed)")
-            aside = None
-
-    # The first non-finite step and why (0: none), tracked on the device so the loop need not wait on every step.
-    track = jax.jit(lambda seen, code, step: jnp.where((seen[0] == 0) & (code > 0), jnp.stack([step, code]), seen))
-    nonfinite = jnp.zeros(2, jnp.int32)
-    skipped = 0
-
-    def check_finite() -> None:
-        nonlocal nonfinite, skipped
-        bad_step, code = (int(x) for x in jax.device_get(nonfinite))
+    def check_finite(self) -> None:
+        """Raises :class:`NonFiniteError` at the first non-finite step (or counts it, with ``skip_nonfinite``)."""
+        bad_step, code = (int(x) for x in jax.device_get(self.nonfinite))
         if not bad_step:
             return
         what = "loss" if code == 1 else "gradient norm"
-        if tc.skip_nonfinite:
-            skipped += 1
-            nonfinite = jnp.zeros(2, jnp.int32)
-            progress.message(f"step {bad_step}: the {what} is not finite; the batch was skipped ({skipped} so far)")
+        if self.tc.skip_nonfinite:
+            self.skipped += 1
+            self.nonfinite = jnp.zeros(2, jnp.int32)
+            self.progress.message(
+                f"step {bad_step}: the {what} is not finite; the batch was skipped ({self.skipped} so far)"
+            )
             return
-        good = mngr.latest_step()
+        good = self.mngr.latest_step()
         raise NonFiniteError(
             f"step {bad_step}: the {what} is not finite, so training stopped there and saved nothing after it; "
             f"the last good checkpoint is {'step ' + str(good) if good is not None else 'none (no step finished)'}. "
@@ -433,84 +507,102 @@ def _train(config: Config, workdir: epath.Path, overwrite: bool, lock: WorkdirLo
             "--config.train.skip_nonfinite=true to skip batches like this one"
         )
 
-    record: dict = {}
-    first_step, start_time, paused_s = step, time.perf_counter(), 0.0
-    try:
-        with _Preemption() as preemption:
-            while step < tc.num_steps:
-                state, metrics = train_step(state, par.put_batch(next(batches)))
-                step += 1
-                nonfinite = track(nonfinite, jnp.max(metrics["nonfinite"]), jnp.int32(step))
-                progress.step(step, lambda m=metrics: jax.block_until_ready(m["loss"]))
-                if step == first_step + 1:  # the first call compiles: keep it out of the throughput
-                    jax.block_until_ready(metrics)
-                    compile_s = time.perf_counter() - start_time
-                    last_time, last_step, paused_s = time.perf_counter(), step, 0.0
-                    progress.message(f"compiled and ran the first step in {compile_s:.1f}s")
-                if step % tc.log_every == 0 or step == tc.num_steps:
-                    check_finite()
-                    lock.refresh()
-                    metrics = jax.device_get(par.unreplicate(metrics) if par.mesh is None else metrics)
-                    now = time.perf_counter() - paused_s
-                    steps_timed = step - last_step
-                    record = {
-                        "step": step,
-                        "loss": float(metrics["loss"]),
-                        "bits_per_byte": float(metrics["bits_per_byte"]) * tokens_per_byte["train"],
-                        "grad_norm": float(metrics["grad_norm"]),
-                        "learning_rate": float(schedule(step - 1)),
-                    }
-                    if skipped:
-                        record["skipped_steps"] = skipped
-                    if steps_timed:
-                        tokens_per_s = steps_timed * tc.batch_size * config.seq_len / (now - last_time)
-                        achieved = tokens_per_s * flops_per_token
-                        if achieved > peak:  # the peak was measured low (a loaded machine): it cannot be under this
-                            peak = max(achieved, measure_peak_flops(config.model.attention.dtype) * devices)
-                            progress.message(
-                                f"the model ran at {achieved / 1e9:,.1f} GFLOP/s, above the peak MFU was read against; "
-                                f"MFU is now against {peak / 1e9:,.1f} GFLOP/s (measured again)"
-                            )
-                        record.update(tokens_per_s=tokens_per_s, mfu=achieved / peak)
-                    else:
-                        record["compile_s"] = compile_s
-                    writer.write(record)
-                    progress.log(record)
-                    last_time, last_step, paused_s = time.perf_counter(), step, 0.0
-                if step % tc.eval_every == 0 or step == tc.num_steps:
-                    check_finite()
-                    # Evaluation time is not training throughput; the steps dispatched before it still are, so
-                    # they finish first. An evaluation between two log records pauses the clock, not resets it.
-                    jax.block_until_ready(state)
-                    progress.doing("evaluating")
-                    eval_start = time.perf_counter()
-                    ev = evaluate(state.params)
-                    writer.write({"step": step, "eval": True, **ev})
-                    progress.evaluated(step, ev)
-                    writer.flush()
-                    progress.doing("training")
-                    paused_s += time.perf_counter() - eval_start
-                if step % tc.checkpoint_every == 0 or step == tc.num_steps or preemption.requested:
-                    check_finite()
-                    progress.doing("saving checkpoint")
-                    save(state, step)
-                    writer.flush()
-                    progress.doing("training")
-                if preemption.requested:
-                    progress.message(f"{preemption.requested}: saved checkpoint step {step}; exiting")
-                    break
-    finally:  # also on an error: the checkpoint in flight completes, metrics are flushed
-        progress.close()
-        try:
-            checkpoint.close(mngr)
-        finally:
-            writer.close()
-    if preemption.requested:
-        raise Interrupted(preemption.requested, step)
-    if step >= tc.num_steps:
-        export_params(workdir, step, par.unreplicate(state).params)
-    _say(f"done at step {step}; checkpoints in {workdir / 'checkpoints'}")
-    return record
+    def log(self, metrics) -> None:
+        """A training record: loss, bits per byte, gradient norm, rate; throughput and MFU since the last one."""
+        par, tc, step = self.prep.par, self.tc, self.step
+        self.lock.refresh()
+        metrics = jax.device_get(par.unreplicate(metrics) if par.mesh is None else metrics)
+        now = time.perf_counter() - self.paused_s
+        record = {
+            "step": step,
+            "loss": float(metrics["loss"]),
+            "bits_per_byte": float(metrics["bits_per_byte"]) * self.prep.tokens_per_byte["train"],
+            "grad_norm": float(metrics["grad_norm"]),
+            "learning_rate": float(self.schedule(step - 1)),
+        }
+        if self.skipped:
+            record["skipped_steps"] = self.skipped
+        if step - self.last_step:
+            tokens_per_s = (step - self.last_step) * tc.batch_size * self.prep.config.seq_len / (now - self.last_time)
+            achieved = tokens_per_s * self.flops_per_token
+            if achieved > self.peak:  # the peak was measured low (a loaded machine): it cannot be under this
+                measured = measure_peak_flops(self.prep.config.model.attention.dtype) * self.devices
+                self.peak = max(achieved, measured)
+                self.progress.message(
+                    f"the model ran at {achieved / 1e9:,.1f} GFLOP/s, above the peak MFU was read against; "
+                    f"MFU is now against {self.peak / 1e9:,.1f} GFLOP/s (measured again)"
+                )
+            record.update(tokens_per_s=tokens_per_s, mfu=achieved / self.peak)
+        else:
+            record["compile_s"] = self.compile_s
+        self.writer.write(record)
+        self.progress.log(record)
+        self.record = record
+        self.last_time, self.last_step, self.paused_s = time.perf_counter(), step, 0.0
+
+    def evaluate(self, metrics=None) -> None:
+        """Validation loss and bits per byte (and weight statistics); its time pauses the throughput clock. The
+        steps dispatched before it are training, so they finish first."""
+        jax.block_until_ready(self.state)
+        self.progress.doing("evaluating")
+        start = time.perf_counter()
+        ev = self.validation(self.state.params)
+        self.writer.write({"step": self.step, "eval": True, **ev})
+        self.progress.evaluated(self.step, ev)
+        self.writer.flush()
+        self.progress.doing("training")
+        self.paused_s += time.perf_counter() - start
+
+    def validation(self, params) -> dict:
+        prep, tc, par = self.prep, self.tc, self.prep.par
+        put = lambda b: par.put_batch(_local_rows(b))  # noqa: E731
+        loss, count = mean_loss(
+            self.eval_step, params, prep.splits["validation"], prep.config.seq_len, tc.batch_size, put,
+            tc.eval_batches,
+        )  # fmt: skip
+        bpb = loss / math.log(2) * prep.tokens_per_byte["validation"]
+        out = {"split": "validation", "loss": loss, "bits_per_byte": bpb, "tokens": count}
+        if self.similarity is not None:
+            stats = jax.device_get(self.similarity(params if par.mesh is not None else par.unreplicate(params)))
+            out.update({k: float(v) for k, v in stats.items()})
+        return out
+
+    def save(self, metrics=None) -> None:
+        """A checkpoint of the state and the data iterator; the first one deletes the run ``--overwrite`` replaced."""
+        self.progress.doing("saving checkpoint")
+        checkpoint.save(
+            self.mngr, self.step, self.prep.par.unreplicate(self.state), self.batches.get_state(),
+            to_dict(self.prep.config),
+        )  # fmt: skip
+        aside = self.prep.aside
+        if aside is not None:  # the replaced run goes once this run has a checkpoint of its own
+            checkpoint.finish(self.mngr)
+            drop_aside(aside)
+            _say(f"deleted the replaced run {aside} (checkpoint step {self.step} is committed)")
+            self.prep.aside = None
+        self.writer.flush()
+        self.progress.doing("training")
+
+
+def _similarity(prep: Prepared, state, latest: int | None):
+    """``params -> stats``: each attention kernel's similarities and its drift from W_0 (imported params, or the
+    seed's initialisation, recomputed when resumed)."""
+    config, par, workdir = prep.config, prep.par, prep.workdir
+    if 0 in exported_steps(workdir):
+        initial = restore_exported(workdir, 0, par.target().params)
+    elif latest is None:
+        initial = par.unreplicate(state).params
+    else:
+        initial = create_state(prep.model, config, prep.tx, par.state_shardings).params
+    initial = jax.tree.map(lambda x: x.copy(), attention_kernels(initial))  # the step donates the state's buffers
+    stats = jax.jit(lambda params, w0: weight_stats(params, config.model.layer_attention) | drift_stats(params, w0))
+    return lambda params: stats(params, initial)
+
+
+def _sync(what: str) -> None:
+    """Every process reaches this point before any goes on (a no-op in one process)."""
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(f"qkvjax: {what}")
 
 
 def _local_rows(batch: dict) -> dict:

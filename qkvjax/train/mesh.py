@@ -10,7 +10,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from qkvjax import axes
-from qkvjax.train.config import MeshConfig
+from qkvjax.config import MeshConfig
 
 
 def mesh_shape(cfg: MeshConfig, num_devices: int) -> tuple[int, int, int]:

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 
-from qkvjax.train.config import Config, TrainConfig
+from qkvjax.config import Config, TrainConfig
 
 
 @struct.dataclass

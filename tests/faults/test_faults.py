@@ -15,8 +15,8 @@ import sys
 import numpy as np
 import pytest
 
+from qkvjax.config import apply_overrides, load_config_file
 from qkvjax.evaluate import evaluate
-from qkvjax.train.config import apply_overrides, load_config_file
 from qkvjax.workdir import LOCK_FILE
 from tests.helpers import TINY, exported_params, flat, metrics, run_in_process, train_args
 

@@ -1,0 +1,373 @@
+"""The run's configuration: frozen dataclasses, validated on construction, loaded from a Python file and
+overridden from the command line with ``--config.a.b=value`` (ml_collections style)."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib.util
+import json
+import math
+import os
+import types
+import typing
+from typing import Any
+
+from qkvjax.attention import AttentionConfig
+from qkvjax.data import DATASET_NAMES
+from qkvjax.models.encoder import EncoderConfig
+from qkvjax.models.lm import ModelConfig
+from qkvjax.parse import BOOLEAN_SPELLINGS, parse_bool
+
+PARALLELISMS = ("jit", "pmap")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Where the text comes from.
+
+    Attributes:
+      dataset: 'tiny_shakespeare' (the TFDS catalog's split) or 'text_file' (any UTF-8 file, split 90/5/5).
+      source_path: a local copy of the corpus (required for 'text_file'); None downloads Tiny Shakespeare.
+      data_dir: where TFDS keeps the prepared datasets.
+      seq_len: the training window in tokens; None means the model's ``max_len``.
+      tokenizer: a Hugging Face ``tokenizer.json`` (read with the ``tokenizers`` library; a relative path is
+        looked up in the workdir, where ``qkvjax import`` copies the model's own); None: bytes are the tokens.
+    """
+
+    dataset: str = "tiny_shakespeare"
+    source_path: str | None = None
+    data_dir: str = "~/tensorflow_datasets"
+    seq_len: int | None = None
+    tokenizer: str | None = None
+
+    def __post_init__(self):
+        if self.dataset not in DATASET_NAMES:
+            raise ValueError(f"data.dataset={self.dataset!r} is unknown; allowed: {sorted(DATASET_NAMES)}")
+        if self.seq_len is not None and (not isinstance(self.seq_len, int) or self.seq_len < 1):
+            raise ValueError(f"data.seq_len={self.seq_len!r}; allowed: None or an integer >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Optimisation (AdamW, linear warmup then cosine decay to ``min_lr_ratio`` x peak) and the loop's cadence.
+
+    ``log_weight_similarity`` adds each layer's head-averaged ``symmetry/layer_i`` and ``qk_cos/layer_i`` of
+    W^Q (W^K)^T (see ``qkvjax.analyze``) to every evaluation record. A step whose loss or gradient norm is not
+    finite is never applied; it stops the run (named, nothing saved after it) unless ``skip_nonfinite``, which
+    skips such batches and counts them in ``skipped_steps``.
+
+    Attributes:
+      batch_size: sequences per step, over all devices.
+      num_steps: optimiser steps of the whole run (the cosine schedule's length).
+      learning_rate: the peak learning rate, reached after the warmup.
+      min_lr_ratio: the cosine decay's floor, as a fraction of the peak.
+      warmup_steps: linear warmup from 0 to the peak.
+      weight_decay: AdamW's decoupled weight decay (on every parameter of two or more dimensions).
+      b1: Adam's first-moment decay.
+      b2: Adam's second-moment decay.
+      grad_clip: the global gradient norm is clipped to this.
+      grad_accum_steps: micro-batches per step (the batch is split; gradients averaged).
+      log_every: steps between training records in metrics.jsonl and the progress line.
+      eval_every: steps between evaluations on the validation split.
+      eval_batches: batches per evaluation; None evaluates the whole split.
+      checkpoint_every: steps between checkpoints (one is also saved at the end and on SIGTERM/Ctrl-C).
+      max_to_keep: checkpoints kept (the oldest are deleted).
+      peak_flops: FLOP/s that MFU is measured against; None measures a matmul at start.
+      log_weight_similarity: add W^Q (W^K)^T statistics and each attention kernel's drift |W - W_0| / |W_0| per
+        layer to every evaluation record.
+      skip_nonfinite: skip a batch whose loss or gradient is not finite instead of stopping.
+      tensorboard: also write TensorBoard events under ``WORKDIR/tensorboard`` (tensorboardX is imported only
+        then); metrics.jsonl is written either way.
+    """
+
+    batch_size: int = 64
+    num_steps: int = 5000
+    learning_rate: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.99
+    grad_clip: float = 1.0
+    grad_accum_steps: int = 1
+    log_every: int = 10
+    eval_every: int = 250
+    eval_batches: int | None = None
+    checkpoint_every: int = 500
+    max_to_keep: int = 3
+    peak_flops: float | None = None
+    log_weight_similarity: bool = False
+    skip_nonfinite: bool = False
+    tensorboard: bool = True
+
+    def __post_init__(self):
+        for name in ("batch_size", "num_steps", "grad_accum_steps", "log_every", "eval_every", "checkpoint_every"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"train.{name}={value!r}; allowed: an integer >= 1")
+        for name in ("learning_rate", "min_lr_ratio", "weight_decay", "b1", "b2", "grad_clip", "peak_flops"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not math.isfinite(value)):
+                raise ValueError(f"train.{name}={value!r}; allowed: a finite number")
+        if self.warmup_steps < 0:
+            raise ValueError(f"train.warmup_steps={self.warmup_steps}; allowed: an integer >= 0")
+        if self.max_to_keep < 1:
+            raise ValueError(f"train.max_to_keep={self.max_to_keep}; allowed: an integer >= 1 (checkpoints kept)")
+        if self.batch_size % self.grad_accum_steps:
+            raise ValueError(
+                f"train.batch_size={self.batch_size} is not divisible by grad_accum_steps={self.grad_accum_steps}"
+            )
+        if not self.learning_rate > 0 or not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(
+                f"train.learning_rate={self.learning_rate} must be > 0 and min_lr_ratio={self.min_lr_ratio} in [0, 1]"
+            )
+        if self.eval_batches is not None and self.eval_batches < 1:
+            raise ValueError(f"train.eval_batches={self.eval_batches}; allowed: None (whole split) or >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Device mesh sizes on the axes (data, fsdp, tensor); one of them may be -1 to take the remaining devices.
+
+    Attributes:
+      data: data-parallel replicas (batch split).
+      fsdp: parameter and optimizer-state shards over the model width (and the batch).
+      tensor: shards over heads and the MLP width.
+    """
+
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
+
+    def __post_init__(self):
+        sizes = (self.data, self.fsdp, self.tensor)
+        if any(s == 0 or s < -1 for s in sizes) or sizes.count(-1) > 1:
+            raise ValueError(f"mesh sizes (data, fsdp, tensor) = {sizes}; allowed: integers >= 1, at most one -1")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """A training run.
+
+    Attributes:
+      model: the model (its ``attention`` section is the attention layer); an ``EncoderConfig`` only in a workdir
+        that ``qkvjax import`` wrote from a BERT folder (info, analyze, convert and export read it).
+      data: the corpus.
+      train: optimisation and the loop's cadence.
+      mesh: the device mesh (with ``parallelism='jit'``).
+      parallelism: 'jit' (sharded on the mesh) or 'pmap' (data parallel).
+      seed: initialisation, data order and dropout.
+    """
+
+    model: ModelConfig | EncoderConfig
+    data: DataConfig = DataConfig()
+    train: TrainConfig = TrainConfig()
+    mesh: MeshConfig = MeshConfig()
+    parallelism: str = "jit"
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.parallelism not in PARALLELISMS:
+            raise ValueError(f"parallelism={self.parallelism!r}; allowed: {list(PARALLELISMS)}")
+        if self.data.seq_len is not None and self.data.seq_len > self.model.max_len:
+            raise ValueError(f"data.seq_len={self.data.seq_len} exceeds model.max_len={self.model.max_len}")
+
+    @property
+    def seq_len(self) -> int:
+        return self.model.max_len if self.data.seq_len is None else self.data.seq_len
+
+
+def require_decoder(config: Config, command: str) -> None:
+    """Refuses ``command`` in one line for an encoder (an imported BERT: hidden states, no LM head to train,
+    score or sample with)."""
+    if isinstance(config.model, EncoderConfig):
+        raise ValueError(
+            f"qkvjax {command} needs a decoder LM; this run's model is an encoder (EncoderConfig, an imported BERT "
+            "without an LM head); on an encoder workdir: info, analyze, convert, export --format bert"
+        )
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Serialisation and overrides, driven by the dataclasses' type hints.
+
+
+def to_dict(config) -> dict[str, Any]:
+    return dataclasses.asdict(config)
+
+
+def to_json(config) -> str:
+    return json.dumps(to_dict(config), indent=2, sort_keys=True)
+
+
+def from_dict(cls, data: dict[str, Any]):
+    """Rebuilds a (nested) config dataclass; unknown keys are an error."""
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(data) - names
+    if unknown:
+        raise ValueError(f"unknown {cls.__name__} fields {sorted(unknown)}; allowed: {sorted(names)}")
+    kwargs = {}
+    for key, value in data.items():
+        sub = _dataclass_of(hints[key], value)
+        kwargs[key] = from_dict(sub, value) if sub is not None and isinstance(value, dict) else value
+    return cls(**kwargs)
+
+
+def load_config_file(path: str) -> Config:
+    """Imports a config file and calls its ``get_config()``; a ``.json`` file is a run's saved ``config.json``
+    (what ``qkvjax convert`` writes: uptrain a converted run with ``--config OUT/config.json``)."""
+    if not os.path.isfile(path):
+        raise ValueError(f"--config={path!r} is not a file; pass a Python file defining get_config()")
+    if path.endswith(".json"):
+        try:
+            return from_dict(Config, json.loads(open(path).read()))
+        except (ValueError, TypeError, KeyError) as e:
+            raise ValueError(f"--config={path!r} is not a run's config.json ({type(e).__name__}: {e})") from None
+    spec = importlib.util.spec_from_file_location(f"qkvjax_config_{abs(hash(path))}", path)
+    if spec is None or spec.loader is None:
+        raise ValueError(f"--config={path!r} is not a Python file; pass a .py file defining get_config()")
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:  # a syntax error in a README, a typo in a preset: say which file, in one line
+        raise ValueError(f"--config={path!r} could not be run as Python ({type(e).__name__}: {e})") from None
+    if not hasattr(module, "get_config"):
+        raise ValueError(f"config file {path} has no get_config() function")
+    config = module.get_config()
+    if not isinstance(config, Config):
+        raise ValueError(f"{path}: get_config() returned {type(config).__name__}, expected qkvjax Config")
+    return config
+
+
+def apply_overrides(config: Config, overrides: dict[str, str]) -> Config:
+    """``{"model.attention.scheme": "shared_kv", ...}`` applied together, then validated once (so the order of
+    overrides that must change together, like a scheme and its head count, does not matter)."""
+    data = to_dict(config)
+    for dotted, raw in overrides.items():
+        cls, node, keys = type(config), data, dotted.split(".")
+        for depth, key in enumerate(keys):
+            names = {f.name for f in dataclasses.fields(cls)}
+            if key not in names:
+                close = difflib.get_close_matches(key, names, n=1)
+                hint = f"did you mean {close[0]!r}? " if close else ""
+                raise ValueError(
+                    f"--config.{dotted}: {cls.__name__} has no field {key!r}; {hint}allowed: {sorted(names)}"
+                )
+            hint = typing.get_type_hints(cls)[key]
+            sub = _dataclass_of(hint, node.get(key) if isinstance(node, dict) else None)
+            if depth < len(keys) - 1:
+                if sub is None:
+                    raise ValueError(f"--config.{dotted}: {key!r} is a value, not a section")
+                cls, node = sub, node[key]
+            elif sub is not None:
+                raise ValueError(f"--config.{dotted}: {key!r} is a section; set one of its fields")
+            else:
+                node[key] = _parse(raw, hint, dotted)
+    return from_dict(type(config), data)
+
+
+def field_meanings(cls) -> dict[str, str]:
+    """{field: one-line meaning} from the ``Attributes:`` section of a config dataclass's docstring (the one place
+    the fields are documented), continuation lines joined."""
+    out, name = {}, None
+    lines = (cls.__doc__ or "").splitlines()
+    start = next((i for i, line in enumerate(lines) if line.strip() == "Attributes:"), len(lines))
+    for line in lines[start + 1 :]:
+        if not line.strip():
+            break
+        head, sep, text = line.strip().partition(": ")
+        if sep and line.startswith("      ") and not line.startswith("        ") and head.isidentifier():
+            name, out[head] = head, text.strip()
+        elif name is not None:
+            out[name] += " " + line.strip()
+    return out
+
+
+def describe_fields(config=None) -> list[dict[str, str]]:
+    """Every settable field of a run's config as ``--config.<dotted>``: its type, its value (in ``config``, else
+    the dataclass default, or "required") and its meaning, section by section (top-level fields first)."""
+    rows = []
+
+    def walk(cls, obj, prefix: str) -> None:
+        hints, meanings = typing.get_type_hints(cls), field_meanings(cls)
+        fields = dataclasses.fields(cls)
+        sections = [f for f in fields if _dataclass_of(hints[f.name]) is not None]
+        for f in fields:
+            if f in sections:
+                continue
+            hint = hints[f.name]
+            options = typing.get_args(hint) or (hint,)
+            kind = " or ".join("None" if t is type(None) else t.__name__ for t in options)
+            if bool in options:
+                kind += " (" + "/".join(BOOLEAN_SPELLINGS[True] + BOOLEAN_SPELLINGS[False]) + ")"
+            if obj is not None:
+                value = repr(getattr(obj, f.name))
+            else:
+                value = "required" if f.default is dataclasses.MISSING else repr(f.default)
+            rows.append({"field": prefix + f.name, "type": kind, "default": value, "meaning": meanings.get(f.name, "")})
+        for f in sections:
+            sub = None if obj is None else getattr(obj, f.name)
+            walk(_dataclass_of(hints[f.name]), sub, f"{prefix}{f.name}.")
+
+    walk(Config, config, "")
+    return rows
+
+
+def format_fields(config: Config | None = None, width: int = 120) -> str:
+    """The field list as text: one line per field (type, value), its meaning wrapped below it."""
+    import textwrap
+
+    lines, section = [], None
+    for row in describe_fields(config):
+        here = row["field"].rpartition(".")[0] or "run"
+        if here != section:
+            section = here
+            lines.append(f"\n[{section}]")
+        value = "required" if row["default"] == "required" else f"default {row['default']}"
+        lines.append(f"  --config.{row['field']}  {row['type']}, {value}")
+        lines += textwrap.wrap(row["meaning"], width, initial_indent="      ", subsequent_indent="      ")
+    return "\n".join(lines).lstrip("\n")
+
+
+def _dataclass_of(hint, value=None):
+    """The dataclass a field holds; of a union of several (``Config.model``), the first whose fields hold every
+    key of ``value`` (an encoder's ``num_classes`` picks ``EncoderConfig``)."""
+    classes = [t for t in typing.get_args(hint) or (hint,) if dataclasses.is_dataclass(t)]
+    if len(classes) > 1 and isinstance(value, dict):
+        classes = [c for c in classes if set(value) <= {f.name for f in dataclasses.fields(c)}] or classes
+    return classes[0] if classes else None
+
+
+def _parse(raw: str, hint, name: str):
+    options = [t for t in (typing.get_args(hint) if _is_union(hint) else (hint,))]
+    if type(None) in options and raw.lower() in ("none", "null"):
+        return None
+    for t in options:
+        try:
+            if t is bool:
+                return parse_bool(raw)
+            if t in (int, float, str):
+                return t(raw)
+        except ValueError:
+            continue
+    allowed = " or ".join(getattr(t, "__name__", str(t)) for t in options)
+    raise ValueError(f"--config.{name}={raw!r} is not a valid {allowed}")
+
+
+def _is_union(hint) -> bool:
+    return typing.get_origin(hint) in (typing.Union, types.UnionType)
+
+
+__all__ = [
+    "AttentionConfig",
+    "Config",
+    "DataConfig",
+    "MeshConfig",
+    "ModelConfig",
+    "TrainConfig",
+    "apply_overrides",
+    "from_dict",
+    "load_config_file",
+    "to_json",
+]
