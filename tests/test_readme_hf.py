@@ -1,0 +1,53 @@
+"""README.md's Hugging Face section runs as written: the MiniLM block (after its install line, which the test checks
+instead of running: this venv already holds the extras, and reinstalling into it from a temporary clone would move
+the editable install), then the tiny-Llama round trip (its uptraining cut to 20 steps, as the README's marker says),
+in one shell, in a fresh clone."""
+
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.first_hour import fresh_clone, run_commands
+from tests.helpers import REPO, xla_flags
+
+pytestmark = pytest.mark.xdist_group("readme_hf")  # its own worker: the first-hour module holds another
+
+README = (REPO / "README.md").read_text()
+
+
+def block(marker: str) -> list[str]:
+    """The commands of the ```bash block after ``<!-- marker: ... -->``, continuation lines joined."""
+    m = re.search(rf"<!-- {marker}:.*?-->\s*```bash\n(.*?)```", README, re.S)
+    assert m is not None, f"README.md has no ```bash block after a <!-- {marker}: ... --> marker"
+    return [line for line in m.group(1).replace("\\\n", " ").splitlines() if line.strip()]
+
+
+def test_the_install_line_installs_the_hf_extra_and_cpu_torch_at_the_pinned_version():
+    install = block("hf-minilm")[0]
+    pinned = re.search(r"^torch==(\S+)$", (REPO / "constraints.txt").read_text(), re.M).group(1)
+    assert "-c constraints.txt" in install and "-e '.[hf]'" in install
+    assert f"torch=={pinned}" in install and "--index-url https://download.pytorch.org/whl/cpu" in install
+
+
+def test_hugging_face_section_runs_as_written(tmp_path, corpus):
+    pytest.importorskip("transformers", reason="the hf extra (transformers, the MiniLM wheel) runs this section")
+    pytest.importorskip("torch", reason="the bench extra (torch) makes the tiny Llama")
+    clone = fresh_clone(tmp_path, Path(sys.prefix), Path(corpus).parents[2])
+    commands = block("hf-minilm")[1:] + [c.replace("num_steps=200", "num_steps=20") for c in block("hf-llama")]
+    assert any("num_steps=20 " in c for c in commands)  # the uptraining, cut as the README's marker says
+    assert commands[0].startswith("source .venv/bin/activate") and len(commands) == 5 + 8
+    rows = run_commands(commands, clone, env={**os.environ, "XLA_FLAGS": xla_flags(1)})
+    failed = [r for r in rows if r["returncode"]]
+    assert not failed, f"{failed[0]['command']}\n{failed[0]['stdout'][-2000:]}\n{failed[0]['stderr'][-2000:]}"
+    assert len(rows) == len(commands)
+    runs = clone / "runs"
+    assert (runs / "minilm" / "params" / "0").is_dir() and (runs / "minilm_mla" / "config.json").is_file()
+    assert json.loads((runs / "hf_minilm_kv" / "config.json").read_text())["model_type"] == "bert"
+    assert json.loads((runs / "hf_llama_kv" / "config.json").read_text())["model_type"] == "llama"
+    out = {r["command"].split()[1]: r["stdout"] for r in rows if r["command"].startswith("qkvjax ")}
+    assert json.loads(out["eval"][out["eval"].index("{") :])["loss"] > 0
+    assert "ROMEO:" in out["sample"]
