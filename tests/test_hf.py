@@ -57,6 +57,21 @@ def _models():
                 bos_token_id=0, eos_token_id=0,
             )
         ),
+        # sliding windows: Mistral's on every layer; Qwen2's on the layers from max_window_layers on (layer 1)
+        "mistral_window": lambda: tf.MistralForCausalLM(
+            tf.MistralConfig(
+                hidden_size=21, num_hidden_layers=2, num_attention_heads=3, num_key_value_heads=1, head_dim=6,
+                intermediate_size=11, vocab_size=V, max_position_embeddings=17, sliding_window=4,
+                bos_token_id=0, eos_token_id=0,
+            )
+        ),
+        "qwen2_window_layer": lambda: tf.Qwen2ForCausalLM(
+            tf.Qwen2Config(
+                hidden_size=18, num_hidden_layers=2, num_attention_heads=3, num_key_value_heads=3,
+                intermediate_size=13, vocab_size=V, max_position_embeddings=17, use_sliding_window=True,
+                sliding_window=3, max_window_layers=1, bos_token_id=0, eos_token_id=0,
+            )
+        ),
         "bert": lambda: tf.BertModel(
             tf.BertConfig(hidden_size=15, num_hidden_layers=2, num_attention_heads=3, intermediate_size=11,
                           vocab_size=V, max_position_embeddings=17, pad_token_id=0)
@@ -97,7 +112,9 @@ def _close(ours, ref, mask):
     assert err <= TOL * np.abs(ref).max(), f"max error {err:.3g} against reference magnitude {np.abs(ref).max():.3g}"
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama_gqa", "qwen2_biases_tied", "bert"])
+@pytest.mark.parametrize(
+    "name", ["gpt2", "llama_gqa", "qwen2_biases_tied", "mistral_window", "qwen2_window_layer", "bert"]
+)
 def test_import_computes_what_transformers_computes(folders, name):
     folder, ref_model = folders[name]
     config, params = load_pretrained(folder)
@@ -161,7 +178,7 @@ def test_an_imported_llama_converts_to_partial_rope_mla_as_transformers_computes
     assert np.abs(np.asarray(ours) - unchanged)[mask].max() > 100 * TOL * np.abs(unchanged).max()  # it did change
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama_gqa", "qwen2_biases_tied"])
+@pytest.mark.parametrize("name", ["gpt2", "llama_gqa", "qwen2_biases_tied", "mistral_window"])
 def test_import_decodes_with_the_cache_as_transformers_scores_the_whole_sequence(folders, name):
     """Prefill rows of different lengths (4 and 2 tokens), then one token at a time to position T - 1."""
     folder, ref_model = folders[name]
@@ -273,7 +290,8 @@ def _write(folder, config: dict, tensors: dict):
     ("edit", "message"),
     [
         (lambda c, f: c.update(model_type="t5"), "model_type='t5' is not supported"),
-        (lambda c, f: c.update(sliding_window=5), "sliding_window=5"),
+        (lambda c, f: c.update(sliding_window=0), "sliding_window=0 with sliding layers; allowed: an integer >= 1"),
+        (lambda c, f: c.update(layer_types=["full_attention", "chunked_attention"]), "layer_types=['full_attention'"),
         (lambda c, f: c.update(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4}), "rope_type='yarn'"),
         (lambda c, f: c.update(vocab_size=43), "has shape (41, 21); the config says (43, 21)"),
         (lambda c, f: os.remove(os.path.join(f, "model.safetensors")), "has no model.safetensors"),
@@ -326,6 +344,11 @@ def test_schemes_the_layouts_cannot_express_are_refused(folders, tmp_path):
     with pytest.raises(ValueError, match="norm='layernorm': the Hugging Face llama layout"):
         check_exportable(config.__class__(AttentionConfig(num_heads=3, head_dim=6, rope=True), d_model=15,
                                           learned_positions=False), "llama")  # fmt: skip
+    att = AttentionConfig(num_heads=3, head_dim=5)
+    windowed = ModelConfig(att, d_model=15, num_layers=2, layers="[sliding_window=4], []")
+    message = r"^layer 0: sliding_window=4 \(not written yet\): the Hugging Face gpt2 layout"
+    with pytest.raises(ValueError, match=message):
+        check_exportable(windowed, "gpt2")
 
 
 def _word_tokenizer(file, words: list[str]) -> None:
@@ -534,7 +557,7 @@ def test_each_honoured_field_changes_the_import_as_it_changes_transformers(name,
         ("gpt2", {"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx=True"),
         ("gpt2", {"add_cross_attention": True}, "add_cross_attention=True"),
         ("gpt2", {"an_unknown_field": 3}, "field(s) the gpt2 layout does not know (an_unknown_field=3)"),
-        ("llama", {"layer_types": ["full_attention", "sliding_attention"]}, "layer_types holds"),
+        ("llama", {"layer_types": ["full_attention", "sliding_attention"]}, "sliding_window=None with sliding layers"),
         ("bert", {"is_decoder": True}, "is_decoder=True"),
     ],
 )

@@ -45,6 +45,7 @@ def build(
     rel_table=None,
     dropout=0.0,
     absorbed=None,
+    window=0,
     implementation="einsum",
     chunk_size=3,
     causal_block=2,
@@ -69,12 +70,16 @@ def build(
         lambda n: (prefix(keys, n, FRESH if keys.ndim == 3 else layout), prefix(v, n, layout)),
         layout, length, index_k, None if start is None else jnp.asarray(start), K, v.shape[-1], absorbed,
     )  # fmt: skip
-    allowed = core.combine_masks(mask, core.causal_mask(index_q, index_k) if causal else None)
+    allowed = core.combine_masks(
+        mask,
+        core.causal_mask(index_q, index_k) if causal else None,
+        core.window_mask(index_q, index_k, window) if window else None,
+    )
     own = None
     if self_mask:
         own = core.grouped(index_k[:, None, None, :] == index_q[:, None, :, None], K, G)
     rng = jax.random.PRNGKey(9) if dropout else None
-    rules = kernels.Rules(mask, causal, allowed, own, rel_table, dropout, rng)
+    rules = kernels.Rules(mask, causal, allowed, own, rel_table, dropout, rng, window)
     return kernels.Inputs(queries, slots, rules, kernels.How(implementation, chunk_size, causal_block, collecting))
 
 
@@ -130,6 +135,8 @@ def reference(a: kernels.Inputs, keys, v, layout):
         allowed &= np.broadcast_to(np.asarray(r.mask), scores.shape)
     if r.causal:
         allowed &= (ik <= iq)[:, None]
+    if r.window:
+        allowed &= (np.abs(iq - ik) < r.window)[:, None]
     scores = np.where(allowed, scores, -np.inf)
     w = np.exp(scores - scores.max(-1, keepdims=True))
     w /= w.sum(-1, keepdims=True)
@@ -180,6 +187,28 @@ def test_blocks(extra):
     a = build(q=q, k=k, v=v, **kw)
     keys = kw["bilinear"][2] if extra == "bilinear" else k
     check(a, keys, v, FRESH, "blocks")
+
+
+@pytest.mark.parametrize("extra", ["plain", "bilinear", "rel_table"])
+@pytest.mark.parametrize("window", [1, 3, 6])
+def test_window(extra, window):
+    q, k, v = fresh_qkv()
+    kw = {
+        "plain": {},
+        "bilinear": {"bilinear": (rand(4, B, T, E), rand(5, N, E, E) / E, rand(6, B, T, E))},
+        "rel_table": {"rel_table": rand(7, N, 2 * M + 1)},
+    }[extra]
+    a = build(q=q, k=k, v=v, window=window, **kw)
+    check(a, kw["bilinear"][2] if extra == "bilinear" else k, v, FRESH, "window")
+
+
+def test_a_window_reaches_every_kernel_that_reads_the_combined_mask():
+    q, k, v = cached_qkv()
+    check(build(q=q, k=k, v=v, layout=CACHED, start=START, window=3), k, v, CACHED, "prefix")
+    q, k, v = fresh_qkv(u=H)
+    check(build(q=q, k=k, v=v, window=3, implementation="xla"), k, v, FRESH, "xla")
+    check(build(q=q, k=k, v=v, window=3, implementation="chunked"), k, v, FRESH, "einsum")
+    check(build(q=q, k=k, v=v, window=3, causal=False), k, v, FRESH, "einsum")
 
 
 def test_prefix_reads_only_the_filled_slots_of_a_cache():
@@ -247,6 +276,14 @@ def test_chunked_applies_to_plain_fresh_scores_only():
     assert picks(qkv=cached_qkv(), layout=CACHED, start=START, implementation="chunked") == "prefix"
 
 
+def test_window_applies_where_blocks_would_with_a_window():
+    assert picks(window=3) == "window"
+    assert picks(window=3, causal_block=4) == "einsum"  # T = 7 < 2 blocks
+    assert picks(window=3, mask=jnp.ones((1, 1, T, T), bool)) == "einsum"
+    assert picks(window=3, collecting=True) == "einsum"
+    assert picks(window=3, implementation="xla", qkv=fresh_qkv(u=H)) == "xla"  # the window goes as a mask
+
+
 def test_blocks_applies_to_unmasked_causal_self_attention_of_two_blocks_or_more():
     assert picks() == "blocks"
     assert picks(causal_block=4) == "einsum"  # T = 7 < 2 blocks
@@ -280,6 +317,7 @@ def test_every_kernel_is_reached():
     reached = {
         picks(qkv=(q, k, v), start=START, absorbed=ab),
         picks(implementation="chunked"),
+        picks(window=3),
         picks(),
         picks(qkv=cached_qkv(), layout=CACHED, start=START),
         picks(causal=False),

@@ -238,7 +238,7 @@ def test_the_readme_patterns_fit_the_presets_the_first_hour_trains():
     text = (REPO / "README.md").read_text()
     block = text.split("<!-- patterns:")[1].split("```bash")[1].split("```")[0]
     patterns = re.findall(r'--config\.model\.layers="([^"]+)"', block)
-    assert len(patterns) == 4
+    assert len(patterns) == 5
     shakespeare_char = str(REPO / "experiments" / "configs" / "shakespeare_char.py")
     presets = {
         name: load_config_file(path).model for name, path in (("shakespeare_char", shakespeare_char), ("tiny", TINY))

@@ -81,6 +81,10 @@ class AttentionConfig:
         form a rotary model converts to (``qkvjax convert --to mla --rope-dim``), whose keys differ per head.
       latent_norm: RMS norm with a learned scale on a latent scheme's latents (as DeepSeek-V2); False makes the
         latent a plain low-rank factor (an MLA converted from MHA by SVD starts so, computing the same function).
+      sliding_window: W: a query sees only keys fewer than W positions away (with causal attention: the last W
+        tokens, itself included; Mistral's ``sliding_window``, Gemma's sliding layers); None = the whole context.
+        Causal self-attention over fresh keys runs the ``window`` kernel (blocks of queries scored against a band
+        of keys, :func:`core.banded_attention`); a decode cache still holds every position (the window is a mask).
     """
 
     num_heads: int
@@ -108,6 +112,7 @@ class AttentionConfig:
     rope_head_dim: int | None = None
     rope_key_per_head: bool = False
     latent_norm: bool = True
+    sliding_window: int | None = None
 
     def __post_init__(self):
         for name in ("num_heads", "head_dim"):
@@ -123,6 +128,9 @@ class AttentionConfig:
                 f"AttentionConfig.num_kv_heads={kv} does not divide num_heads={self.num_heads}; "
                 f"allowed: None or one of {divisors}"
             )
+        w = self.sliding_window
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
+            raise ValueError(f"AttentionConfig.sliding_window={w!r}; allowed: None or an integer >= 1")
         if self.scheme not in SCHEMES:
             raise ValueError(f"AttentionConfig.scheme={self.scheme!r} is unknown; allowed: {sorted(SCHEMES)}")
         scheme = get_scheme(self.scheme)

@@ -94,6 +94,12 @@ def causal_mask(q_pos: Array, k_pos: Array) -> Array:
     return k_pos[:, None, None, :] <= q_pos[:, None, :, None]
 
 
+def window_mask(q_pos: Array, k_pos: Array, window: int) -> Array:
+    """(B|1, 1, T, S): True where the key is fewer than ``window`` positions from the query, |t - s| < W (with
+    :func:`causal_mask`: keys t - W + 1 .. t, Mistral's and Gemma's sliding window)."""
+    return jnp.abs(k_pos[:, None, None, :] - q_pos[:, None, :, None]) < window
+
+
 # Grouped-query layout. The G query heads that share a kv head are folded into the query axis, Q = T * G
 # (t-major), so every score einsum is a plain batched matmul over (B, K): logits are (B, K, Q, S), the natural
 # output order of dot_general, with no transposes of the scores. Against a five-axis (B, K, G, T, S) layout it is
@@ -270,18 +276,33 @@ def causal_attention(logits_of, v: Array, block: int, mask_self: bool = False) -
     sums, a (c G, Hv) division instead of a (c G, S) one (the max is held out of the gradient: the softmax does
     not depend on it). The train step ran x1.10-1.13 faster than with the weights normalised first at d_model 48,
     x1.06 at 96 and x1.00-1.02 at 160 and 384 (``benchmarks/deferred_norm.py``)."""
+    return _blockwise(lambda lo, hi, start: logits_of(lo, hi), v, block, mask_self, window=0)
+
+
+def banded_attention(logits_of, v: Array, block: int, window: int, mask_self: bool = False) -> Array:
+    """Causal self-attention within a sliding window (Beltagy et al. 2020, Longformer; Mistral 7B, Jiang et al.
+    2023): query t sees keys t - W + 1 .. t, W = ``window``. As :func:`causal_attention`, in query blocks, but
+    block [lo, hi) is scored only against keys [max(0, lo - W + 1), hi): ``logits_of(lo, hi, start)`` gives the
+    folded scores of queries lo..hi-1 against keys start..hi-1. The score FLOPs drop from about T^2 / 2 to about
+    T (W + block)."""
+    return _blockwise(logits_of, v, block, mask_self, window)
+
+
+def _blockwise(logits_of, v: Array, block: int, mask_self: bool, window: int) -> Array:
     t = v.shape[1]
-    vt = v.transpose(0, 2, 1, 3)  # BSKH -> BKSH, once for every block
+    vt = v.transpose(0, 2, 1, 3)  # BSKU -> BKSU, once for every block
     outs = []
     for lo in range(0, t, block):
         hi = min(t, lo + block)
-        logits = logits_of(lo, hi)
+        start = max(0, lo - window + 1) if window else 0
+        logits = logits_of(lo, hi, start)
         g = logits.shape[2] // (hi - lo)
-        rows, cols = jnp.arange(lo, hi)[:, None], jnp.arange(hi)[None, :]
-        causal, own = _fold_rows(rows >= cols, g), _fold_rows(rows == cols, g) if mask_self else None
+        rows, cols = jnp.arange(lo, hi)[:, None], jnp.arange(start, hi)[None, :]
+        visible = (rows >= cols) & (rows - cols < window) if window else rows >= cols
+        causal, own = _fold_rows(visible, g), _fold_rows(rows == cols, g) if mask_self else None
         logits = masked_logits(logits, causal, own)
         p = jnp.exp(logits - jax.lax.stop_gradient(logits.max(-1, keepdims=True)))  # (B, K, c G, S)
-        mixed = jnp.einsum("BKQS,BKSH->BKQH", p.astype(v.dtype), vt[:, :, :hi]).astype(jnp.float32)
+        mixed = jnp.einsum("BKQS,BKSU->BKQU", p.astype(v.dtype), vt[:, :, start:hi]).astype(jnp.float32)
         outs.append((mixed / p.sum(-1)[..., None]).astype(v.dtype))
     return unfold_queries(jnp.concatenate(outs, axis=2), t)
 
@@ -321,7 +342,7 @@ def block_logits(q: Array, k: Array):
     """``logits_of`` for :func:`causal_attention` from q (B, T, N, H) and k (B, T, K, H): q.k / sqrt(H) of query
     rows lo..hi-1 against keys 0..hi-1, k transposed to (B, K, T, H) once for all blocks."""
     kt = k.transpose(0, 2, 1, 3)  # BSKH -> BKSH
-    return lambda lo, hi: qk_logits(q[:, lo:hi], kt[:, :, :hi], "BKSH")
+    return lambda lo, hi, start=0: qk_logits(q[:, lo:hi], kt[:, :, start:hi], "BKSH")
 
 
 def mix_values(weights: Array, v: Array, t: int, kv_layout: str = "BSKH") -> Array:

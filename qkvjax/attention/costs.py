@@ -24,7 +24,8 @@ class AttentionCost:
     """What one attention layer costs.
 
     ``flops_per_token`` counts a forward pass (a multiply-add is 2 FLOPs) for one token that is projected in
-    every role it plays and, as a query, attends to ``seq_len`` keys (no causal discount): projections +
+    every role it plays and, as a query, attends to ``seq_len`` keys (no causal discount; a sliding window of W:
+    min(seq_len, W) keys, :func:`keys_seen`): projections +
     scores (q.k and the weighted sum of values) + output projection. Norms are not counted.
     """
 
@@ -40,9 +41,22 @@ class AttentionCost:
         return self.projection_flops + self.score_flops + self.output_flops
 
 
+def keys_seen(config: AttentionConfig, seq_len: int) -> int:
+    """Keys a query attends to at most: ``seq_len``, or its sliding window."""
+    return seq_len if config.sliding_window is None else min(seq_len, config.sliding_window)
+
+
+def causal_keys_seen(config: AttentionConfig, seq_len: int) -> float:
+    """Keys a causal query sees on average over positions 0..T-1: (T + 1) / 2, or with a window of W < T,
+    (W (W + 1) / 2 + (T - W) W) / T (each position sees min(t + 1, W))."""
+    w = keys_seen(config, seq_len)
+    return (w * (w + 1) / 2 + (seq_len - w) * w) / seq_len
+
+
 def attention_cost(config: AttentionConfig, d_model: int, seq_len: int, kv_shared: bool = False) -> AttentionCost:
     """One layer; ``kv_shared``: the layer reads another layer's keys and values (no K/V kernels, no cache)."""
     scheme = config.tying
+    seq_len = keys_seen(config, seq_len)
     cache_bytes = 0
     if not kv_shared:
         per_token = sum(math.prod(shape) for shape in cache_shapes(config, d_model, 1).values())
@@ -71,7 +85,7 @@ def attention_cost(config: AttentionConfig, d_model: int, seq_len: int, kv_share
     if config.learned_temperature:
         params += n
     if config.qk_norm:  # q_norm_scale, and k_norm_scale unless the layer reads another layer's finished keys
-        params += h if kv_shared and scheme.group_of("k") == "k" else 2 * h
+        params += h if kv_shared and scheme.keys_finished_at_write else 2 * h
     return AttentionCost(
         scheme=scheme.name,
         params=params,

@@ -1,5 +1,5 @@
 """Stage 4, scores and mixing: what one attention call reads (:class:`Inputs`: :class:`Queries`, :class:`Slots`,
-:class:`Rules`, :class:`How`) and the six ways to compute ``softmax(scores) V`` from it, a table of named kernels
+:class:`Rules`, :class:`How`) and the seven ways to compute ``softmax(scores) V`` from it, a table of named kernels
 (:data:`KERNELS`) tried in order; :func:`choose` says which one runs.
 
 Every kernel computes the same function up to float rounding (``tests/test_kernels.py`` runs each against a
@@ -11,6 +11,8 @@ absorbed   a latent scheme's decode cache (:class:`Absorbed`): queries taken int
            slots as ``prefix`` below when that kernel's rule holds. Decoding MLA.
 chunked    ``implementation='chunked'``, plain q.k scores over fresh keys: blocks of keys with an online
            softmax, never the (T, S) scores (:func:`core.chunked_attention`). Long contexts, large batches.
+window     ``blocks`` below within a sliding window: each query block scored only against the band of keys it
+           can see (:func:`core.banded_attention`). Training, prefill of windowed layers.
 blocks     causal self-attention over fresh keys with no other mask (any score function, einsum path):
            query blocks scored only up to the diagonal (:func:`core.causal_attention`). Training, prefill.
 prefix     reading a decode cache: only the shortest prefix of slots holding the longest row
@@ -92,8 +94,9 @@ class Slots:
 @dataclasses.dataclass(frozen=True)
 class Rules:
     """Which scores count and what is added or dropped: the caller's ``mask`` (True = may attend), ``causal``,
-    ``allowed`` (the mask and the causal triangle by index, combined), Reformer's ``self_mask`` (each query's own
-    slot, folded like the scores), a relative-bias table ``rel_table`` (N, 2 M + 1), attention dropout."""
+    ``allowed`` (the mask, the causal triangle and the sliding window by index, combined), Reformer's ``self_mask``
+    (each query's own slot, folded like the scores), a relative-bias table ``rel_table`` (N, 2 M + 1), attention
+    dropout, and the sliding ``window`` W (0: none)."""
 
     mask: Bool[Array, "#B #N #T #S"] | None
     causal: bool
@@ -102,6 +105,7 @@ class Rules:
     rel_table: Float[Array, "N _"] | None = None  # (N, 2 M + 1)
     dropout_rate: float = 0.0  # 0 when deterministic
     dropout_rng: Array | None = None
+    window: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,15 +142,16 @@ class Inputs:
         return self.queries.q is None or r.self_mask is not None or r.rel_table is not None or r.dropout_rate > 0
 
 
-def logits(a: Inputs, lo: int, hi: int, keys: Array, layout: str) -> Float[Array, "B K Q S"]:
-    """Folded scores of queries lo..hi-1 against ``keys`` (bilinear: the key side's inputs), Q = (hi - lo) G."""
+def logits(a: Inputs, lo: int, hi: int, keys: Array, layout: str, start: int = 0) -> Float[Array, "B K Q S"]:
+    """Folded scores of queries lo..hi-1 against ``keys`` (bilinear: the key side's inputs), the slots start..,
+    Q = (hi - lo) G."""
     q = a.queries
     if q.q is None:
         out = core.bilinear_logits(q.x[:, lo:hi], q.w_qk, keys, a.slots.kv_heads, q.head_dim)
     else:
         out = core.qk_logits(q.q[:, lo:hi], keys, layout)
     if a.rules.rel_table is not None:
-        key_index = a.slots.index[:, : out.shape[-1]]
+        key_index = a.slots.index[:, start : start + out.shape[-1]]
         table = a.rules.rel_table.astype(out.dtype)
         out = out + core.relative_bias(table, q.index[:, lo:hi], key_index, a.slots.kv_heads)
     return out
@@ -223,17 +228,19 @@ def _blocks(a: Inputs) -> Array:
     bilinear = a.queries.q is None
     keys = k if bilinear else k.transpose(0, 2, 1, 3)  # BSKH -> BKSH once, sliced per block
     key_axis = 1 if bilinear else 2
-    return core.causal_attention(
-        lambda lo, hi: logits(a, lo, hi, jax.lax.slice_in_dim(keys, 0, hi, axis=key_axis), CACHED),
-        v,
-        a.how.causal_block,
-        mask_self=a.rules.self_mask is not None,
-    )
+
+    def logits_of(lo: int, hi: int, start: int = 0) -> Array:  # queries lo..hi-1 against keys start..hi-1
+        return logits(a, lo, hi, jax.lax.slice_in_dim(keys, start, hi, axis=key_axis), CACHED, start)
+
+    mask_self = a.rules.self_mask is not None
+    if a.rules.window:
+        return core.banded_attention(logits_of, v, a.how.causal_block, a.rules.window, mask_self)
+    return core.causal_attention(logits_of, v, a.how.causal_block, mask_self=mask_self)
 
 
 def _xla(a: Inputs) -> Array:
     r = a.rules
-    only_causal = r.mask is None and r.causal
+    only_causal = r.mask is None and r.causal and not r.window
     k, v = a.slots.read(a.slots.length)
     return jax.nn.dot_product_attention(
         a.queries.q, k, v, mask=None if only_causal else r.allowed, is_causal=only_causal,
@@ -242,16 +249,24 @@ def _xla(a: Inputs) -> Array:
 
 
 def _chunked_applies(a: Inputs) -> bool:
-    return a.how.implementation == "chunked" and not a.custom and a.slots.layout == FRESH and a.slots.start is None
+    s = a.slots
+    return a.how.implementation == "chunked" and not a.custom and not a.rules.window and s.start is None
 
 
-def _blocks_applies(a: Inputs) -> bool:
-    """Causal self-attention over fresh keys (masked by index, so the mask is the plain triangle), no other mask,
-    at least two blocks, and nobody collecting the (T, S) logits and weights."""
+def _window_applies(a: Inputs) -> bool:
+    """What :func:`_blocks_applies` takes, within a sliding window."""
+    return bool(a.rules.window) and _blocks_applies(a, window=a.rules.window)
+
+
+def _blocks_applies(a: Inputs, window: int = 0) -> bool:
+    """Causal self-attention over fresh keys (masked by index, so the mask is the plain triangle, cut to
+    ``window`` when one is given), no other mask, at least two blocks, and nobody collecting the (T, S) logits and
+    weights."""
     s, block = a.slots, a.how.causal_block
     plain = a.custom or a.how.implementation == "einsum"
     return bool(
         plain and not a.rules.dropout_rate and block and a.rules.causal and a.rules.mask is None and s.start is None
+        and a.rules.window == window
         and s.layout == FRESH and s.length == a.queries.t and a.queries.t >= 2 * block and not a.how.collecting
     )  # fmt: skip
 
@@ -276,6 +291,7 @@ class Kernel:
 KERNELS = (
     Kernel("absorbed", lambda a: a.slots.absorbed is not None, lambda a: over_filled(a, attend_absorbed)),
     Kernel("chunked", _chunked_applies, _chunked),
+    Kernel("window", _window_applies, _blocks),
     Kernel("blocks", _blocks_applies, _blocks),
     Kernel("prefix", reads_prefix, lambda a: over_filled(a, attend)),
     Kernel("einsum", _einsum_applies, lambda a: attend(a, a.slots.length)),

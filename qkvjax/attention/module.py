@@ -119,10 +119,16 @@ def run(module: AttentionModule, call: Call, stages: Stages):
 
 def rules(module: AttentionModule, call: Call, side: KV, pos: Positions, stages: Stages) -> kernels.Rules:
     """What a query may see: the caller's mask, the causal triangle by index (a cache row's view is always causal
-    by position), each query's own slot for Reformer's self-mask; attention dropout when not deterministic."""
+    by position), the sliding window, each query's own slot for Reformer's self-mask; attention dropout when not
+    deterministic."""
     cfg = module.config
     causal = call.causal or side.is_cache
-    allowed = core.combine_masks(call.mask, core.causal_mask(pos.index_q, pos.index_k) if causal else None)
+    window = cfg.sliding_window or 0
+    allowed = core.combine_masks(
+        call.mask,
+        core.causal_mask(pos.index_q, pos.index_k) if causal else None,
+        core.window_mask(pos.index_q, pos.index_k, window) if window else None,
+    )
     self_mask = None
     if stages.mask_self and call.self_attention:
         own = pos.index_k[:, None, None, :] == pos.index_q[:, None, :, None]
@@ -130,7 +136,7 @@ def rules(module: AttentionModule, call: Call, side: KV, pos: Positions, stages:
     dropout = cfg.dropout_rate > 0.0 and not call.deterministic
     return kernels.Rules(
         call.mask, causal, allowed, self_mask, stages.rel_table, cfg.dropout_rate if dropout else 0.0,
-        module.make_rng("dropout") if dropout else None,
+        module.make_rng("dropout") if dropout else None, window,
     )  # fmt: skip
 
 

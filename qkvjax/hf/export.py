@@ -45,6 +45,7 @@ def check_exportable(cfg: ModelConfig | EncoderConfig, fmt: str) -> None:
         for name in ("qk_norm", "v_norm", "relative_bias"):
             _require(not getattr(att, name), f"layer {i}: {name}={getattr(att, name)!r}", fmt)
         _require(att.value_dim == att.head_dim, f"layer {i}: v_head_dim={att.v_head_dim}", fmt)
+        _require(att.sliding_window is None, f"layer {i}: sliding_window={att.sliding_window} (not written yet)", fmt)
         _require(att.kv_heads == cfg.attention.kv_heads, f"layer {i}: num_kv_heads={att.num_kv_heads} varies", fmt)
         if fmt in ("gpt2", "bert"):
             _require(not att.rope, f"layer {i}: rope=True ({fmt} has learned positions)", fmt)

@@ -6,7 +6,8 @@ stores ``W: [out, in]`` (``y = x W^T + b``); GPT-2's ``Conv1D`` stores ``[in, ou
 kernels are ``w_q: (D, N, H)``, ``w_o: (N, H, D)``, ``w_in: (D, F)``, ``embed: (V, D)``. Heads split the output
 features head-major (feature ``n H + h`` is head n's h-th), in all three.
 
-A field the model cannot express (a sliding window, rotary scaling, GPT-2's per-layer score scaling) is refused
+Sliding windows (Mistral's on every layer, or ``layer_types``' per layer) become ``AttentionConfig.sliding_window``.
+A field the model cannot express (rotary scaling, GPT-2's per-layer score scaling) is refused
 with one line naming it: an import either computes the same function as the original or does not happen.
 """
 
@@ -120,20 +121,32 @@ def _rope(hf: dict) -> float:
     return float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
 
 
+def _windows(hf: dict) -> tuple[int | None, str]:
+    """``(sliding_window, layers pattern)``: Mistral's window on every layer (``sliding_window`` with
+    ``use_sliding_window`` unset or true), or ``layer_types``' per-layer choice of "sliding_attention" and
+    "full_attention" (Qwen2 derives it from ``max_window_layers``) as a layer pattern."""
+    window = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
+    n = hf["num_hidden_layers"]
+    kinds = list(hf.get("layer_types") or [])
+    if not kinds and hf.get("use_sliding_window") and hf.get("max_window_layers") is not None:
+        kinds = ["full_attention" if i < hf["max_window_layers"] else "sliding_attention" for i in range(n)]
+    kinds = kinds or ["sliding_attention" if window is not None else "full_attention"] * n
+    unknown = sorted(set(kinds) - {"sliding_attention", "full_attention"})
+    if unknown or len(kinds) != n:
+        raise ValueError(f"config.json layer_types={kinds}: allowed: {n} of 'sliding_attention' and 'full_attention'")
+    if "sliding_attention" in kinds and not (isinstance(window, int) and window >= 1):
+        raise ValueError(f"config.json sliding_window={window!r} with sliding layers; allowed: an integer >= 1")
+    if "full_attention" not in kinds:
+        return window, ""
+    if "sliding_attention" not in kinds:
+        return None, ""
+    return None, ", ".join(f"[sliding_window={window}]" if k == "sliding_attention" else "[]" for k in kinds)
+
+
 def llama_config(hf: dict, max_len: int | None = None) -> ModelConfig:
     model_type = hf.get("model_type", "llama")
     _refuse(hf, "hidden_act", ("silu",), "the Llama layout's MLP is SwiGLU")
-    if hf.get("sliding_window") is not None and hf.get("use_sliding_window", True):
-        raise ValueError(
-            f"config.json sliding_window={hf['sliding_window']}: qkvjax attends over the whole context; "
-            "allowed: null (or use_sliding_window=false)"
-        )
-    kinds = sorted(set(hf.get("layer_types") or ["full_attention"]))
-    if kinds != ["full_attention"]:
-        raise ValueError(
-            f"config.json layer_types holds {kinds}: qkvjax attends over the whole context in every layer; "
-            "allowed: full_attention only"
-        )
+    window, layers = _windows(hf)
     d, n = hf["hidden_size"], hf["num_attention_heads"]
     k = hf.get("num_key_value_heads") or n
     biases = LLAMA_BIASES[model_type] or (hf.get("attention_bias", False),) * 2
@@ -145,9 +158,11 @@ def llama_config(hf: dict, max_len: int | None = None) -> ModelConfig:
         rope_base=_rope(hf),
         use_bias=biases[0],
         output_bias=biases[1],
+        sliding_window=window,
     )
     return ModelConfig(
         attention=attention,
+        layers=layers,
         vocab_size=hf["vocab_size"],
         d_model=d,
         num_layers=hf["num_hidden_layers"],
@@ -286,10 +301,10 @@ LLAMA_READ = frozenset({
     "attention_bias", "head_dim", "hidden_act", "hidden_size", "intermediate_size", "max_position_embeddings",
     "mlp_bias", "num_attention_heads", "num_hidden_layers", "num_key_value_heads", "rms_norm_eps",
     "rope_parameters", "rope_scaling", "rope_theta", "tie_word_embeddings", "vocab_size", "sliding_window",
-    "use_sliding_window", "layer_types", "is_encoder_decoder",
+    "use_sliding_window", "layer_types", "is_encoder_decoder", "max_window_layers",
 })  # fmt: skip
 LLAMA_INERT = frozenset({
-    "attention_dropout", "max_window_layers",  # max_window_layers only acts with use_sliding_window (refused)
+    "attention_dropout",
     "pretraining_tp",  # splits the same products into slices in transformers 4; the same function
 })  # fmt: skip
 BERT_READ = frozenset({

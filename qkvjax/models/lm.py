@@ -17,6 +17,7 @@ from jax import Array
 from qkvjax import axes
 from qkvjax.attention import KV, Attention, AttentionConfig, LayerAttention, attention_module, core, stack_cost
 from qkvjax.attention.cache import cache_shapes
+from qkvjax.attention.costs import causal_keys_seen, keys_seen
 from qkvjax.attention.layers import expand, producers
 from qkvjax.models.family import Family, Mlp, dense_init, norm
 
@@ -337,13 +338,15 @@ def kv_cache_bytes_per_token(config: ModelConfig) -> int:
 def train_flops_per_token(config: ModelConfig, seq_len: int | None = None) -> float:
     """Model FLOPs of one training token (forward + backward = 3 x forward; no remat recompute counted).
 
-    Attention scores are counted causally (each query sees on average (T + 1) / 2 keys), the MLP and the logits
-    in full; embeddings and norms are ignored (as in PaLM's MFU, Chowdhery et al. 2022, appendix B).
+    Attention scores are counted causally (each query sees on average (T + 1) / 2 keys, fewer in a sliding
+    window), the MLP and the logits in full; embeddings and norms are ignored (as in PaLM's MFU, Chowdhery et al.
+    2022, appendix B).
     """
     t = config.max_len if seq_len is None else seq_len
     d = config.d_model
     total = 2 * d * config.vocab_size
-    for att in stack_cost(config.layer_attention, d, t):
-        causal_scores = att.score_flops * (t + 1) / (2 * t)
+    for layer, att in zip(config.layer_attention, stack_cost(config.layer_attention, d, t), strict=True):
+        per_key = att.score_flops / keys_seen(layer.config, t)  # the scores' FLOPs grow linearly in the keys
+        causal_scores = per_key * causal_keys_seen(layer.config, t)
         total += att.projection_flops + causal_scores + att.output_flops + config.family.mlp_flops(d, config.mlp_width)
     return 3.0 * total

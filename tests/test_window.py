@@ -1,0 +1,91 @@
+"""Sliding-window attention (``AttentionConfig.sliding_window``): the ``window`` kernel equals full attention under
+the window's mask for every scheme family, a windowed layer decodes token by token as its full forward, per-layer
+windows come from a pattern, and bad windows are refused in one line.
+
+Sizes are distinct so a swapped axis fails: B=2, T=11, D=15, N=3, H=4 (MLA: R=7), W=3, causal blocks of 2.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from qkvjax import AttentionConfig, DecoderLM, ModelConfig
+from qkvjax.attention import attention_module, core, kernels
+from qkvjax.models.lm import DecodeCache
+
+B, T, D, N, H, W = 2, 11, 15, 3, 4, 3
+
+
+def config(scheme: str, **kw) -> AttentionConfig:
+    extra = {"kv_rank": 7} if scheme == "mla" else {}
+    rope = scheme not in ("bilinear",)
+    return AttentionConfig(num_heads=N, head_dim=H, scheme=scheme, rope=rope, causal_block=2, **extra | kw)
+
+
+@pytest.mark.parametrize("scheme", ["separate", "shared_kv", "shared_qk", "reformer_qk", "bilinear", "mla"])
+def test_a_window_is_full_attention_under_the_window_mask(scheme, monkeypatch):
+    windowed = config(scheme, sliding_window=W)
+    module = attention_module(windowed)
+    x = jax.random.normal(jax.random.PRNGKey(0), (B, T, D))
+    params = module(windowed).init(jax.random.PRNGKey(1), x, causal=True)
+    picked = []
+    choose = kernels.choose
+    monkeypatch.setattr(kernels, "choose", lambda a: picked.append(choose(a).name) or choose(a))
+    got = module(windowed).apply(params, x, causal=True)
+    assert picked == ["window"]  # reformer_qk's self-mask and bilinear scores included: any score function
+    index = jnp.arange(T)[None]
+    mask = core.window_mask(index, index, W)  # (1, 1, T, T), with causal=True: keys t - W + 1 .. t
+    full = dataclasses.replace(windowed, sliding_window=None, causal_block=0)  # the whole square, masked
+    want = module(full).apply(params, x, causal=True, mask=mask)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+    # and the window matters: without it the outputs differ
+    assert not np.allclose(got, module(full).apply(params, x, causal=True), atol=1e-3)
+
+
+def test_a_windowed_stack_decodes_token_by_token_as_its_full_forward():
+    """Layers alternate a window of 3 and the whole context (a pattern); prompts of 5 and 2 tokens, then one
+    token at a time: every position's logits equal the full forward's."""
+    att = AttentionConfig(num_heads=N, head_dim=H, num_kv_heads=1, rope=True, causal_block=2)
+    cfg = ModelConfig(
+        attention=att, vocab_size=13, d_model=D, num_layers=2, max_len=2 * T, learned_positions=False,
+        layers=f"[sliding_window={W}], []",
+    )  # fmt: skip
+    assert [layer.config.sliding_window for layer in cfg.layer_attention] == [W, None]
+    model = DecoderLM(cfg)
+    tokens = jax.random.randint(jax.random.PRNGKey(2), (B, T), 1, 13)
+    params = model.init(jax.random.PRNGKey(3), tokens)
+    want = model.apply(params, tokens)
+    prompt = np.array([5, 2])
+    logits, cache = model.apply(params, tokens[:, :5], cache=DecodeCache.empty(cfg, B), num_valid=jnp.asarray(prompt))
+    got = [[logits[b, i] for i in range(prompt[b])] for b in range(B)]
+    pos = prompt.copy()
+    while pos.min() < T:
+        step = jnp.asarray([tokens[b, min(pos[b], T - 1)] for b in range(B)])[:, None]
+        logits, cache = model.apply(params, step, cache=cache)
+        for b in range(B):
+            if pos[b] < T:
+                got[b].append(logits[b, 0])
+        pos += 1
+    np.testing.assert_allclose(np.stack([np.stack(g) for g in got]), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("bad", [0, -2, 2.5, True])
+def test_a_bad_window_is_refused_in_one_line(bad):
+    message = rf"^AttentionConfig.sliding_window={bad!r}; allowed: None or an integer >= 1$"
+    with pytest.raises(ValueError, match=message):
+        AttentionConfig(num_heads=N, head_dim=H, sliding_window=bad)
+
+
+@pytest.mark.parametrize("t, w", [(11, 3), (11, 11), (7, 20), (9, 1)])
+def test_the_flop_count_sees_only_the_window(t, w):
+    from qkvjax.attention.costs import attention_cost, causal_keys_seen
+
+    windowed, full = config("separate", sliding_window=w), config("separate")
+    seen = [min(i + 1, w) for i in range(t)]  # query i sees keys max(0, i - w + 1) .. i
+    assert causal_keys_seen(windowed, t) == pytest.approx(np.mean(seen))
+    assert causal_keys_seen(full, t) == pytest.approx((t + 1) / 2)
+    per_key = attention_cost(full, D, t).score_flops / t
+    assert attention_cost(windowed, D, t).score_flops == pytest.approx(per_key * min(t, w))
