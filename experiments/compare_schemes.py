@@ -36,7 +36,6 @@ same model under ``width`` and ``params``) are trained once and reported under e
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
 import datetime
 import json
@@ -51,6 +50,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from experiments import budget, report
+from experiments.rows import append_rows, read_csv, replace_rows
 from qkvjax.attention import SCHEMES, attention_cost
 from qkvjax.config import Config, apply_overrides, from_dict, load_config_file, to_dict
 from qkvjax.models.lm import kv_cache_bytes_per_token, param_count
@@ -223,25 +223,7 @@ def plan(
 
 
 # ------------------------------------------------------------------------------------------------------------
-# Results files: appended per finished run, fsynced, so a kill never leaves half a row behind a good one.
-
-
-def read_csv(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))
-
-
-def _append(path: Path, columns, rows: list[dict]) -> None:
-    new = not path.exists()
-    with open(path, "a", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=columns)
-        if new:
-            writer.writeheader()
-        writer.writerows(rows)
-        f.flush()
-        os.fsync(f.fileno())
+# Results files (experiments/rows.py): appended per finished run, fsynced.
 
 
 def _drop_curve(path: Path, run: Run) -> None:
@@ -249,12 +231,7 @@ def _drop_curve(path: Path, run: Run) -> None:
     rows = read_csv(path)
     keep = [r for r in rows if (r["scheme"], r["matching"], r["seed"]) != (run.scheme, run.matching, str(run.seed))]
     if len(keep) != len(rows):
-        tmp = path.with_suffix(".tmp")
-        with open(tmp, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=CURVE_COLUMNS)
-            writer.writeheader()
-            writer.writerows(keep)
-        os.replace(tmp, path)
+        replace_rows(path, CURVE_COLUMNS, keep)
 
 
 def curve_rows(run: Run, train_records: list[dict], eval_records: list[dict]) -> list[dict]:
@@ -385,8 +362,8 @@ def sweep(args) -> Path:
         train_records, eval_records = read_metrics(str(workdir))
         curve = curve_rows(run, train_records, eval_records)
         _drop_curve(curves_csv, run)
-        _append(curves_csv, CURVE_COLUMNS, curve)
-        _append(runs_csv, RUN_COLUMNS, [run_row(run, result, curve, train_records)])
+        append_rows(curves_csv, CURVE_COLUMNS, curve)
+        append_rows(runs_csv, RUN_COLUMNS, [run_row(run, result, curve, train_records)])
     report.write_report(out)
     return out
 

@@ -35,6 +35,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from experiments.rows import append_rows
 from qkvjax.config import apply_overrides, load_config_file
 from qkvjax.convert import convert_workdir
 from qkvjax.evaluate import evaluate
@@ -70,15 +71,6 @@ def _done(path: Path) -> set[tuple[str, str]]:
         return set()
     with path.open() as f:
         return {(r["seed"], r["conversion"]) for r in csv.DictReader(f)}
-
-
-def _append(path: Path, row: dict) -> None:
-    new = not path.exists()
-    with path.open("a", newline="") as f:
-        w = csv.DictWriter(f, COLUMNS)
-        if new:
-            w.writeheader()
-        w.writerow(row)
 
 
 def summary(path: Path) -> str:
@@ -204,7 +196,7 @@ def sweep(argv=None) -> int:
                 "uptrained_val_loss": f"{evaluate(str(work))['loss']:.4f}",
                 "finished_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             }
-            _append(results, row)
+            append_rows(results, COLUMNS, [row])  # fsynced: a kill never leaves half a row
             print(
                 f"seed {seed} {name}: cache {row['kv_cache_bytes_per_token']} B/tok, errors [{row['layer_errors']}], "
                 f"val loss {row['source_val_loss']} -> {row['converted_val_loss']} -> {row['uptrained_val_loss']} "

@@ -57,7 +57,8 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from experiments import budget
-from experiments.compare_schemes import _append, _blank, _csv_list, read_csv
+from experiments.compare_schemes import _blank, _csv_list
+from experiments.rows import append_rows, read_csv
 from qkvjax.config import AttentionConfig, Config, DataConfig, ModelConfig, TrainConfig
 from qkvjax.models.lm import kv_cache_bytes_per_token, param_count
 from qkvjax.train.loop import Interrupted
@@ -441,8 +442,8 @@ def main_sweep(args) -> Path:
             split_bytes.setdefault(data.source_path, train_split_bytes(data))
             row, curve = finish_row(run, workdir, result, split_bytes[data.source_path])
             _drop_curve(sweep.out / "curves.csv", run)
-            _append(sweep.out / "curves.csv", CURVE_COLUMNS, curve)
-            _append(sweep.out / "runs.csv", RUN_COLUMNS, [row])
+            append_rows(sweep.out / "curves.csv", CURVE_COLUMNS, curve)
+            append_rows(sweep.out / "runs.csv", RUN_COLUMNS, [row])
             sweep.rows.append({k: str(v) for k, v in row.items()})
     print(f"sweep finished: {len(sweep.rows)} runs in {sweep.out / 'runs.csv'}")
     return sweep.out
@@ -467,7 +468,7 @@ def rebuild_curves(out: Path) -> int:
                   for p in learning_curve(train_records, eval_records, tokens_per_step)]  # fmt: skip
     tmp = out / "curves.csv.tmp"
     tmp.unlink(missing_ok=True)
-    _append(tmp, CURVE_COLUMNS, curve)
+    append_rows(tmp, CURVE_COLUMNS, curve)
     os.replace(tmp, out / "curves.csv")
     return len(rows)
 
@@ -479,7 +480,7 @@ def _drop_curve(path: Path, run: Run) -> None:
     if len(keep) != len(rows):
         tmp = path.with_suffix(".tmp")
         tmp.unlink(missing_ok=True)
-        _append(tmp, CURVE_COLUMNS, keep)
+        append_rows(tmp, CURVE_COLUMNS, keep)
         os.replace(tmp, path)
 
 

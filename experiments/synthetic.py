@@ -38,6 +38,7 @@ if __package__ in (None, ""):
 
 import numpy as np
 
+from experiments.rows import append_rows
 from qkvjax.attention import SCHEMES, AttentionConfig
 from qkvjax.data.synthetic import TASKS, TaskData, check_task, num_classes
 from qkvjax.models.encoder import Encoder, EncoderConfig, encoder_param_count
@@ -235,14 +236,7 @@ def sweep(args) -> Path:
         result = train_probe(probe, preset["batch_size"], preset["lr"])
         row = {**dataclasses.asdict(probe), **result}
         row["finished_at"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-        new = not results.exists()
-        with open(results, "a", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=COLUMNS)
-            if new:
-                writer.writeheader()
-            writer.writerow(row)
-            f.flush()
-            os.fsync(f.fileno())
+        append_rows(results, COLUMNS, [row])
         print(f"[{i}/{len(todo)}] {probe.task:<8} {probe.scheme:<16} seed {probe.seed} d{probe.d_model} "
               f"l{probe.layers} h{probe.heads} L{probe.length} {probe.positions:<7} token {result['token_acc']:.3f} "
               f"seq {result['seq_acc']:.3f} ({result['wall_s']:.1f}s)", flush=True)  # fmt: skip
