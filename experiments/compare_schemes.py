@@ -50,7 +50,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from experiments import budget, report
-from experiments.rows import append_rows, read_csv, replace_rows
+from experiments.rows import append_rows, blank, csv_list, read_csv, replace_rows, row_spec, rows_file
 from qkvjax.attention import SCHEMES, attention_cost
 from qkvjax.config import Config, apply_overrides, from_dict, load_config_file, to_dict
 from qkvjax.models.lm import kv_cache_bytes_per_token, param_count
@@ -240,16 +240,12 @@ def curve_rows(run: Run, train_records: list[dict], eval_records: list[dict]) ->
     tokens_per_step = run.config.train.batch_size * run.config.seq_len
     return [
         {"scheme": run.scheme, "matching": run.matching, "seed": run.seed, "step": p["step"],
-         "wall_s": round(p["wall_s"], 3), "train_loss": _blank(p["train_loss"]), "val_loss": _blank(p["val_loss"])}
+         "wall_s": round(p["wall_s"], 3), "train_loss": blank(p["train_loss"]), "val_loss": blank(p["val_loss"])}
         for p in learning_curve(train_records, eval_records, tokens_per_step)
     ]  # fmt: skip
 
 
-def _blank(value):
-    return "" if value is None else value
-
-
-def run_row(run: Run, result: dict, curve: list[dict], train_records: list[dict]) -> dict:
+def runrow_spec(run: Run, result: dict, curve: list[dict], train_records: list[dict]) -> dict:
     m = run.config.model
     speeds = sorted(r["tokens_per_s"] for r in train_records if r.get("tokens_per_s"))
     return {
@@ -363,7 +359,7 @@ def sweep(args) -> Path:
         curve = curve_rows(run, train_records, eval_records)
         _drop_curve(curves_csv, run)
         append_rows(curves_csv, CURVE_COLUMNS, curve)
-        append_rows(runs_csv, RUN_COLUMNS, [run_row(run, result, curve, train_records)])
+        append_rows(runs_csv, RUN_COLUMNS, [runrow_spec(run, result, curve, train_records)])
     report.write_report(out)
     return out
 
@@ -398,44 +394,6 @@ def print_bill(out: Path, base: Config, todo: list[Run]) -> float:
     return total
 
 
-def _csv_list(kind):
-    def parse(text: str):
-        items = [x.strip() for x in text.split(",") if x.strip()]
-        if kind in (int, float):
-            try:
-                return [kind(x) for x in items]
-            except ValueError:
-                what = f"a comma-separated list of {kind.__name__}s"
-                raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
-        return items
-
-    return parse
-
-
-def _row(text: str) -> tuple[str, dict[str, str]]:
-    """``NAME=KEY=VALUE;KEY=VALUE`` -> (NAME, {KEY: VALUE}); ``NAME=`` is the base config itself."""
-    name, _, rest = text.partition("=")
-    if not name.strip() or not name.replace("_", "").replace("-", "").isalnum():
-        raise argparse.ArgumentTypeError(f"--row {text!r}: NAME=KEY=VALUE;...; allowed names: letters, digits, _ -")
-    overrides = {}
-    for item in (x.strip() for x in rest.split(";") if x.strip()):
-        key, eq, value = item.partition("=")
-        if not eq:
-            raise argparse.ArgumentTypeError(f"--row {name}: {item!r} is not KEY=VALUE (e.g. model.layers=...)")
-        overrides[key.strip().removeprefix("--config.")] = value.strip()
-    return name.strip(), overrides
-
-
-def _rows_file(path: str) -> list[tuple[str, dict[str, str]]]:
-    try:
-        lines = Path(path).read_text().splitlines()
-    except OSError as e:
-        raise argparse.ArgumentTypeError(
-            f"--rows {path!r}: {e.strerror}; allowed: a text file of NAME=KEY=VALUE;..."
-        ) from None
-    return [_row(line.split("#", 1)[0].strip()) for line in lines if line.split("#", 1)[0].strip()]
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="results folder: runs.csv, curves.csv, summary.md, plots, runs/")
@@ -443,27 +401,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default=None, help="another base config file (overrides --preset)")
     p.add_argument(
         "--schemes",
-        type=_csv_list(str),
+        type=csv_list(str),
         default=None,
         help="default: every tying scheme (latent ones, such as mla, when named)",
     )
     p.add_argument(
         "--row",
-        type=_row,
+        type=row_spec,
         action="append",
         metavar="NAME=KEY=VALUE;...",
         help="a model stated outright (repeatable): config overrides separated by ';', reported under 'given'",
     )
     p.add_argument(
         "--rows",
-        type=_rows_file,
+        type=rows_file,
         action="extend",
         default=[],
         metavar="FILE",
         help="--row lines from a file (one per line, NAME=KEY=VALUE;...; '#' starts a comment); repeatable",
     )
-    p.add_argument("--seeds", type=_csv_list(int), default=[0, 1, 2], help="default: 0,1,2")
-    p.add_argument("--matchings", type=_csv_list(str), default=list(MATCHINGS), help="default: width,params,kv_cache")
+    p.add_argument("--seeds", type=csv_list(int), default=[0, 1, 2], help="default: 0,1,2")
+    p.add_argument("--matchings", type=csv_list(str), default=list(MATCHINGS), help="default: width,params,kv_cache")
     p.add_argument("--kv-fraction", type=float, default=0.5, help="kv_cache matching's budget x separate's (0.5)")
     p.add_argument("--steps", type=int, default=None, help="training steps per run (default: the preset's)")
     p.add_argument("--corpus", default=None, help="any UTF-8 text file instead of Tiny Shakespeare")

@@ -28,7 +28,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from experiments import report
-from experiments.compare_schemes import _rows_file
+from experiments.rows import read_csv, rows_file
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_ROWS = [REPO / f"experiments/configs/rows_{name}.txt" for name in ("reformer", "equal_cache", "mla_lr")]
@@ -147,10 +147,7 @@ def _color(i: int):
 
 
 def plot_deltas(out: Path, name: str, order: list[str], curves, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = report.pyplot()
     import numpy as np
 
     fig, axes = plt.subplots(1, 2, figsize=(15, 5.2))
@@ -188,10 +185,7 @@ def plot_deltas(out: Path, name: str, order: list[str], curves, path: Path) -> N
 
 
 def plot_cache(out: Path, name: str, order: list[str], entries: dict, full: int, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = report.pyplot()
 
     fig, ax = plt.subplots(figsize=(10, 6))
     shown = [s for s in order if s in entries]
@@ -231,11 +225,11 @@ def plot_cache(out: Path, name: str, order: list[str], entries: dict, full: int,
 
 def write(out: Path, studies: dict[str, tuple[list[str], dict[str, str]]]) -> Path:
     """``studies``: name -> (its rows in order, each row's control where it has one)."""
-    rows = [r for r in report._read(out / "runs.csv") if r["matching"] == "given"]
+    rows = [r for r in read_csv(out / "runs.csv") if r["matching"] == "given"]
     if not rows:
         raise ValueError(f"{out} has no finished rows (no 'given' rows in {out / 'runs.csv'})")
     entries = {e["scheme"]: e for e in report.summarize(rows)}
-    curves = val_curves(report._read(out / "curves.csv"))
+    curves = val_curves(read_csv(out / "curves.csv"))
     full = entries["separate"]["kv_cache_bytes_per_token"] if "separate" in entries else max(
         e["kv_cache_bytes_per_token"] for e in entries.values())  # fmt: skip
     protocol = (out / "protocol.json").read_text() if (out / "protocol.json").exists() else "{}"
@@ -266,7 +260,7 @@ def write(out: Path, studies: dict[str, tuple[list[str], dict[str, str]]]) -> Pa
 def read_study(path: Path) -> tuple[list[str], dict[str, str]]:
     """A rows file's rows in order, and each row's control: a ``# control: ROW = CONTROL`` line's, else the row a
     ``# reference: NAME`` comment names (for every row but ``separate`` and the reference itself)."""
-    rows = [row for row, _ in _rows_file(str(path))]
+    rows = [row for row, _ in rows_file(str(path))]
     lines = path.read_text().splitlines()
     marks = [line.split(":", 1)[1].strip() for line in lines if line.startswith("# reference:")]
     if marks and marks[0] not in rows:

@@ -13,12 +13,13 @@ token.
 from __future__ import annotations
 
 import collections
-import csv
 import json
 import math
 import statistics
 import sys
 from pathlib import Path
+
+from experiments.rows import read_csv
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -32,11 +33,14 @@ MATCHING_TITLES = {
 PLOTS = ("curves_step.png", "curves_wall.png", "loss_vs_params.png", "loss_vs_kv_cache.png")
 
 
-def _read(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))
+def pyplot():
+    """matplotlib's pyplot on the file-only Agg backend (no display here, on CI or on a GPU machine)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def t_quantile(df: int) -> float:
@@ -158,10 +162,7 @@ def _colors(schemes) -> dict:
 
 
 def plot_curves(out: Path, curves: list[dict], x: str, path: Path, labels: dict | None = None) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     import numpy as np
 
     matchings = [m for m in MATCHING_TITLES if any(c["matching"] == m for c in curves)]
@@ -200,10 +201,7 @@ def plot_curves(out: Path, curves: list[dict], x: str, path: Path, labels: dict 
 
 
 def plot_tradeoff(out: Path, entries: list[dict], key: str, xlabel: str, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     markers = {"width": "o", "params": "s", "kv_cache": "^"}
     colors = _colors({e["scheme"] for e in entries})
@@ -239,7 +237,7 @@ def plot_tradeoff(out: Path, entries: list[dict], key: str, xlabel: str, path: P
 def write_report(out: Path | str) -> Path:
     """summary.md and the plots from DIR's CSV files; returns the summary's path."""
     out = Path(out)
-    rows, curves = _read(out / "runs.csv"), _read(out / "curves.csv")
+    rows, curves = read_csv(out / "runs.csv"), read_csv(out / "curves.csv")
     if not rows:
         raise ValueError(f"{out} has no finished runs (no rows in {out / 'runs.csv'})")
     entries = summarize(rows)

@@ -4,10 +4,15 @@ kill, a full disk or a power cut never leaves half a row behind a good one, and 
     read_csv(path)                      the rows so far ([] when the file is absent)
     append_rows(path, columns, rows)    one finished run's rows (the header first, if the file is new)
     replace_rows(path, columns, rows)   the whole file, written beside it and renamed into place
+    blank(value)                        a CSV cell ('' for None)
+
+and the command-line values every sweep takes: ``csv_list(kind)`` (``--seeds 0,1,2``) and ``rows_file``/``row_spec``
+(``--row NAME=KEY=VALUE;...``, a model per row).
 """
 
 from __future__ import annotations
 
+import argparse
 import csv
 import os
 from pathlib import Path
@@ -40,3 +45,49 @@ def replace_rows(path: Path, columns, rows: list[dict]) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def blank(value):
+    """A CSV cell: '' for None."""
+    return "" if value is None else value
+
+
+def csv_list(kind):
+    """An argparse type: a comma-separated list of ``kind`` (int, float or str)."""
+
+    def parse(text: str):
+        items = [x.strip() for x in text.split(",") if x.strip()]
+        if kind in (int, float):
+            try:
+                return [kind(x) for x in items]
+            except ValueError:
+                what = f"a comma-separated list of {kind.__name__}s"
+                raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        return items
+
+    return parse
+
+
+def row_spec(text: str) -> tuple[str, dict[str, str]]:
+    """``NAME=KEY=VALUE;KEY=VALUE`` -> (NAME, {KEY: VALUE}); ``NAME=`` is the base config itself."""
+    name, _, rest = text.partition("=")
+    if not name.strip() or not name.replace("_", "").replace("-", "").isalnum():
+        raise argparse.ArgumentTypeError(f"--row {text!r}: NAME=KEY=VALUE;...; allowed names: letters, digits, _ -")
+    overrides = {}
+    for item in (x.strip() for x in rest.split(";") if x.strip()):
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise argparse.ArgumentTypeError(f"--row {name}: {item!r} is not KEY=VALUE (e.g. model.layers=...)")
+        overrides[key.strip().removeprefix("--config.")] = value.strip()
+    return name.strip(), overrides
+
+
+def rows_file(path: str) -> list[tuple[str, dict[str, str]]]:
+    """An argparse type: a file of ``NAME=KEY=VALUE;...`` lines (``#`` comments), each parsed by :func:`row_spec`."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as e:
+        raise argparse.ArgumentTypeError(
+            f"--rows {path!r}: {e.strerror}; allowed: a text file of NAME=KEY=VALUE;..."
+        ) from None
+    return [row_spec(line.split("#", 1)[0].strip()) for line in lines if line.split("#", 1)[0].strip()]

@@ -57,8 +57,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from experiments import budget
-from experiments.compare_schemes import _blank, _csv_list
-from experiments.rows import append_rows, read_csv
+from experiments.rows import append_rows, blank, csv_list, read_csv
 from qkvjax.config import AttentionConfig, Config, DataConfig, ModelConfig, TrainConfig
 from qkvjax.models.lm import kv_cache_bytes_per_token, param_count
 from qkvjax.train.loop import Interrupted
@@ -367,7 +366,7 @@ def finish_row(run: Run, workdir: Path, result: dict, train_bytes: int) -> tuple
     c = run.config
     tokens_per_step = c.train.batch_size * c.seq_len
     curve = [{"run": run.name, "step": p["step"], "tokens": p["step"] * tokens_per_step,
-              "wall_s": round(p["wall_s"], 3), "train_loss": _blank(p["train_loss"]), "val_loss": _blank(p["val_loss"])}
+              "wall_s": round(p["wall_s"], 3), "train_loss": blank(p["train_loss"]), "val_loss": blank(p["val_loss"])}
              for p in learning_curve(train_records, eval_records, tokens_per_step)]  # fmt: skip
     measured = sorted(r["tokens_per_s"] for r in train_records if r.get("tokens_per_s"))
     tokens = c.train.num_steps * tokens_per_step
@@ -463,8 +462,8 @@ def rebuild_curves(out: Path) -> int:
         tokens_per_step = c.train.batch_size * c.seq_len
         train_records, eval_records = read_metrics(str(workdir))
         curve += [{"run": row["run"], "step": p["step"], "tokens": p["step"] * tokens_per_step,
-                   "wall_s": round(p["wall_s"], 3), "train_loss": _blank(p["train_loss"]),
-                   "val_loss": _blank(p["val_loss"])}
+                   "wall_s": round(p["wall_s"], 3), "train_loss": blank(p["train_loss"]),
+                   "val_loss": blank(p["val_loss"])}
                   for p in learning_curve(train_records, eval_records, tokens_per_step)]  # fmt: skip
     tmp = out / "curves.csv.tmp"
     tmp.unlink(missing_ok=True)
@@ -500,17 +499,17 @@ def _positive(kind):
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="results folder: runs.csv, curves.csv, protocol.json, runs/")
-    p.add_argument("--stages", type=_csv_list(str), default=list(DEFAULT_STAGES),
+    p.add_argument("--stages", type=csv_list(str), default=list(DEFAULT_STAGES),
                    help="default: " + ",".join(DEFAULT_STAGES))  # fmt: skip
-    p.add_argument("--sizes", type=_csv_list(int), default=list(DEFAULT_SIZES), help="d_model of each size")
-    p.add_argument("--variants", type=_csv_list(str), default=list(VARIANTS), help="default: " + ",".join(VARIANTS))
-    p.add_argument("--seeds", type=_csv_list(int), default=[0, 1, 2], help="default: 0,1,2")
+    p.add_argument("--sizes", type=csv_list(int), default=list(DEFAULT_SIZES), help="d_model of each size")
+    p.add_argument("--variants", type=csv_list(str), default=list(VARIANTS), help="default: " + ",".join(VARIANTS))
+    p.add_argument("--seeds", type=csv_list(int), default=[0, 1, 2], help="default: 0,1,2")
     p.add_argument("--token-scale", type=_positive(float), default=1.0, help="x every run's token budget (1)")
     p.add_argument("--tokens-per-param", type=_positive(float), default=10.0, help="default: 10")
     p.add_argument("--learning-rate", type=_positive(float), default=None, help="one rate for every run: no sweep")
-    p.add_argument("--lr-grid", type=_csv_list(float), default=list(LR_GRID), help="the sweeps' rates (default: "
+    p.add_argument("--lr-grid", type=csv_list(float), default=list(LR_GRID), help="the sweeps' rates (default: "
                    + ",".join(f"{x:g}" for x in LR_GRID) + ")")  # fmt: skip
-    p.add_argument("--sweep-seeds", type=_csv_list(int), default=[0], help="seeds a rate is judged on (default: 0)")
+    p.add_argument("--sweep-seeds", type=csv_list(int), default=[0], help="seeds a rate is judged on (default: 0)")
     p.add_argument("--minor-seeds", type=_positive(int), default=None,
                    help="seeds for the variants outside the five main ones (default: all of --seeds)")  # fmt: skip
     p.add_argument("--layers", type=_positive(int), default=NUM_LAYERS, help=f"default: {NUM_LAYERS}")

@@ -28,7 +28,9 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from experiments.report import _read, detectable, t_quantile
+from experiments import report
+from experiments.report import detectable, t_quantile
+from experiments.rows import read_csv
 
 BYTES_PER_TOKEN = (3.5, 4.5)  # GPT-2-style BPE on English prose: the range used to convert to per-token units
 SHARED_LR = 2e-3
@@ -330,10 +332,7 @@ def _shared_rate_ranking(rows: list[dict], best: dict) -> list[tuple]:
 
 
 def plot(rows: list[dict], out: Path) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = report.pyplot()
 
     cells = finals(rows)
     written = []
@@ -420,10 +419,10 @@ def speed_markdown(path: Path) -> str:
 
 def write_report(out: Path | str, speed: Path | None = SPEED) -> Path:
     out = Path(out)
-    rows = _read(out / "runs.csv")
+    rows = read_csv(out / "runs.csv")
     if not rows:
         raise ValueError(f"{out / 'runs.csv'} has no finished runs yet")
-    text = summary_markdown(rows, _read(out / "curves.csv"))
+    text = summary_markdown(rows, read_csv(out / "curves.csv"))
     if speed is not None and speed.exists():
         text += "\n" + speed_markdown(speed)
     (out / "summary.md").write_text(text)

@@ -38,6 +38,7 @@ if __package__ in (None, ""):
 
 import numpy as np
 
+from experiments import report
 from experiments.rows import append_rows
 from qkvjax.attention import SCHEMES, AttentionConfig
 from qkvjax.data.synthetic import TASKS, TaskData, check_task, num_classes
@@ -311,10 +312,7 @@ def write_report(out: Path) -> Path:
 
 
 def plot_heatmap(main: dict, rope: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = report.pyplot()
 
     panels = [(f"{m} accuracy, {t}", c, m) for t, c in (("learned positions", main), ("rotary only", rope)) if c
               for m in ("token", "seq")]  # fmt: skip

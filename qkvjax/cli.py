@@ -226,12 +226,12 @@ def _analyze(args: argparse.Namespace) -> int:
     import json
 
     from qkvjax.analyze import analyze_layers, format_report, plot_report
-    from qkvjax.sources import load_safetensors, load_workdir
+    from qkvjax.sources import FORMATS, load_safetensors, load_workdir
 
     if (args.workdir is None) == (args.safetensors is None):
-        raise ValueError("pass exactly one of --workdir DIR or --safetensors FILE --format bert|gpt2|llama")
+        raise ValueError(f"pass exactly one of --workdir DIR or --safetensors FILE --format {'|'.join(FORMATS)}")
     if args.safetensors is not None and args.format is None:
-        raise ValueError("--safetensors needs --format; allowed: bert, gpt2, llama")
+        raise ValueError(f"--safetensors needs --format; allowed: {', '.join(FORMATS)}")
     if args.random_seeds < 1:
         raise ValueError(f"--random-seeds={args.random_seeds}; allowed: an integer >= 1")
     for flag, path in (("--json", args.json), ("--plot", args.plot)):
@@ -454,7 +454,12 @@ def _run_commands() -> tuple[Command, ...]:
 def _tool_commands() -> tuple[Command, ...]:
     """The cost table and the model tools: schemes, convert, analyze, import, export, compare."""
     from qkvjax.convert import TARGETS
+    from qkvjax.hf.layouts import LAYOUTS, MODEL_TYPES
+    from qkvjax.sources import FORMATS
 
+    analyzable = ", ".join(FORMATS)
+    decoders = " or ".join(name for name, layout in LAYOUTS.items() if not layout.encoder)
+    encoders = " or ".join(name for name, layout in LAYOUTS.items() if layout.encoder)
     return (
         Command("schemes", _schemes, "parameters, FLOPs and KV-cache bytes of every tying scheme", (
             opt("--d-model", type=int, default=768, help="D, the model width"),
@@ -491,7 +496,7 @@ def _tool_commands() -> tuple[Command, ...]:
             opt("--workdir", default=None, help="a qkvjax training run"),
             opt("--step", type=int, default=None, help="checkpoint step of --workdir (default: the newest)"),
             opt("--safetensors", default=None, help="a .safetensors file in the nn.Linear [out, in] convention"),
-            opt("--format", default=None, choices=["bert", "gpt2", "llama"], help="tensor layout of --safetensors"),
+            opt("--format", default=None, choices=list(FORMATS), help="tensor layout of --safetensors"),
             opt("--label", default=None, help="what to call --safetensors in the report (default: its file name)"),
             opt("--num-heads", type=int, default=None, help="N (default: from config.json beside the file)"),
             opt("--num-kv-heads", type=int, default=None, help="K for llama (default: config.json, else N)"),
@@ -501,9 +506,9 @@ def _tool_commands() -> tuple[Command, ...]:
             opt("--seed", type=int, default=0, help="seed of the random control (default 0)"),
             opt("--random-seeds", type=int, default=3, help="random draws averaged in the control (default 3)"),
         ), "Basis-invariant similarity of the query, key and value projections of a qkvjax run or of safetensors "
-           "weights (bert, gpt2, llama layouts): qk/qv/kv principal-angle cosines, symmetry, trace ratio and effective "
+           f"weights ({analyzable} layouts): qk/qv/kv principal-angle cosines, symmetry, trace ratio and effective "
            "rank of W^Q (W^K)^T per head. See qkvjax/analyze.py for the definitions."),
-        Command("import", _import, "a Hugging Face model folder (gpt2, llama, mistral, qwen2, bert) as a workdir", (
+        Command("import", _import, f"a Hugging Face model folder ({', '.join(MODEL_TYPES)}) as a workdir", (
             opt("folder", help="a Hugging Face model folder (config.json + model.safetensors)"),
             opt("--workdir", required=True, help="a new workdir"),
             opt("--max-len", type=int, default=None, help="context of a rotary model (default: its config's)"),
@@ -512,11 +517,11 @@ def _tool_commands() -> tuple[Command, ...]:
            "train --workdir OUT --config OUT/config.json uptrains from it. BERT becomes an encoder (hidden states, no "
            "LM head): info, analyze, convert and export read it; eval, sample and train refuse it."),
         Command("export", _export,
-                "a workdir's model as a Hugging Face folder (gpt2 or llama layout; bert for an imported encoder)", (
+                f"a workdir's model as a Hugging Face folder ({decoders} layout; {encoders} for an imported encoder)", (
             opt("folder", help="a new folder for the Hugging Face model"),
             opt("--workdir", required=True, help="the run to export"),
-            opt("--format", default=None, choices=["gpt2", "llama", "bert"],
-                help="default: bert if an encoder, llama if rotary, else gpt2"),
+            opt("--format", default=None, choices=list(LAYOUTS),
+                help="default: the first of these layouts that expresses the model"),
             STEP,
         ), "Writes config.json and model.safetensors that transformers' from_pretrained loads. Tied projections are "
            "written out per role (the same function, without the tie's savings); schemes the layout cannot express "

@@ -1,13 +1,10 @@
 """Where ``qkvjax analyze`` finds attention projections: a qkvjax run, or a safetensors file of a PyTorch model.
 
 safetensors weights follow ``nn.Linear``: ``W`` is ``[out, in]`` and ``y = x @ W.T + b``; heads split the output
-dimension contiguously, so head n's (D, H) projection is ``W[n H:(n + 1) H].T``. Layouts:
-
-* ``bert``: ``[bert.]encoder.layer.{i}.attention.self.{query,key,value}.weight``, each [D, D].
-* ``gpt2``: ``[transformer.]h.{i}.attn.c_attn.weight``, one fused [D, 3 D] Conv1D weight (Conv1D stores
-  ``[in, out]``, the transpose of ``nn.Linear``), split into q, k, v in that order.
-* ``llama``: ``model.layers.{i}.self_attn.{q,k,v}_proj.weight``: q [N H, D], k and v [K H, D] (grouped KV heads).
-  Hugging Face permutes rows inside each q/k head for its rotary layout; the measures are invariant to that.
+dimension contiguously, so head n's (D, H) projection is ``W[n H:(n + 1) H].T``. Where each layout keeps q, k and
+v is its :class:`~qkvjax.hf.layouts.Projections` entry (``bert``: ``query``/``key``/``value``, each [D, D];
+``gpt2``: one fused [D, 3 D] Conv1D weight, stored ``[in, out]``; ``llama``: q [N H, D], k and v [K H, D]).
+Hugging Face permutes rows inside each q/k head for its rotary layout; the measures are invariant to that.
 
 Read with numpy and ``safetensors`` only (no torch, no transformers).
 """
@@ -21,18 +18,9 @@ import re
 import numpy as np
 
 from qkvjax.analyze import LayerWeights, block_attention, layer_from_params
+from qkvjax.hf.layouts import LAYOUTS, Projections
 
-FORMATS = {
-    "bert": r"^(?:bert\.)?encoder\.layer\.(\d+)\.attention\.self\.(query|key|value)\.weight$",
-    "gpt2": r"^(?:transformer\.)?h\.(\d+)\.attn\.c_attn\.weight$",
-    "llama": r"^model\.layers\.(\d+)\.self_attn\.(q|k|v)_proj\.weight$",
-}
-_EXAMPLE = {
-    "bert": "encoder.layer.0.attention.self.query.weight",
-    "gpt2": "h.0.attn.c_attn.weight",
-    "llama": "model.layers.0.self_attn.q_proj.weight",
-}
-_ROLE = {"query": "q", "key": "k", "value": "v", "q": "q", "k": "k", "v": "v"}
+FORMATS: dict[str, Projections] = {name: lay.projections for name, lay in LAYOUTS.items() if lay.projections}
 
 
 def heads_from_config(path: str, fmt: str) -> tuple[int | None, int | None]:
@@ -42,9 +30,8 @@ def heads_from_config(path: str, fmt: str) -> tuple[int | None, int | None]:
         return None, None
     with open(cfg_path) as f:
         cfg = json.load(f)
-    n = cfg.get("n_head") if fmt == "gpt2" else cfg.get("num_attention_heads")
-    k = cfg.get("num_key_value_heads") if fmt == "llama" else None
-    return n, k
+    where = FORMATS[fmt]
+    return cfg.get(where.heads_key), cfg.get(where.kv_heads_key) if where.kv_heads_key else None
 
 
 def _split(w: np.ndarray, heads: int, name: str, expected: str) -> np.ndarray:
@@ -55,6 +42,31 @@ def _split(w: np.ndarray, heads: int, name: str, expected: str) -> np.ndarray:
     return w.reshape(heads, h, w.shape[1]).transpose(0, 2, 1)  # (heads H, D) -> (heads, H, D) -> (heads, D, H)
 
 
+def _fused(name: str, w: np.ndarray, n: int) -> LayerWeights:
+    """q, k, v from one Conv1D [D, 3 D] weight (``[in, out]``: the transpose of nn.Linear's)."""
+    if w.ndim != 2 or w.shape[1] != 3 * w.shape[0]:
+        raise ValueError(f"tensor {name} has shape {tuple(w.shape)}; expected a fused Conv1D [D, 3 D]")
+    d = w.shape[0]
+    q, k, v = (_split(w[:, j * d : (j + 1) * d].T, n, name, f"[D, 3 D] = [{d}, {3 * d}]") for j in range(3))
+    return LayerWeights(q=q, k=k, v=v)
+
+
+def _separate(roles: dict[str, tuple[str, np.ndarray]], n: int, k: int) -> LayerWeights:
+    """q [N H, D], k and v [K H, D] (nn.Linear), each checked against q's head width and D."""
+    d = roles["q"][1].shape[-1]
+    q = _split(roles["q"][1], n, roles["q"][0], f"[N H, D] = [{n} x H, D]")
+    kk = _split(roles["k"][1], k, roles["k"][0], f"[K H, D] = [{k} x H, D]")
+    v = _split(roles["v"][1], k, roles["v"][0], f"[K H, D] = [{k} x H, D]")
+    for role, arr, heads in (("q", q, n), ("k", kk, k), ("v", v, k)):
+        name = roles[role][0]
+        if arr.shape[1:] != (d, q.shape[2]):
+            raise ValueError(
+                f"tensor {name} has shape {tuple(roles[role][1].shape)}; expected [{heads * q.shape[2]}, {d}] "
+                f"({heads} heads of width {q.shape[2]}, model width {d})"
+            )
+    return LayerWeights(q=q, k=kk, v=v)
+
+
 def load_safetensors(path: str, fmt: str, num_heads: int | None = None, num_kv_heads: int | None = None):
     """LayerWeights of every layer, in order."""
     from safetensors.numpy import load_file
@@ -63,6 +75,7 @@ def load_safetensors(path: str, fmt: str, num_heads: int | None = None, num_kv_h
         raise ValueError(f"--format={fmt!r}; allowed: {sorted(FORMATS)}")
     if not os.path.isfile(path):
         raise ValueError(f"--safetensors={path!r} is not a file")
+    where = FORMATS[fmt]
     cfg_n, cfg_k = heads_from_config(path, fmt)
     n = num_heads or cfg_n
     k = num_kv_heads or cfg_k or n
@@ -73,43 +86,26 @@ def load_safetensors(path: str, fmt: str, num_heads: int | None = None, num_kv_h
     tensors = load_file(path)
     found: dict[int, dict[str, tuple[str, np.ndarray]]] = {}
     for name, value in tensors.items():
-        if match := re.match(FORMATS[fmt], name):
-            role = _ROLE[match.group(2)] if fmt != "gpt2" else "qkv"
+        if match := re.match(where.pattern, name):
+            role = where.roles[match.group(2)]
             found.setdefault(int(match.group(1)), {})[role] = (name, np.asarray(value, np.float64))
     if not found:
         sample = ", ".join(sorted(tensors)[:4])
-        raise ValueError(
-            f"{path} is not in the {fmt} layout: no tensor like {_EXAMPLE[fmt]!r} (the file has {sample}, ...)"
-        )
+        example = where.example
+        raise ValueError(f"{path} is not in the {fmt} layout: no tensor like {example!r} (the file has {sample}, ...)")
     if sorted(found) != list(range(len(found))):
         raise ValueError(f"{path}: {fmt} layers {sorted(found)} are not numbered 0..{len(found) - 1}")
     layers = []
     for i in range(len(found)):
         roles = found[i]
-        if fmt == "gpt2":
-            name, w = roles["qkv"]
-            if w.ndim != 2 or w.shape[1] != 3 * w.shape[0]:
-                raise ValueError(f"tensor {name} has shape {tuple(w.shape)}; expected a fused Conv1D [D, 3 D]")
-            d = w.shape[0]
-            q, kk, v = (_split(w[:, j * d : (j + 1) * d].T, n, name, f"[D, 3 D] = [{d}, {3 * d}]") for j in range(3))
-            layers.append(LayerWeights(q=q, k=kk, v=v))
+        if "qkv" in roles:
+            layers.append(_fused(*roles["qkv"], n))
             continue
         missing = sorted({"q", "k", "v"} - set(roles))
         if missing:
-            want = FORMATS[fmt].replace(r"(\d+)", str(i))
-            raise ValueError(f"{path}: layer {i} has no {', '.join(missing)} projection ({want})")
-        d = roles["q"][1].shape[-1]
-        q = _split(roles["q"][1], n, roles["q"][0], f"[N H, D] = [{n} x H, D]")
-        kk = _split(roles["k"][1], k, roles["k"][0], f"[K H, D] = [{k} x H, D]")
-        v = _split(roles["v"][1], k, roles["v"][0], f"[K H, D] = [{k} x H, D]")
-        for role, arr, heads in (("q", q, n), ("k", kk, k), ("v", v, k)):
-            name = roles[role][0]
-            if arr.shape[1:] != (d, q.shape[2]):
-                raise ValueError(
-                    f"tensor {name} has shape {tuple(roles[role][1].shape)}; expected [{heads * q.shape[2]}, {d}] "
-                    f"({heads} heads of width {q.shape[2]}, model width {d})"
-                )
-        layers.append(LayerWeights(q=q, k=kk, v=v))
+            want = where.example.replace(".0.", f".{i}.")
+            raise ValueError(f"{path}: layer {i} has no {', '.join(missing)} projection (like {want})")
+        layers.append(_separate(roles, n, k))
     return layers
 
 

@@ -11,6 +11,7 @@ import pytest
 
 from experiments import compare_schemes
 from experiments.compare_schemes import MATCHINGS, kv_cache_bytes, matched_config, plan
+from experiments.rows import rows_file
 from qkvjax import SCHEMES
 from qkvjax.config import load_config_file
 from qkvjax.models.lm import param_count
@@ -198,7 +199,7 @@ def test_the_committed_mechanism_rows_build_at_the_middle_size_with_the_caches_t
     fractions = {}
     rates = {}
     for name in ("reformer", "equal_cache", "mla_lr"):
-        for row, overrides in compare_schemes._rows_file(str(REPO / "experiments" / "configs" / f"rows_{name}.txt")):
+        for row, overrides in rows_file(str(REPO / "experiments" / "configs" / f"rows_{name}.txt")):
             config = apply_overrides(base, {k: v for k, v in overrides.items() if k != "seeds"})
             fractions[row], rates[row] = kv_cache_bytes(config) / full, config.train.learning_rate
     assert {r for r, f in fractions.items() if f == 0.5} == {"gqa2", "shared_kv", "shared_kv_norms", "cla2", "mla_r96",

@@ -72,6 +72,31 @@ def _models():
                 sliding_window=3, max_window_layers=1, bos_token_id=0, eos_token_id=0,
             )
         ),
+        # QK-norm per head (its own rms_norm_eps), GQA, biases on q/k/v and o, untied
+        "qwen3_qk_norm": lambda: tf.Qwen3ForCausalLM(
+            tf.Qwen3Config(
+                hidden_size=20, num_hidden_layers=2, num_attention_heads=3, num_key_value_heads=1, head_dim=6,
+                intermediate_size=11, vocab_size=V, max_position_embeddings=17, rms_norm_eps=1e-3,
+                attention_bias=True, tie_word_embeddings=False, bos_token_id=0, eos_token_id=0,
+            )
+        ),
+        # MLA: H=6 plain and P=4 rotary query/key features, U=3 value features, R=8 latent; dense MLPs (even H + P
+        # and R + P: transformers views the rotary parts as complex numbers)
+        "deepseek_v2": lambda: tf.DeepseekV2ForCausalLM(
+            tf.DeepseekV2Config(
+                hidden_size=21, num_hidden_layers=2, num_attention_heads=3, kv_lora_rank=8, q_lora_rank=None,
+                qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=3, intermediate_size=11, first_k_dense_replace=2,
+                vocab_size=V, max_position_embeddings=17, rms_norm_eps=1e-5, bos_token_id=0, eos_token_id=0,
+            )
+        ),
+        "deepseek_v2_q_lora": lambda: tf.DeepseekV2ForCausalLM(
+            tf.DeepseekV2Config(
+                hidden_size=21, num_hidden_layers=2, num_attention_heads=3, kv_lora_rank=8, q_lora_rank=9,
+                qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=3, intermediate_size=11, first_k_dense_replace=2,
+                vocab_size=V, max_position_embeddings=17, tie_word_embeddings=True, rope_theta=50.0,
+                bos_token_id=0, eos_token_id=0,
+            )
+        ),
         "bert": lambda: tf.BertModel(
             tf.BertConfig(hidden_size=15, num_hidden_layers=2, num_attention_heads=3, intermediate_size=11,
                           vocab_size=V, max_position_embeddings=17, pad_token_id=0)
@@ -113,8 +138,10 @@ def _close(ours, ref, mask):
 
 
 @pytest.mark.parametrize(
-    "name", ["gpt2", "llama_gqa", "qwen2_biases_tied", "mistral_window", "qwen2_window_layer", "bert"]
-)
+    "name",
+    ["gpt2", "llama_gqa", "qwen2_biases_tied", "mistral_window", "qwen2_window_layer", "qwen3_qk_norm", "deepseek_v2",
+     "deepseek_v2_q_lora", "bert"],
+)  # fmt: skip
 def test_import_computes_what_transformers_computes(folders, name):
     folder, ref_model = folders[name]
     config, params = load_pretrained(folder)
@@ -178,7 +205,9 @@ def test_an_imported_llama_converts_to_partial_rope_mla_as_transformers_computes
     assert np.abs(np.asarray(ours) - unchanged)[mask].max() > 100 * TOL * np.abs(unchanged).max()  # it did change
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama_gqa", "qwen2_biases_tied", "mistral_window"])
+@pytest.mark.parametrize(
+    "name", ["gpt2", "llama_gqa", "qwen2_biases_tied", "mistral_window", "qwen3_qk_norm", "deepseek_v2_q_lora"]
+)
 def test_import_decodes_with_the_cache_as_transformers_scores_the_whole_sequence(folders, name):
     """Prefill rows of different lengths (4 and 2 tokens), then one token at a time to position T - 1."""
     folder, ref_model = folders[name]
@@ -204,12 +233,13 @@ def test_import_decodes_with_the_cache_as_transformers_scores_the_whole_sequence
     _close(np.stack([np.stack(g) for g in got]), ref, full)
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama_gqa", "qwen2_biases_tied"])
-def test_import_then_export_loads_in_transformers_with_the_same_logits(folders, name, tmp_path):
+@pytest.mark.parametrize(("name", "fmt"), [("gpt2", "gpt2"), ("llama_gqa", "llama"), ("qwen2_biases_tied", "llama"),
+                                           ("qwen3_qk_norm", "qwen3"), ("deepseek_v2", "deepseek_v2"),
+                                           ("deepseek_v2_q_lora", "deepseek_v2")])  # fmt: skip
+def test_import_then_export_loads_in_transformers_with_the_same_logits(folders, name, fmt, tmp_path):
     folder, ref_model = folders[name]
     import_folder(folder, tmp_path / "run")
-    fmt = export_workdir(tmp_path / "run", str(tmp_path / "out"))
-    assert fmt == ("gpt2" if name == "gpt2" else "llama")
+    assert export_workdir(tmp_path / "run", str(tmp_path / "out")) == fmt
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     tokens, mask = _batch()
     _close(_reference(back, tokens, mask, False), _reference(ref_model, tokens, mask, False), mask)
@@ -226,25 +256,36 @@ def _perturbed(config, seed=3):
     return jax.tree.map(lambda p: np.asarray(p) + 0.2 * rng.standard_normal(p.shape).astype(np.float32), params)
 
 
+RMS_SWIGLU = {"norm": "rmsnorm", "mlp": "swiglu"}
+
+
 @pytest.mark.parametrize(
-    ("scheme", "family", "rope"),
-    [("shared_kv", {"norm": "rmsnorm", "mlp": "swiglu"}, True), ("separate", {}, False), ("shared_qk", {}, False)],
-)
-def test_a_qkvjax_model_exports_with_its_ties_written_out(scheme, family, rope, tmp_path):
-    """A qkvjax model (its own layout, tied projections, no biases) -> transformers computes the same logits."""
+    ("attention", "family", "fmt"),
+    [({"scheme": "shared_kv", "rope": True}, RMS_SWIGLU, "llama"), ({"scheme": "separate"}, {}, "gpt2"),
+     ({"scheme": "shared_qk"}, {}, "gpt2"),
+     ({"scheme": "shared_kv", "rope": True, "qk_norm": True}, RMS_SWIGLU, "qwen3"),
+     # a trained qkvjax MLA: rotary pairs in the half layout (reordered on the way out), one KV head's
+     # up-projections repeated for the three query heads, a low-rank query path
+     ({"scheme": "mla", "rope": True, "num_kv_heads": 1, "rope_head_dim": 4, "kv_rank": 8, "q_rank": 7},
+      RMS_SWIGLU, "deepseek_v2")],
+    ids=["llama", "gpt2", "gpt2_shared_qk", "qwen3", "deepseek_v2"],
+)  # fmt: skip
+def test_a_qkvjax_model_exports_with_its_ties_written_out(attention, family, fmt, tmp_path):
+    """A qkvjax model (its own layout, tied projections, no biases) -> transformers computes the same logits: K = V
+    with QK-norm lands in Qwen3's layout (k_proj = v_proj, the key norm on keys only), MLA in DeepSeek-V2's."""
     from qkvjax.attention import AttentionConfig
-    from qkvjax.hf.export import EXPORTERS, check_exportable, infer_format
     from qkvjax.hf.folder import write_folder
+    from qkvjax.hf.layouts import export, infer_format
     from qkvjax.models.family import Family
     from qkvjax.models.lm import ModelConfig
 
-    att = AttentionConfig(num_heads=3, head_dim=6 if rope else 5, scheme=scheme, rope=rope)
+    rope = attention.get("rope", False)
+    att = AttentionConfig(num_heads=3, head_dim=6 if rope else 5, **attention)
     config = ModelConfig(att, vocab_size=V, d_model=15, num_layers=2, mlp_dim=13, max_len=17,
                          learned_positions=not rope, tie_embeddings=rope, family=Family(**family))  # fmt: skip
     params = _perturbed(config)
-    fmt = infer_format(config)
-    check_exportable(config, fmt)
-    write_folder(str(tmp_path), *EXPORTERS[fmt](config, params))
+    assert infer_format(config) == fmt
+    write_folder(str(tmp_path), *export(config, params, fmt))
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     tokens, mask = _batch()
     ours = DecoderLM(config).apply({"params": params}, jnp.asarray(tokens))
@@ -329,7 +370,7 @@ def test_a_missing_shard_is_named(folders, tmp_path):
 
 def test_schemes_the_layouts_cannot_express_are_refused(folders, tmp_path):
     from qkvjax.attention import AttentionConfig
-    from qkvjax.hf.export import check_exportable
+    from qkvjax.hf.layouts import check_exportable
     from qkvjax.models.lm import ModelConfig
 
     for scheme in ("bilinear", "reformer_qk", "mla"):
@@ -349,6 +390,26 @@ def test_schemes_the_layouts_cannot_express_are_refused(folders, tmp_path):
     message = r"^layer 0: sliding_window=4 \(not written yet\): the Hugging Face gpt2 layout"
     with pytest.raises(ValueError, match=message):
         check_exportable(windowed, "gpt2")
+    from qkvjax.models.family import Family
+
+    rms = Family(norm="rmsnorm", mlp="swiglu", norm_eps=1e-5)
+    normed = ModelConfig(AttentionConfig(num_heads=3, head_dim=6, rope=True, qk_norm=True), d_model=15,
+                         learned_positions=False, family=rms)  # fmt: skip
+    with pytest.raises(ValueError, match=r"^layer 0: qk_norm=True: the Hugging Face llama layout cannot express"):
+        check_exportable(normed, "llama")
+    with pytest.raises(ValueError, match=r"^layer 0: norm_eps=1e-06 differs from the model's 1e-05: [^\n]*qwen3"):
+        check_exportable(normed, "qwen3")  # Qwen3 has one rms_norm_eps for every norm
+    with pytest.raises(ValueError, match=r"^layer 0: qk_norm=False: the Hugging Face qwen3 layout"):
+        check_exportable(ModelConfig(AttentionConfig(num_heads=3, head_dim=6, rope=True), d_model=15,
+                                     learned_positions=False, family=rms), "qwen3")  # fmt: skip
+    # DeepSeek-V2: one rotary key shared by all heads, normalised latents
+    mla = dict(num_heads=3, head_dim=6, scheme="mla", rope=True, rope_head_dim=4, rope_key_per_head=True)
+    for extra, message in (({"num_kv_heads": 3}, "rope_key_per_head=True with 3 KV heads [^\n]*--num-kv-heads 1"),
+                           ({"num_kv_heads": 1, "latent_norm": False}, "latent_norm=False"),
+                           ({"num_kv_heads": 1, "use_bias": True}, "use_bias=True")):  # fmt: skip
+        config = ModelConfig(AttentionConfig(**mla, **extra), d_model=15, learned_positions=False, family=rms)
+        with pytest.raises(ValueError, match=f"^layer 0: {message}[^\n]*deepseek_v2 layout cannot express"):
+            check_exportable(config, "deepseek_v2")
 
 
 def _word_tokenizer(file, words: list[str]) -> None:
@@ -482,7 +543,7 @@ def test_an_imported_bert_workdir_is_read_converted_and_exported_and_refused_whe
 
 
 CONFIG_CLASSES = {"gpt2": "GPT2Config", "llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config",
-                  "bert": "BertConfig"}  # fmt: skip
+                  "qwen3": "Qwen3Config", "deepseek_v2": "DeepseekV2Config", "bert": "BertConfig"}  # fmt: skip
 
 
 @pytest.mark.parametrize("model_type", sorted(CONFIG_CLASSES))
@@ -505,6 +566,15 @@ def _with(name: str, **fields):
                       dict(hidden_size=21, num_hidden_layers=2, num_attention_heads=3, num_key_value_heads=1,
                            head_dim=6, intermediate_size=11, vocab_size=V, max_position_embeddings=17,
                            bos_token_id=0, eos_token_id=0)),
+            "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM,
+                      dict(hidden_size=20, num_hidden_layers=2, num_attention_heads=3, num_key_value_heads=1,
+                           head_dim=6, intermediate_size=11, vocab_size=V, max_position_embeddings=17,
+                           bos_token_id=0, eos_token_id=0)),
+            "deepseek_v2": (transformers.DeepseekV2Config, transformers.DeepseekV2ForCausalLM,
+                            dict(hidden_size=21, num_hidden_layers=2, num_attention_heads=3, kv_lora_rank=8,
+                                 q_lora_rank=None, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=3,
+                                 intermediate_size=11, first_k_dense_replace=2, vocab_size=V,
+                                 max_position_embeddings=17, bos_token_id=0, eos_token_id=0)),
             "bert": (transformers.BertConfig, transformers.BertModel,
                      dict(hidden_size=15, num_hidden_layers=2, num_attention_heads=3, intermediate_size=11,
                           vocab_size=V, max_position_embeddings=17, pad_token_id=0))}[name]  # fmt: skip
@@ -531,6 +601,9 @@ def _with(name: str, **fields):
         ("llama", {"rope_parameters": {"rope_type": "default", "rope_theta": 37.0}}),
         ("llama", {"tie_word_embeddings": True}),
         ("llama", {"hidden_act": "silu", "num_key_value_heads": 3}),
+        ("qwen3", {"rms_norm_eps": 0.3}),
+        ("qwen3", {"attention_bias": True}),
+        ("qwen3", {"use_sliding_window": True, "sliding_window": 3, "max_window_layers": 1}),
         ("bert", {"layer_norm_eps": 0.3}),
         ("bert", {"hidden_act": "relu"}),
         ("bert", {"type_vocab_size": 3}),
@@ -559,6 +632,9 @@ def test_each_honoured_field_changes_the_import_as_it_changes_transformers(name,
         ("gpt2", {"an_unknown_field": 3}, "field(s) the gpt2 layout does not know (an_unknown_field=3)"),
         ("llama", {"layer_types": ["full_attention", "sliding_attention"]}, "sliding_window=None with sliding layers"),
         ("bert", {"is_decoder": True}, "is_decoder=True"),
+        ("deepseek_v2", {"first_k_dense_replace": 1}, "first_k_dense_replace=1: layers 1..1 are mixture-of-experts"),
+        ("deepseek_v2", {"attention_bias": True}, "attention_bias=True: biases on the latent down-projections"),
+        ("deepseek_v2", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope_type='yarn'"),
     ],
 )
 def test_fields_that_change_the_function_and_cannot_be_honoured_are_refused(name, fields, message, tmp_path):

@@ -85,6 +85,8 @@ class AttentionConfig:
         tokens, itself included; Mistral's ``sliding_window``, Gemma's sliding layers); None = the whole context.
         Causal self-attention over fresh keys runs the ``window`` kernel (blocks of queries scored against a band
         of keys, :func:`core.banded_attention`); a decode cache still holds every position (the window is a mask).
+      norm_eps: the epsilon of the layer's own RMS norms (QK-norm, V-norm, a latent scheme's latent norms):
+        ``x / sqrt(mean(x^2) + eps)``; imported models carry theirs (Qwen3's and DeepSeek-V2's ``rms_norm_eps``).
     """
 
     num_heads: int
@@ -113,6 +115,7 @@ class AttentionConfig:
     rope_key_per_head: bool = False
     latent_norm: bool = True
     sliding_window: int | None = None
+    norm_eps: float = 1e-6
 
     def __post_init__(self):
         for name in ("num_heads", "head_dim"):
@@ -128,6 +131,9 @@ class AttentionConfig:
                 f"AttentionConfig.num_kv_heads={kv} does not divide num_heads={self.num_heads}; "
                 f"allowed: None or one of {divisors}"
             )
+        eps = self.norm_eps
+        if isinstance(eps, bool) or not isinstance(eps, int | float) or not 0 < eps < 1:
+            raise ValueError(f"AttentionConfig.norm_eps={eps!r}; allowed: a number in (0, 1)")
         w = self.sliding_window
         if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
             raise ValueError(f"AttentionConfig.sliding_window={w!r}; allowed: None or an integer >= 1")

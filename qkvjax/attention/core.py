@@ -24,7 +24,7 @@ def dense(x: Array, w: Array, contract: int = 1) -> Array:
     (prod ..., prod A) @ (prod A, prod C), then reshaped to (..., C). E.g. ``BTD,DNH->BTNH`` or ``BTNH,NHD->BTD``
     (contract=2). The reshapes are free (row-major), and XLA's CPU backend runs a 2-D dot much faster than the
     same product as one rank-3/4 ``dot_general`` (an einsum): the whole train step 1.12-1.25x faster
-    (``benchmarks/dense_2d.py``)."""
+    (``benchmarks/levers/dense_2d.py``)."""
     lead, inner = x.shape[: x.ndim - contract], math.prod(w.shape[:contract])
     if x.shape[x.ndim - contract :] != w.shape[:contract]:
         raise ValueError(f"dense: x {x.shape} and w {w.shape} do not share their {contract} contracted axes")
@@ -36,7 +36,7 @@ def project(x: Array, kernels: Sequence[Array], biases: Sequence[Array] | None =
 
     One einsum over the kernels concatenated on heads was slower (forward + backward) on the CPU: the
     concatenation and the split of its gradient cost more than the one larger matmul saves
-    (``benchmarks/attention_layouts.py``).
+    (``benchmarks/levers/attention_layouts.py``).
     """
     ys = [dense(x, w) for w in kernels]  # BTD,DNH->BTNH
     if biases is not None:
@@ -103,7 +103,7 @@ def window_mask(q_pos: Array, k_pos: Array, window: int) -> Array:
 # Grouped-query layout. The G query heads that share a kv head are folded into the query axis, Q = T * G
 # (t-major), so every score einsum is a plain batched matmul over (B, K): logits are (B, K, Q, S), the natural
 # output order of dot_general, with no transposes of the scores. Against a five-axis (B, K, G, T, S) layout it is
-# faster forward + backward for every G (benchmarks/attention_layouts.py); for G = 1 it is plain multi-head.
+# faster forward + backward for every G (benchmarks/levers/attention_layouts.py); for G = 1 it is plain multi-head.
 
 
 def fold_queries(x: Array, num_kv_heads: int) -> Array:
@@ -270,12 +270,12 @@ def causal_attention(logits_of, v: Array, block: int, mask_self: bool = False) -
     (and the scores held for the backward pass) drop to (n + 1) / 2n of :func:`softmax_weights` and
     :func:`mix_values` over the full (T, T), which it equals up to float rounding. The blocks are unrolled
     (T / c of them in the program). On the CPU the attention core's forward and backward ran 1.4-2.0x faster at
-    T = 256 and 1.8-1.9x at T = 1024 with c = 64 (``benchmarks/causal_blocks.py``).
+    T = 256 and 1.8-1.9x at T = 1024 with c = 64 (``benchmarks/levers/causal_blocks.py``).
 
     Each block is normalised after the value mix, as FlashAttention's epilogue: exp(s - max) V divided by the row
     sums, a (c G, Hv) division instead of a (c G, S) one (the max is held out of the gradient: the softmax does
     not depend on it). The train step ran x1.10-1.13 faster than with the weights normalised first at d_model 48,
-    x1.06 at 96 and x1.00-1.02 at 160 and 384 (``benchmarks/deferred_norm.py``)."""
+    x1.06 at 96 and x1.00-1.02 at 160 and 384 (``benchmarks/levers/deferred_norm.py``)."""
     return _blockwise(lambda lo, hi, start: logits_of(lo, hi), v, block, mask_self, window=0)
 
 

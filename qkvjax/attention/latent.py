@@ -81,14 +81,14 @@ class Latent(Stages):
     b_o = property(lambda self: self.p.b_o)
 
     def project(self, x_q: Array, x_kv: Array, call: Call) -> tuple[dict[str, Array], KV]:
-        p = self.p
-        q_in = x_q if p.w_q_down is None else norm(core.dense(x_q, p.w_q_down), p.q_norm_scale)  # BTD,DR->BTR
+        p, eps = self.p, self.config.norm_eps
+        q_in = x_q if p.w_q_down is None else norm(core.dense(x_q, p.w_q_down), p.q_norm_scale, eps)  # BTD,DR->BTR
         queries = {"q": core.dense(q_in, p.w_q)}  # BTD,DNH->BTNH (BTR,RNH->BTNH)
         if p.b_q is not None:
             queries["q"] = queries["q"] + p.b_q[None, None]
         if p.w_q_rope is not None:
             queries["q_rope"] = core.dense(q_in, p.w_q_rope)  # BTD,DNP->BTNP
-        fresh = {"latent": norm(core.dense(x_kv, p.w_kv_down), p.kv_norm_scale)}  # BSD,DR->BSR
+        fresh = {"latent": norm(core.dense(x_kv, p.w_kv_down), p.kv_norm_scale, eps)}  # BSD,DR->BSR
         if p.w_k_rope is not None:  # BSD,DKP->BSKP, or BSD,DP->BSP: one rotary key for every head
             fresh["k_rope"] = core.dense(x_kv, p.w_k_rope)
         return queries, KV.fresh(fresh)
@@ -135,9 +135,9 @@ class Latent(Stages):
         return core.rotary(x, pos, cfg.rope_base, 1, cfg.rope_interleaved)
 
 
-def norm(x: Array, scale: Array | None) -> Array:
+def norm(x: Array, scale: Array | None, eps: float) -> Array:
     """A latent's RMS norm with its learned scale; no norm without one (``latent_norm=False``)."""
-    return x if scale is None else core.rms_norm(x, scale)
+    return x if scale is None else core.rms_norm(x, scale, eps)
 
 
 class LatentAttention(AttentionModule):

@@ -214,7 +214,7 @@ class Tied(Stages):
         pos (B|1, S)."""
         cfg = self.config
         if cfg.qk_norm:
-            k = core.rms_norm(k, self.p.norm_scale["k"])
+            k = core.rms_norm(k, self.p.norm_scale["k"], cfg.norm_eps)
         if self.scheme.normalize_keys:
             k = core.unit_length(k)
         if cfg.rope:
@@ -228,7 +228,7 @@ class Tied(Stages):
             return kernels.Queries(None, pos.index_q, cfg.head_dim, x=x_q, w_qk=self.p.w_qk)
         q = queries[self.scheme.group_of("q")]
         if cfg.qk_norm:
-            q = core.rms_norm(q, self.p.norm_scale["q"])
+            q = core.rms_norm(q, self.p.norm_scale["q"], cfg.norm_eps)
         if cfg.rope:
             q = core.rotary(q, jnp.broadcast_to(pos.q, q.shape[:2]), cfg.rope_base, 1, cfg.rope_interleaved)
         if self.p.temperature is not None:  # q.k exp(tau_n): the score's scale per head, free of |q|
@@ -240,7 +240,7 @@ class Tied(Stages):
 
         def read(n: int) -> tuple[Array, Array]:  # key slots 0..n-1 (bilinear: the key side's inputs)
             v = prefix(side.tensors[scheme.group_of("v")], n, side.layout)
-            v = core.rms_norm(v) if cfg.v_norm else v
+            v = core.rms_norm(v, None, cfg.norm_eps) if cfg.v_norm else v
             if scheme.bilinear:
                 return prefix(side.tensors["x"], n, FRESH), v
             k = prefix(side.tensors[scheme.group_of("k")], n, side.layout)

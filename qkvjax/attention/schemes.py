@@ -92,7 +92,8 @@ class Scheme:
     def keys_finished_at_write(self) -> bool:
         """Keys have a projection of their own (the group ``"k"``), so they are finished (QK-norm, Reformer's unit
         length, rotary) once, when made, and cached and handed to other layers finished: decoding then does not
-        rotate the whole cache at every step (that cost 6-13x the rest of the step, ``benchmarks/rope_cache.py``).
+        rotate the whole cache at every step (that cost 6-13x the rest of the step,
+        ``benchmarks/levers/rope_cache.py``).
         Keys tied to values (K = V) stay raw, so their cache stays halved, and are finished on read, over the slots
         read only; tied to queries, they are the queries' own tensor. (A latent scheme's key-only part, its
         decoupled rotary key, is likewise rotated when made.)"""

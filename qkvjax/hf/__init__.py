@@ -9,7 +9,7 @@
   head is not imported): ``info``, ``analyze``, ``convert`` (K = V, GQA, MLA retrofits with their errors) and
   ``export``; ``eval``, ``sample`` and ``train`` refuse it in one line.
 * :func:`export_workdir` writes a workdir's model back in the GPT-2, Llama or BERT layout where that layout can
-  express it (:mod:`qkvjax.hf.export`).
+  express it (:mod:`qkvjax.hf.layouts`: one entry per family, for import and export alike).
 
 No torch or transformers at run time: ``safetensors`` and ``tokenizers`` only.
 """
@@ -24,18 +24,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qkvjax.hf.export import EXPORTERS, check_exportable, infer_format
 from qkvjax.hf.folder import TOKENIZER, Tensors, checked_tokenizer, read_config, read_tensors, write_folder
-from qkvjax.hf.layouts import LAYOUTS, MODEL_TYPES
+from qkvjax.hf.layouts import LAYOUTS, check_exportable, export, infer_format, layout_of
 from qkvjax.models.encoder import model_of
 from qkvjax.workdir import SPECIAL_IDS_FILE
-
-
-def layout_of(hf: dict):
-    model_type = hf.get("model_type")
-    if model_type not in MODEL_TYPES:
-        raise ValueError(f"config.json model_type={model_type!r} is not supported; allowed: {sorted(MODEL_TYPES)}")
-    return LAYOUTS[MODEL_TYPES[model_type]]
 
 
 def expected_shapes(config) -> dict[str, tuple[int, ...]]:
@@ -138,7 +130,7 @@ def export_workdir(workdir: str, folder: str, fmt: str | None = None, step: int 
     check_exportable(model, fmt)
     require_empty(folder)
     _, params, config, _ = restore_params(workdir, step)
-    hf, tensors = EXPORTERS[fmt](config.model, jax.tree.map(np.asarray, nn.meta.unbox(params)))
+    hf, tensors = export(config.model, jax.tree.map(np.asarray, nn.meta.unbox(params)), fmt)
     tokenizer = checked_tokenizer(os.fspath(path(workdir))) if config.data.tokenizer else None
     ids_file = path(workdir) / SPECIAL_IDS_FILE
     if ids_file.exists():  # the imported model's bos/eos/pad ids, so that generate() stops where it did
@@ -158,7 +150,10 @@ def export_workdir(workdir: str, folder: str, fmt: str | None = None, step: int 
 __all__ = [
     "checked_tokenizer",
     "LAYOUTS",
+    "check_exportable",
     "check_tree",
+    "export",
+    "infer_format",
     "export_workdir",
     "import_folder",
     "load_pretrained",

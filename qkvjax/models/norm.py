@@ -12,9 +12,9 @@ Why not let JAX differentiate the forward: its linearisation keeps ``gamma`` bro
 for the backward pass, and XLA's CPU backend materialises that broadcast as a (B, T, D) buffer per norm per step,
 beside a chain of small reductions and elementwise passes. Here the only residuals are ``x`` (alive anyway: it is
 the residual stream), ``mu`` and ``r`` (B, T), and the backward is two reductions and one elementwise pass;
-``benchmarks/elementwise_share.py`` times both at the model level. The variance is ``E[x^2] - E[x]^2`` clipped at 0,
-as ``flax.linen.LayerNorm`` computes it by default, so the forward matches flax's to float32 rounding and the
-parameter (``scale: (D,)``) has flax's name: checkpoints are interchangeable.
+``benchmarks/levers/elementwise_share.py`` times both at the model level. The variance is ``E[x^2] - E[x]^2``
+clipped at 0, as ``flax.linen.LayerNorm`` computes it by default, so the forward matches flax's to float32
+rounding and the parameter (``scale: (D,)``) has flax's name: checkpoints are interchangeable.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ function replaced, then put back):
 - ``opt_flat``: the optimizer's state as one flat buffer per moment (``optax.flatten``), so AdamW's update is a
   few long elementwise loops instead of one per parameter.
 
-    python benchmarks/step_levers.py --sizes 48,96,160 --steps 30 --json benchmarks/results/step_levers_cpu.json
+    python benchmarks/levers/step_levers.py --sizes 48,96,160 --steps 30 --json benchmarks/results/step_levers_cpu.json
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 if __package__ in (None, ""):  # run as a script: make the repository and this folder importable
     sys.path.insert(0, str(REPO))
     sys.path.insert(0, str(REPO / "benchmarks"))

@@ -10,7 +10,8 @@ gradient (the softmax does not depend on it), so both give the same function and
 gradient. This script traces each model once as the library has it and once with the former function put back,
 checks that the losses agree, and times them in turns.
 
-    python benchmarks/deferred_norm.py --sizes 48,96,160 --steps 30 --json benchmarks/results/deferred_norm_cpu.json
+    python benchmarks/levers/deferred_norm.py --sizes 48,96,160 --steps 30 \
+        --json benchmarks/results/deferred_norm_cpu.json
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import jax.numpy as jnp
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 if __package__ in (None, ""):  # run as a script: make the repository and this folder importable
     sys.path.insert(0, str(REPO))
     sys.path.insert(0, str(REPO / "benchmarks"))

@@ -1,6 +1,6 @@
 """The layout choices inside ``qkvjax.attention.core``, each timed against its alternative (forward + backward).
 
-    python benchmarks/attention_layouts.py [--batch 8 --seq 256 --d-model 384 --heads 6 --head-dim 64]
+    python benchmarks/levers/attention_layouts.py [--batch 8 --seq 256 --d-model 384 --heads 6 --head-dim 64]
 
 1. projections: one einsum per kernel (what core.project does) vs one einsum over kernels concatenated on heads;
 2. grouped scores: queries folded to (B, K, T*G, H) (what core does) vs a five-axis (B, K, G, T, S) layout, for
@@ -98,7 +98,7 @@ def main(argv=None) -> int:
         )
 
     print("3. the attention layer (self-attention, causal)")
-    sys.path.insert(0, __file__.rsplit("/", 1)[0])
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
     from bench import FlaxAttention
 
     def layer(module):

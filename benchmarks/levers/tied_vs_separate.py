@@ -1,8 +1,8 @@
 """Each tying scheme's train step against `separate`'s, alternated directly in one process, beside the speedup
 its FLOPs predict.
 
-    python benchmarks/tied_vs_separate.py                       # shakespeare_char, batch 8
-    python benchmarks/tied_vs_separate.py --config experiments/configs/compare_cpu.py --batch-size 12 --steps 40
+    python benchmarks/levers/tied_vs_separate.py                       # shakespeare_char, batch 8
+    python benchmarks/levers/tied_vs_separate.py --config experiments/configs/compare_cpu.py --batch-size 12 --steps 40
 
 `bench.py`'s `x sep` column divides two ratios against Flax taken at different moments, so it carries the noise
 of two Flax timings; here every scheme takes turns with a `separate` step of its own (separate, scheme, separate,
@@ -21,7 +21,7 @@ from pathlib import Path
 import jax
 
 if __package__ in (None, ""):  # run as a script: make the repository (or this folder) importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import alternate, prepare_train, timing_config  # noqa: E402
 

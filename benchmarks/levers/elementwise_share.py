@@ -2,7 +2,7 @@
 (almost) free, timed alternately in one process. Not models to train: ablations that bound what a faster
 kernel for that piece could save.
 
-    python benchmarks/elementwise_share.py [--config experiments/configs/shakespeare_char.py] [--batch-size 8]
+    python benchmarks/levers/elementwise_share.py [--config experiments/configs/shakespeare_char.py] [--batch-size 8]
 
 Variants: ``gelu=relu`` (the MLP's tanh-GELU replaced by a ReLU: same shapes, no transcendental);
 ``gelu=sigmoid`` (GELU's sigmoid form x * sigmoid(1.702 x), one transcendental instead of tanh's polynomial);
@@ -23,7 +23,7 @@ import flax.linen as nn
 import jax
 
 if __package__ in (None, ""):  # run as a script: make the repository (or this folder) importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import alternate, prepare_train, timing_config  # noqa: E402
 

@@ -4,7 +4,7 @@ keeps the halved cache), or cache rotated keys and plain values separately (twic
 Times one attention decode step (one new query against a full cache of S positions; scores, softmax, mixing, plus
 the rotation of all S keys in the first layout) for both layouts, alternately, and prints the ratio. Run:
 
-    python benchmarks/rope_cache.py [--json benchmarks/results/rope_cache_cpu.json]
+    python benchmarks/levers/rope_cache.py [--json benchmarks/results/rope_cache_cpu.json]
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 (config overrides), in turns, medians and ratios against the base; plus each one's training loss after the same
 steps on the same batch from the same seed, so a lever that changes the numbers says by how much.
 
-    python benchmarks/config_ab.py --config experiments/configs/scaling_middle.py \
+    python benchmarks/levers/config_ab.py --config experiments/configs/scaling_middle.py \
         --variant "bf16=model.attention.dtype=bfloat16" --steps 30 --json benchmarks/results/lever_bf16_cpu.json
 
 Each ``--variant NAME=KEY=VALUE;KEY=VALUE`` is a set of ``--config.KEY=VALUE`` overrides of the base. Run it on a
@@ -17,7 +17,7 @@ import statistics
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 if __package__ in (None, ""):  # run as a script: make the repository and this folder importable
     sys.path.insert(0, str(REPO))
     sys.path.insert(0, str(REPO / "benchmarks"))

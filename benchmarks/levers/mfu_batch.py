@@ -1,8 +1,8 @@
 """Model FLOPs utilisation of one model's train step at several batch sizes, timed in turns in one process
 against one matmul peak, so that "MFU at batch 64 against batch 8" is not a comparison across runs.
 
-    python benchmarks/mfu_batch.py                                   # shakespeare_char, batches 8 and 64
-    python benchmarks/mfu_batch.py --batch-sizes 8,16,32,64 --steps 4
+    python benchmarks/levers/mfu_batch.py                                   # shakespeare_char, batches 8 and 64
+    python benchmarks/levers/mfu_batch.py --batch-sizes 8,16,32,64 --steps 4
 
 MFU = ``train_flops_per_token`` x tokens/s over the peak of a 2048x2048 ``jnp.dot`` (the better of a measurement
 before and one after the steps), as in ``bench.py``. Each round runs every batch size in turn: one untimed step
@@ -22,7 +22,7 @@ from pathlib import Path
 import jax
 
 if __package__ in (None, ""):  # run as a script: make the repository (or this folder) importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import parse_set, prepare_train, timing_config  # noqa: E402
 

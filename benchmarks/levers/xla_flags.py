@@ -7,9 +7,10 @@ rounds cancels. Correctness: every process runs the same first steps from the sa
 gives the largest relative difference of the losses from the baseline's (an option that changes results beyond
 float32 reassociation shows up there, and a NaN fails it outright).
 
-    python benchmarks/xla_flags.py --config experiments/configs/compare_cpu.py --batch-size 12 --rounds 5
-    python benchmarks/xla_flags.py --batch-size 8 --rounds 3 --json benchmarks/results/xla_flags_shakespeare_b8.json
-    python benchmarks/xla_flags.py --decode --batch-size 8 --rounds 5 --options ynn_dot_fusions
+    python benchmarks/levers/xla_flags.py --config experiments/configs/compare_cpu.py --batch-size 12 --rounds 5
+    python benchmarks/levers/xla_flags.py --batch-size 8 --rounds 3 \
+        --json benchmarks/results/xla_flags_shakespeare_b8.json
+    python benchmarks/levers/xla_flags.py --decode --batch-size 8 --rounds 5 --options ynn_dot_fusions
 
 ``--decode`` times greedy decoding on the device instead (``--tokens`` per row; the check values are the first
 steps' largest logits, so an option that changes the generated tokens shows up there too).
@@ -26,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 # Options this jaxlib accepts that could change a CPU train step's speed (names from the XLA flag registry).
 CANDIDATES = {

@@ -8,7 +8,7 @@ and the copy's gradient summed back over each group, but no fold/unfold transpos
 traces the gqa model once as the library has it and once with the blocks kernel replaced by the repeat form
 (nothing in the library changes), checks both give the same loss, and times separate / folded / repeat in turns.
 
-    python benchmarks/gqa_repeat.py --sizes 48,96,160 --steps 30 --json benchmarks/results/gqa_repeat_cpu.json
+    python benchmarks/levers/gqa_repeat.py --sizes 48,96,160 --steps 30 --json benchmarks/results/gqa_repeat_cpu.json
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import jax.numpy as jnp
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 if __package__ in (None, ""):  # run as a script: make the repository and this folder importable
     sys.path.insert(0, str(REPO))
     sys.path.insert(0, str(REPO / "benchmarks"))

@@ -8,7 +8,7 @@ no split of their gradient. This script traces the model once as it is and once 
 and ``module.project`` replaced by the fused form (nothing in the library changes), checks both compute the same
 loss from the same weights, and times the two train steps alternately.
 
-    python benchmarks/fused_projection.py --sizes 48,96,160 --steps 30 \
+    python benchmarks/levers/fused_projection.py --sizes 48,96,160 --steps 30 \
         --json benchmarks/results/fused_projection_cpu.json
 """
 
@@ -24,7 +24,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 if __package__ in (None, ""):  # run as a script: make the repository and this folder importable
     sys.path.insert(0, str(REPO))
     sys.path.insert(0, str(REPO / "benchmarks"))

@@ -1,8 +1,8 @@
 """Causal attention without the scores above the diagonal (``AttentionConfig.causal_block``), against the full
 masked square, at the attention core and at the train step, timed alternately in one process (medians).
 
-    python benchmarks/causal_blocks.py                                  # shakespeare_char, contexts 256 and 1024
-    python benchmarks/causal_blocks.py --config experiments/configs/compare_cpu.py --batch-size 12 --contexts 64
+    python benchmarks/levers/causal_blocks.py                                  # shakespeare_char, contexts 256 and 1024
+    python benchmarks/levers/causal_blocks.py --config experiments/configs/compare_cpu.py --batch-size 12 --contexts 64
 
 Core: forward + backward of the attention core alone (q, k, v (B, T, N, H) in, the output's cotangent in,
 three gradients out) for each block size and the full square (``causal_block=0``). Step: the LM's jitted train
@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 if __package__ in (None, ""):  # run as a script: make the repository (or this folder) importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import alternate, prepare_train, timing_config  # noqa: E402
 

@@ -2,7 +2,7 @@
 operation events summed per kind (the name without its number: ``ynn_fusion`` = matrix products through YNNPACK,
 ``dot``/``dot_general`` = XLA's own, ``multiply_tanh_fusion`` = GELU, ``transpose_copy_fusion`` = layout copies).
 
-    python benchmarks/profile_step.py --config experiments/configs/scaling_middle.py --steps 10
+    python benchmarks/levers/profile_step.py --config experiments/configs/scaling_middle.py --steps 10
 
 Operations on the two cores overlap, so the kinds' times add up to more than the step's wall time; the shares
 are of the operations' total. Run it on a quiet machine: under load every operation stretches unevenly.
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import jax
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 if __package__ in (None, ""):  # run as a script: make the repository and this folder importable
     sys.path.insert(0, str(REPO))
     sys.path.insert(0, str(REPO / "benchmarks"))

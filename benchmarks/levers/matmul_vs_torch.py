@@ -7,8 +7,9 @@ same shapes transposed, so the forward table stands for them. The cost of dispat
 call that computes nothing, and reported) is subtracted from XLA's times: inside the train step there is none.
 
     pip install torch==2.13.0
-    python benchmarks/matmul_vs_torch.py --config experiments/configs/compare_cpu.py --batch-size 12
-    python benchmarks/matmul_vs_torch.py --batch-size 8 --json benchmarks/results/matmul_vs_torch_shakespeare_b8.json
+    python benchmarks/levers/matmul_vs_torch.py --config experiments/configs/compare_cpu.py --batch-size 12
+    python benchmarks/levers/matmul_vs_torch.py --batch-size 8 \
+        --json benchmarks/results/matmul_vs_torch_shakespeare_b8.json
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 if __package__ in (None, ""):  # run as a script: make the repository (or this folder) importable
     sys.path.insert(0, str(REPO))
 

@@ -3,8 +3,8 @@
 process: the model is traced once with ``core.dense`` replaced by ``jnp.tensordot`` (the einsum form) and once as
 it is.
 
-    python benchmarks/dense_2d.py --config experiments/configs/compare_cpu.py --batch-size 12 --steps 40
-    python benchmarks/dense_2d.py --batch-size 8 --steps 10
+    python benchmarks/levers/dense_2d.py --config experiments/configs/compare_cpu.py --batch-size 12 --steps 40
+    python benchmarks/levers/dense_2d.py --batch-size 8 --steps 10
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import jax.numpy as jnp
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 if __package__ in (None, ""):  # run as a script: make the repository and this folder importable
     sys.path.insert(0, str(REPO))
     sys.path.insert(0, str(REPO / "benchmarks"))

@@ -8,7 +8,7 @@ copied. This script traces the on-device decoder (``bench.bench_decode_on_device
 library has it and once with ``core.qk_logits`` / ``core.mix_values`` replaced for one-query cache reads (nothing
 in the library changes), in turns for ``--rounds`` rounds.
 
-    python benchmarks/decode_reduce.py --config experiments/configs/shakespeare_char.py --batches 1,8 --rounds 3
+    python benchmarks/levers/decode_reduce.py --config experiments/configs/shakespeare_char.py --batches 1,8 --rounds 3
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import jax.numpy as jnp
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 if __package__ in (None, ""):  # run as a script: make the repository and this folder importable
     sys.path.insert(0, str(REPO))
     sys.path.insert(0, str(REPO / "benchmarks"))
