@@ -25,7 +25,7 @@ if __package__ in (None, ""):  # run as a script: make the repository and this f
 
 import bench  # noqa: E402
 
-from experiments.scaling import DEFAULT_SIZES, VARIANTS, size_config  # noqa: E402
+from experiments.ladder import DEFAULT_SIZES, VARIANTS, size_config  # noqa: E402
 from qkvjax.config import DataConfig  # noqa: E402
 from qkvjax.models.lm import DecoderLM, train_flops_per_token  # noqa: E402
 

@@ -68,7 +68,7 @@ def scaling_sizes(sizes: list[int], steps: int, rounds: int, json_path: str | No
     import tempfile
 
     sys.path.insert(0, str(REPO))
-    from experiments.scaling import BATCH, SHARED_LR, size_config
+    from experiments.ladder import BATCH, SHARED_LR, size_config
     from qkvjax.config import DataConfig, to_json
     from qkvjax.models.lm import param_count
 

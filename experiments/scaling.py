@@ -57,8 +57,18 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from experiments import budget
+from experiments.ladder import (  # noqa: F401  (the ladder's names, read here and by the tests)
+    BATCH,
+    CONTEXT,
+    DEFAULT_SIZES,
+    NUM_HEADS,
+    NUM_LAYERS,
+    SHARED_LR,
+    VARIANTS,
+    size_config,
+)
 from experiments.rows import append_rows, blank, csv_list, read_csv
-from qkvjax.config import AttentionConfig, Config, DataConfig, ModelConfig, TrainConfig
+from qkvjax.config import Config, DataConfig
 from qkvjax.models.lm import kv_cache_bytes_per_token, param_count
 from qkvjax.train.loop import Interrupted
 from qkvjax.workdir import learning_curve
@@ -67,21 +77,8 @@ REPO = Path(__file__).resolve().parents[1]
 SHARED_CORPUS = REPO.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
 SECOND_CORPUS = REPO / "experiments" / "corpora" / "python_docs.txt"
 
-NUM_HEADS, NUM_LAYERS, CONTEXT, BATCH = 4, 4, 128, 16
-DEFAULT_SIZES = (48, 96, 160)
 LR_GRID = (1e-3, 2e-3, 4e-3, 8e-3)
 MAX_EXTENSIONS = 2
-SHARED_LR = 2e-3  # the one rate the 0.8-epoch comparison used for every scheme: the ranking is also read at it
-# Each variant: the attention config's fields (num_kv_heads as a fraction of N). A name is a label, never a branch.
-VARIANTS = {
-    "separate": {"scheme": "separate"},
-    "shared_kv": {"scheme": "shared_kv"},
-    "gqa": {"scheme": "separate", "kv_heads_fraction": 0.5},
-    "shared_qk": {"scheme": "shared_qk"},
-    "shared_qkv": {"scheme": "shared_qkv"},
-    "reformer_qk": {"scheme": "reformer_qk"},
-    "bilinear": {"scheme": "bilinear"},
-}
 LARGE_VARIANTS = ("separate", "shared_kv", "gqa", "shared_qk", "shared_qkv")
 STAGES = ("lr-small", "lr-middle", "small", "middle", "corpus2", "more", "lr-large", "large")
 DEFAULT_STAGES = tuple(s for s in STAGES if s != "lr-large")  # the largest size's sweep only when asked
@@ -94,36 +91,6 @@ RUN_COLUMNS = (
 )  # fmt: skip
 CURVE_COLUMNS = ("run", "step", "tokens", "wall_s", "train_loss", "val_loss")
 PROTOCOL_FILE = "protocol.json"
-
-
-def size_config(d_model: int, variant: str, learning_rate: float, seed: int, tokens: int, data: DataConfig,
-                layers: int = NUM_LAYERS, context: int = CONTEXT) -> Config:  # fmt: skip
-    """The model and training of one run: width ``d_model``, ``tokens`` training tokens."""
-    spec = dict(VARIANTS[variant])
-    fraction = spec.pop("kv_heads_fraction", None)
-    kv_heads = None if fraction is None else max(1, round(NUM_HEADS * fraction))
-    attention = AttentionConfig(num_heads=NUM_HEADS, head_dim=d_model // NUM_HEADS, num_kv_heads=kv_heads, **spec)
-    steps = max(1, math.ceil(tokens / (BATCH * context)))
-    every = max(1, steps // 10)
-    return Config(
-        model=ModelConfig(attention=attention, d_model=d_model, num_layers=layers, max_len=context),
-        data=data,
-        train=TrainConfig(
-            batch_size=BATCH,
-            num_steps=steps,
-            learning_rate=learning_rate,
-            min_lr_ratio=0.1,
-            warmup_steps=max(1, steps // 20),
-            weight_decay=0.1,
-            b2=0.99,
-            log_every=max(1, steps // 50),
-            eval_every=every,
-            eval_batches=8,
-            checkpoint_every=every,
-            max_to_keep=1,
-        ),  # fmt: skip
-        seed=seed,
-    )
 
 
 @dataclasses.dataclass(frozen=True)

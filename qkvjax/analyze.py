@@ -35,12 +35,14 @@ MEASURES = ("qk_cos", "qv_cos", "kv_cos", "symmetry", "trace_ratio", "effective_
 
 @dataclasses.dataclass(frozen=True)
 class LayerWeights:
-    """One layer's projections, head-major: q (N, D, H); k, v (K, D, H); or qk_merged (N, D, D) for a merged form."""
+    """One layer's projections, head-major: q (N, D, H); k, v (K, D, H); or qk_merged (N, D, D) for a merged form;
+    ``form``: what ties the layer (its scheme, the layer whose K/V it reads, its window), shown beside its row."""
 
     v: object
     q: object = None
     k: object = None
     qk_merged: object = None
+    form: str = ""
 
     def __post_init__(self):
         if self.qk_merged is None and (self.q is None or self.k is None):
@@ -157,8 +159,9 @@ def random_layer(like: LayerWeights, rng: np.random.Generator) -> LayerWeights:
 
 
 def _float64(lw: LayerWeights) -> LayerWeights:
-    return LayerWeights(**{f.name: None if (x := getattr(lw, f.name)) is None else np.asarray(x, np.float64)
-                           for f in dataclasses.fields(lw)})  # fmt: skip
+    arrays = {f.name: None if (x := getattr(lw, f.name)) is None else np.asarray(x, np.float64)
+              for f in dataclasses.fields(lw) if f.name != "form"}  # fmt: skip
+    return LayerWeights(**arrays, form=lw.form)
 
 
 def analyze_layers(
@@ -184,7 +187,10 @@ def analyze_layers(
         "num_kv_heads": layers[0].num_kv_heads,
         # the largest possible effective rank: H for factored heads, D for a merged (D, D) form
         "max_rank": int(layers[0].v.shape[-1] if layers[0].qk_merged is None else layers[0].qk_merged.shape[-1]),
-        "layers": [{"layer": i, **_summary(m)} for i, m in enumerate(per_layer)],
+        "layers": [
+            {"layer": i, **_summary(m)} | ({"form": lw.form} if lw.form else {})
+            for i, (lw, m) in enumerate(zip(layers, per_layer, strict=True))
+        ],
         "mean": _pooled(per_layer),
         "random": {"seeds": random_seeds, **_pooled(random)},
     }
@@ -213,7 +219,8 @@ def format_report(report: dict) -> str:
     rows += [("all layers", report["mean"]), ("random", report["random"]), ("mismatched", report["mismatched"])]
     rows += [("initial", report["initial"])] if "initial" in report else []
     for label, r in rows:
-        lines.append(f"{label:<11}" + "".join(f"{_fmt(r.get(m), r.get(m + '_std')):>16}" for m in MEASURES))
+        form = f"  {r['form']}" if r.get("form") else ""  # an imported Gemma 4's K = V and K/V-reading layers
+        lines.append(f"{label:<11}" + "".join(f"{_fmt(r.get(m), r.get(m + '_std')):>16}" for m in MEASURES) + form)
     lines.append(f"(random: Gaussian matrices of the same shapes, {report['random']['seeds']} draws; mismatched: "
                  "head n's Q against head n+1's K and V" + ("; initial: this run's own W_0" if "initial" in report
                                                            else "") + ")")  # fmt: skip

@@ -11,6 +11,7 @@ Read with numpy and ``safetensors`` only (no torch, no transformers).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -115,7 +116,18 @@ def _attention_only(params) -> dict:
 
 
 def _layers(params: dict, spec) -> list:
-    return [layer_from_params(block_attention(params, spec, i), spec[i].config.tying) for i in range(len(spec))]
+    return [dataclasses.replace(layer_from_params(block_attention(params, spec, i), spec[i].config.tying),
+                                form=_form(spec[i])) for i in range(len(spec))]  # fmt: skip
+
+
+def _form(layer) -> str:
+    """What ties a layer, in words: its scheme (K = V, ...), the layer whose K/V it reads, its window."""
+    att, tying = layer.config, layer.config.tying
+    parts = [att.scheme + (" (K = V)" if tying.group_of("k") == tying.group_of("v") else "")]
+    parts = parts if att.scheme != "separate" else []
+    parts += [] if layer.produces_kv else [f"reads layer {layer.kv_from}'s K/V"]
+    parts += [f"window {att.sliding_window}"] if att.sliding_window else []
+    return ", ".join(parts)
 
 
 def load_workdir(workdir: str, step: int | None = None, with_initial: bool = False):

@@ -97,6 +97,17 @@ def _models():
                 bos_token_id=0, eos_token_id=0,
             )
         ),
+        # sliding (W=3, H=6, K=2) and full layers (H=8, K=1, K = V, a quarter of the pairs rotated), the last two
+        # reading the first two's K/V, sandwich norms, layer scalars, embedding scale, logit soft-cap
+        "gemma4": lambda: tf.Gemma4ForCausalLM(
+            tf.Gemma4TextConfig(
+                hidden_size=20, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=2, head_dim=6,
+                intermediate_size=11, vocab_size=V, max_position_embeddings=17, sliding_window=3,
+                layer_types=["sliding_attention", "full_attention"] * 2, hidden_size_per_layer_input=0,
+                attention_k_eq_v=True, num_kv_shared_layers=2, global_head_dim=8, num_global_key_value_heads=1,
+                final_logit_softcapping=3.0, rms_norm_eps=1e-5, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+            )
+        ),
         "bert": lambda: tf.BertModel(
             tf.BertConfig(hidden_size=15, num_hidden_layers=2, num_attention_heads=3, intermediate_size=11,
                           vocab_size=V, max_position_embeddings=17, pad_token_id=0)
@@ -114,6 +125,9 @@ def folders(tmp_path_factory):
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(0.2 * torch.randn_like(p))
+            for buffer_name, b in model.named_buffers():
+                if buffer_name.endswith("layer_scalar"):  # Gemma 4's saved (non-parameter) per-layer scale
+                    b.uniform_(0.5, 1.5)
         folder = tmp_path_factory.mktemp(name)
         model.save_pretrained(folder)
         out[name] = (str(folder), model)
@@ -127,8 +141,10 @@ def _batch():
 
 
 def _reference(model, tokens, mask, encoder: bool) -> np.ndarray:
+    # output_hidden_states: transformers 5.23's Gemma 4 fails in its K/V-sharing shortcut without it (the
+    # shortcut slices per-layer inputs a model without them lacks); other models only return more
     with torch.no_grad():
-        out = model(torch.tensor(tokens), attention_mask=torch.tensor(mask.astype(np.int64)))
+        out = model(torch.tensor(tokens), attention_mask=torch.tensor(mask.astype(np.int64)), output_hidden_states=True)
     return (out.last_hidden_state if encoder else out.logits).numpy()
 
 
@@ -140,7 +156,7 @@ def _close(ours, ref, mask):
 @pytest.mark.parametrize(
     "name",
     ["gpt2", "llama_gqa", "qwen2_biases_tied", "mistral_window", "qwen2_window_layer", "qwen3_qk_norm", "deepseek_v2",
-     "deepseek_v2_q_lora", "bert"],
+     "deepseek_v2_q_lora", "gemma4", "bert"],
 )  # fmt: skip
 def test_import_computes_what_transformers_computes(folders, name):
     folder, ref_model = folders[name]
@@ -152,8 +168,12 @@ def test_import_computes_what_transformers_computes(folders, name):
     _close(model_of(config).apply({"params": params}, jnp.asarray(tokens), **kwargs), ref, mask)
     # the accounting knows each family's parts (norm biases, gated MLPs, untied heads, post-norm)
     count = (encoder_param_count if encoder else param_count)(config)
-    # BERT's pooler is not imported and its token-type table is folded into the positions
+    # BERT's pooler is not imported and its token-type table is folded into the positions; Gemma 4's layer scalars
+    # are buffers there and parameters here, and a layer reading a K = V layer's keys holds its donor's key norm
     left_out = sum(p.numel() for n, p in ref_model.named_parameters() if n.startswith(("pooler.", "embeddings.tok")))
+    left_out -= sum(b.numel() for n, b in ref_model.named_buffers() if n.endswith("layer_scalar"))
+    left_out -= sum(np.size(params[f"block_{i}"]["attention"].get("k_norm_scale", ()))
+                    for i, layer in enumerate(config.layer_attention) if not layer.produces_kv)  # fmt: skip
     assert (
         count == sum(np.size(v) for v in __import__("jax").tree.leaves(params)) == ref_model.num_parameters() - left_out
     )
@@ -206,7 +226,8 @@ def test_an_imported_llama_converts_to_partial_rope_mla_as_transformers_computes
 
 
 @pytest.mark.parametrize(
-    "name", ["gpt2", "llama_gqa", "qwen2_biases_tied", "mistral_window", "qwen3_qk_norm", "deepseek_v2_q_lora"]
+    "name",
+    ["gpt2", "llama_gqa", "qwen2_biases_tied", "mistral_window", "qwen3_qk_norm", "deepseek_v2_q_lora", "gemma4"],
 )
 def test_import_decodes_with_the_cache_as_transformers_scores_the_whole_sequence(folders, name):
     """Prefill rows of different lengths (4 and 2 tokens), then one token at a time to position T - 1."""
@@ -235,7 +256,7 @@ def test_import_decodes_with_the_cache_as_transformers_scores_the_whole_sequence
 
 @pytest.mark.parametrize(("name", "fmt"), [("gpt2", "gpt2"), ("llama_gqa", "llama"), ("qwen2_biases_tied", "llama"),
                                            ("qwen3_qk_norm", "qwen3"), ("deepseek_v2", "deepseek_v2"),
-                                           ("deepseek_v2_q_lora", "deepseek_v2")])  # fmt: skip
+                                           ("deepseek_v2_q_lora", "deepseek_v2"), ("gemma4", "gemma4")])  # fmt: skip
 def test_import_then_export_loads_in_transformers_with_the_same_logits(folders, name, fmt, tmp_path):
     folder, ref_model = folders[name]
     import_folder(folder, tmp_path / "run")
@@ -254,6 +275,81 @@ def _perturbed(config, seed=3):
     params = nn.meta.unbox(DecoderLM(config).init(jax.random.key(seed), jnp.zeros((1, 3), jnp.int32))["params"])
     rng = np.random.default_rng(seed)
     return jax.tree.map(lambda p: np.asarray(p) + 0.2 * rng.standard_normal(p.shape).astype(np.float32), params)
+
+
+def test_analyze_reports_an_imported_gemma4s_k_eq_v_and_kv_reading_layers_for_what_they_are(folders, tmp_path):
+    from qkvjax.analyze import analyze_layers, format_report
+    from qkvjax.sources import load_workdir
+
+    import_folder(folders["gemma4"][0], tmp_path / "run")
+    layers, source, initial, drift = load_workdir(str(tmp_path / "run"), with_initial=True)
+    report = analyze_layers(layers, source, initial=initial, drift=drift)
+    forms = [r.get("form", "") for r in report["layers"]]
+    assert forms == ["window 3", "shared_kv (K = V)", "reads layer 0's K/V, window 3",
+                     "shared_kv (K = V), reads layer 1's K/V"]  # fmt: skip
+    kv = [r["kv_cos"] for r in report["layers"]]
+    assert kv[1] == kv[3] == pytest.approx(1.0) and max(kv[0], kv[2]) < 0.9  # K = V is measured as such
+    assert "shared_kv (K = V), reads layer 1's K/V" in format_report(report)
+
+
+GEMMA = {"norm": "rmsnorm", "mlp": "geglu", "norm_position": "sandwich", "embed_scale": True, "layer_scale": True}
+
+
+def _gemma_like(layers: str, **family):
+    """A qkvjax model in Gemma 4's form: sliding and K = V full layers with QK- and V-norm, CLA readers."""
+    from qkvjax.attention import AttentionConfig
+    from qkvjax.models.family import Family
+    from qkvjax.models.lm import ModelConfig
+
+    att = AttentionConfig(num_heads=3, head_dim=6, rope=True, qk_norm=True, v_norm=True)
+    return ModelConfig(att, vocab_size=V, d_model=15, num_layers=4, mlp_dim=13, max_len=17, learned_positions=False,
+                       layers=layers, family=Family(**(GEMMA | family)))  # fmt: skip
+
+
+GEMMA_LIKE = ("[sliding_window=4], shared_kv[head_dim=10,kv=1,rope_pairs=2,rope_base=500.0], "
+              "[sliding_window=4,kv_from=0], [kv_from=1,rope_base=500.0,rope_pairs=2]")  # fmt: skip
+
+
+def test_a_qkvjax_model_of_gemma4s_form_exports_to_it_with_its_k_eq_v_and_cross_layer_kv(tmp_path):
+    """K = V with its norms, windows, a partial rotary and CLA readers: transformers' Gemma 4 computes the same."""
+    from qkvjax.hf.folder import write_folder
+    from qkvjax.hf.layouts import export, infer_format
+
+    config = _gemma_like(GEMMA_LIKE, logit_softcap=5.0)
+    params = _perturbed(config)
+    params["block_3"]["attention"]["k_norm_scale"] = params["block_1"]["attention"]["k_norm_scale"]  # one key norm
+    assert infer_format(config) == "gemma4"
+    write_folder(str(tmp_path), *export(config, params, "gemma4"))
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    tokens, mask = _batch()
+    ours = DecoderLM(config).apply({"params": params}, jnp.asarray(tokens))
+    _close(ours, _reference(back, tokens, mask, False), mask)
+    params["block_3"]["attention"]["k_norm_scale"] = params["block_3"]["attention"]["k_norm_scale"] + 1
+    with pytest.raises(ValueError, match="^layer 3: its key norm differs from layer 1's"):
+        export(config, params, "gemma4")
+
+
+@pytest.mark.parametrize(
+    ("layers", "family", "message"),
+    [("shared_kv[sliding_window=4], [], [], []", {}, "layer 0: K = V on a sliding layer"),
+     ("[sliding_window=4], [], [], [sliding_window=4]", {}, "the last layer has a sliding window"),
+     ("[sliding_window=4], [], [head_dim=10], []", {}, "layer 2: its head width, KV heads, rotary, window or K = V"),
+     ("[sliding_window=4], [], [], [kv_from=1]", {}, "layer 3: reads 1 (Gemma 4's last layers"),
+     ("[sliding_window=4], [], [sliding_window=4,kv_from=0], [kv_from=-2]", {}, ""),
+     ("[sliding_window=4], [], [sliding_window=4], [kv_from=0]", {}, "layer 3: reads 0 (Gemma 4's last layers"),
+     ("[sliding_window=4], [], [sliding_window=4], [v_norm=false]", {}, "layer 3: qk_norm=True, v_norm=False"),
+     ("", {"layer_scale": False}, "embed_scale or layer_scale off"),
+     ("", {"norm_position": "pre"}, "norm='rmsnorm', norm_position='pre' (Gemma 4: RMSNorm before and after")],
+)  # fmt: skip
+def test_what_gemma4s_layout_cannot_express_is_refused_in_one_line(layers, family, message):
+    from qkvjax.hf.layouts import check_exportable
+
+    config = _gemma_like(layers, **family)
+    if not message:  # expressible: the check passes
+        check_exportable(config, "gemma4")
+        return
+    with pytest.raises(ValueError, match="^" + __import__("re").escape(message) + "[^\n]*gemma4 layout cannot"):
+        check_exportable(config, "gemma4")
 
 
 RMS_SWIGLU = {"norm": "rmsnorm", "mlp": "swiglu"}
@@ -543,7 +639,8 @@ def test_an_imported_bert_workdir_is_read_converted_and_exported_and_refused_whe
 
 
 CONFIG_CLASSES = {"gpt2": "GPT2Config", "llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config",
-                  "qwen3": "Qwen3Config", "deepseek_v2": "DeepseekV2Config", "bert": "BertConfig"}  # fmt: skip
+                  "qwen3": "Qwen3Config", "deepseek_v2": "DeepseekV2Config", "gemma4_text": "Gemma4TextConfig",
+                  "bert": "BertConfig"}  # fmt: skip
 
 
 @pytest.mark.parametrize("model_type", sorted(CONFIG_CLASSES))
@@ -575,6 +672,13 @@ def _with(name: str, **fields):
                                  q_lora_rank=None, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=3,
                                  intermediate_size=11, first_k_dense_replace=2, vocab_size=V,
                                  max_position_embeddings=17, bos_token_id=0, eos_token_id=0)),
+            "gemma4": (transformers.Gemma4TextConfig, transformers.Gemma4ForCausalLM,
+                       dict(hidden_size=20, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=2,
+                            head_dim=6, intermediate_size=11, vocab_size=V, max_position_embeddings=17,
+                            sliding_window=3, layer_types=["sliding_attention", "full_attention"] * 2,
+                            hidden_size_per_layer_input=0, attention_k_eq_v=True, num_kv_shared_layers=2,
+                            global_head_dim=8, num_global_key_value_heads=1, bos_token_id=0, eos_token_id=0,
+                            pad_token_id=0)),
             "bert": (transformers.BertConfig, transformers.BertModel,
                      dict(hidden_size=15, num_hidden_layers=2, num_attention_heads=3, intermediate_size=11,
                           vocab_size=V, max_position_embeddings=17, pad_token_id=0))}[name]  # fmt: skip
@@ -604,6 +708,9 @@ def _with(name: str, **fields):
         ("qwen3", {"rms_norm_eps": 0.3}),
         ("qwen3", {"attention_bias": True}),
         ("qwen3", {"use_sliding_window": True, "sliding_window": 3, "max_window_layers": 1}),
+        ("gemma4", {"attention_k_eq_v": False, "num_kv_shared_layers": 0, "final_logit_softcapping": 2.0}),
+        ("gemma4", {"rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 50.0},
+                                        "full_attention": {"rope_type": "default", "rope_theta": 70.0}}}),
         ("bert", {"layer_norm_eps": 0.3}),
         ("bert", {"hidden_act": "relu"}),
         ("bert", {"type_vocab_size": 3}),
@@ -635,6 +742,11 @@ def test_each_honoured_field_changes_the_import_as_it_changes_transformers(name,
         ("deepseek_v2", {"first_k_dense_replace": 1}, "first_k_dense_replace=1: layers 1..1 are mixture-of-experts"),
         ("deepseek_v2", {"attention_bias": True}, "attention_bias=True: biases on the latent down-projections"),
         ("deepseek_v2", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope_type='yarn'"),
+        ("gemma4", {"enable_moe_block": True}, "enable_moe_block=True: mixture-of-experts blocks"),
+        ("gemma4", {"hidden_size_per_layer_input": 8}, "hidden_size_per_layer_input=8: per-layer input embeddings"),
+        ("gemma4", {"use_bidirectional_attention": "all"}, "use_bidirectional_attention='all'"),
+        ("gemma4", {"use_double_wide_mlp": True}, "use_double_wide_mlp=True: the K/V-sharing layers' MLPs"),
+        ("gemma4", {"per_layer_config": {"1": {"sliding_window": 5}}}, "per_layer_config sets ['sliding_window']"),
     ],
 )
 def test_fields_that_change_the_function_and_cannot_be_honoured_are_refused(name, fields, message, tmp_path):

@@ -31,7 +31,7 @@ if __package__ in (None, ""):  # run as a script: make the repository and this f
 
 import bench  # noqa: E402
 
-from experiments.scaling import size_config  # noqa: E402
+from experiments.ladder import size_config  # noqa: E402
 from qkvjax import axes  # noqa: E402
 from qkvjax.attention import core, module  # noqa: E402
 from qkvjax.config import DataConfig, apply_overrides  # noqa: E402

@@ -27,7 +27,7 @@ if __package__ in (None, ""):  # run as a script: make the repository and this f
 
 import bench  # noqa: E402
 
-from experiments.scaling import DEFAULT_SIZES, size_config  # noqa: E402
+from experiments.ladder import DEFAULT_SIZES, size_config  # noqa: E402
 from qkvjax.attention import core, kernels  # noqa: E402
 from qkvjax.config import DataConfig  # noqa: E402
 from qkvjax.models.lm import DecoderLM  # noqa: E402

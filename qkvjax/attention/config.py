@@ -85,6 +85,9 @@ class AttentionConfig:
         tokens, itself included; Mistral's ``sliding_window``, Gemma's sliding layers); None = the whole context.
         Causal self-attention over fresh keys runs the ``window`` kernel (blocks of queries scored against a band
         of keys, :func:`core.banded_attention`); a decode cache still holds every position (the window is a mask).
+      rope_pairs: rotate only the first ``rope_pairs`` of the H/2 feature pairs (the highest frequencies, each at
+        the frequency it has in a whole rotation); the rest carry no position. Gemma 4's full-attention layers
+        ("proportional" rotary, ``partial_rotary_factor`` = 2 rope_pairs / H). None = every pair.
       norm_eps: the epsilon of the layer's own RMS norms (QK-norm, V-norm, a latent scheme's latent norms):
         ``x / sqrt(mean(x^2) + eps)``; imported models carry theirs (Qwen3's and DeepSeek-V2's ``rms_norm_eps``).
     """
@@ -115,6 +118,7 @@ class AttentionConfig:
     rope_key_per_head: bool = False
     latent_norm: bool = True
     sliding_window: int | None = None
+    rope_pairs: int | None = None
     norm_eps: float = 1e-6
 
     def __post_init__(self):
@@ -131,6 +135,16 @@ class AttentionConfig:
                 f"AttentionConfig.num_kv_heads={kv} does not divide num_heads={self.num_heads}; "
                 f"allowed: None or one of {divisors}"
             )
+        pairs = self.rope_pairs
+        if pairs is not None and (
+            isinstance(pairs, bool) or not isinstance(pairs, int) or not 0 <= pairs <= self.head_dim // 2
+        ):
+            raise ValueError(
+                f"AttentionConfig.rope_pairs={pairs!r}; allowed: None or an integer from 0 to H/2 = "
+                f"{self.head_dim // 2}"
+            )
+        if pairs is not None and not self.rope:
+            raise ValueError(f"AttentionConfig.rope_pairs={pairs} needs rope=True")
         eps = self.norm_eps
         if isinstance(eps, bool) or not isinstance(eps, int | float) or not 0 < eps < 1:
             raise ValueError(f"AttentionConfig.norm_eps={eps!r}; allowed: a number in (0, 1)")
@@ -239,8 +253,9 @@ class AttentionConfig:
             ("qk_norm", "its keys come out of the latent"),
             ("v_norm", "its values come out of the latent"),
             ("relative_bias", "its decode path scores in the latent space"),
+            ("rope_pairs", "its rotary part is rope_head_dim wide, every pair turning"),
         ):
-            if getattr(self, name):
+            if getattr(self, name) or (name == "rope_pairs" and self.rope_pairs is not None):
                 raise ValueError(
                     f"scheme {self.scheme!r} does not take {name}={getattr(self, name)!r}: {why}; "
                     "leave it off (latent_norm normalises the latent)"

@@ -44,17 +44,22 @@ def project(x: Array, kernels: Sequence[Array], biases: Sequence[Array] | None =
     return ys
 
 
-def rotary(x: Array, positions: Array, base: float, seq_axis: int = 1, interleaved: bool = False) -> Array:
+def rotary(
+    x: Array, positions: Array, base: float, seq_axis: int = 1, interleaved: bool = False, pairs: int | None = None
+) -> Array:
     """Rotary position embedding (Su et al. 2021): x (B, T, N, H) (or (B, K, S, H) with ``seq_axis=2``), positions
     (B, T). Feature pair i (frequency ``base^(-i / (H/2))``) is (i, i + H/2) in the half-split form (Hugging Face's
-    ``rotate_half``), or (2i, 2i + 1) when ``interleaved``."""
+    ``rotate_half``), or (2i, 2i + 1) when ``interleaved``. With ``pairs``, only pairs i < ``pairs`` (the highest
+    frequencies) turn; the others have frequency 0 and carry no position (Gemma 4's "proportional" rotary)."""
     if interleaved:  # (..., H) -> (..., H/2, 2) -> pairs split across halves, rotated, and back
         h = x.shape[-1]
         split = jnp.swapaxes(x.reshape(*x.shape[:-1], h // 2, 2), -1, -2).reshape(x.shape)
-        out = rotary(split, positions, base, seq_axis)
+        out = rotary(split, positions, base, seq_axis, pairs=pairs)
         return jnp.swapaxes(out.reshape(*x.shape[:-1], 2, h // 2), -1, -2).reshape(x.shape)
     half = x.shape[-1] // 2
     inv_freq = base ** (-jnp.arange(half, dtype=jnp.float32) / half)  # (H/2,)
+    if pairs is not None:
+        inv_freq = jnp.where(jnp.arange(half) < pairs, inv_freq, 0.0)
     pos = positions.astype(jnp.float32)
     pos = pos[:, :, None, None] if seq_axis == 1 else pos[:, None, :, None]
     angle = pos * inv_freq[None, None, None, :]  # BT1(H/2) or B1S(H/2)

@@ -219,7 +219,7 @@ class Tied(Stages):
             k = core.unit_length(k)
         if cfg.rope:
             pos = jnp.broadcast_to(pos, (k.shape[0], k.shape[seq_axis]))
-            k = core.rotary(k, pos, cfg.rope_base, seq_axis, cfg.rope_interleaved)
+            k = core.rotary(k, pos, cfg.rope_base, seq_axis, cfg.rope_interleaved, cfg.rope_pairs)
         return k
 
     def queries(self, queries: dict[str, Array], x_q: Array, pos: Positions) -> kernels.Queries:
@@ -230,7 +230,9 @@ class Tied(Stages):
         if cfg.qk_norm:
             q = core.rms_norm(q, self.p.norm_scale["q"], cfg.norm_eps)
         if cfg.rope:
-            q = core.rotary(q, jnp.broadcast_to(pos.q, q.shape[:2]), cfg.rope_base, 1, cfg.rope_interleaved)
+            q = core.rotary(
+                q, jnp.broadcast_to(pos.q, q.shape[:2]), cfg.rope_base, 1, cfg.rope_interleaved, cfg.rope_pairs
+            )
         if self.p.temperature is not None:  # q.k exp(tau_n): the score's scale per head, free of |q|
             q = (q.astype(jnp.float32) * jnp.exp(self.p.temperature)[None, None, :, None]).astype(q.dtype)
         return kernels.Queries(q, pos.index_q, cfg.head_dim)

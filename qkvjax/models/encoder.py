@@ -90,6 +90,8 @@ class Encoder(nn.Module):
         x = jnp.take(token_table(self, cfg), tokens, axis=0).astype(cfg.dtype)
         if cfg.learned_positions:
             x = x + position_table(self, cfg, stddev=0.02)[None, : tokens.shape[1]].astype(cfg.dtype)
+        if cfg.family.embed_scale:
+            x = x * jnp.asarray(cfg.d_model**0.5, cfg.dtype)
         if cfg.family.embed_norm:
             x = _layer_norm(cfg, "ln_embed")(x)
         x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
@@ -97,7 +99,7 @@ class Encoder(nn.Module):
             mask = mask.astype(jnp.bool_)[:, None, None, :]
         for i in range(cfg.num_layers):
             x, _ = Block(cfg, causal=False, deterministic=deterministic, name=f"block_{i}")(x, mask=mask)
-        if cfg.family.norm_position == "pre":
+        if cfg.family.final_norm:
             x = _layer_norm(cfg, "ln_final")(x)
         if not cfg.num_classes:
             return x.astype(jnp.float32)
@@ -107,7 +109,9 @@ class Encoder(nn.Module):
             (cfg.d_model, cfg.num_classes),
             cfg.param_dtype,
         )
-        return jnp.einsum("BTD,DC->BTC", x, w_cls.astype(cfg.dtype)).astype(jnp.float32)
+        logits = jnp.einsum("BTD,DC->BTC", x, w_cls.astype(cfg.dtype)).astype(jnp.float32)
+        cap = cfg.family.logit_softcap
+        return logits if cap is None else cap * jnp.tanh(logits / cap)
 
 
 def encoder_param_count(config: EncoderConfig) -> int:

@@ -8,6 +8,12 @@ written before families existed loads unchanged: a field adds parameters only wh
 
     pre-norm:   x = x + Attn(Norm(x));   x = x + Mlp(Norm(x));   ...;   Norm(x) at the end
     post-norm:  x = Norm(x + Attn(x));   x = Norm(x + Mlp(x))    (no final norm)
+    sandwich:   x = x + Norm'(Attn(Norm(x)));   x = x + Norm'(Mlp(Norm(x)));   ...;   Norm(x) at the end
+                (Gemma 2-4: a norm before and one after each sublayer, on its branch)
+
+Gemma also scales the embeddings by sqrt(D) (``embed_scale``), multiplies each block's output by a scalar
+(``layer_scale``: the whole residual stream, Gemma 4's ``layer_scalar``) and soft-caps the logits,
+``c tanh(logits / c)`` (``logit_softcap``).
 
     MLP:  gelu(x W_in + b_in) W_out + b_out            w_in: (D, F), w_out: (F, D)
           (silu(x W_gate) * (x W_in)) W_out            SwiGLU, w_gate: (D, F) beside them
@@ -26,7 +32,7 @@ from qkvjax.attention import core
 from qkvjax.models.norm import LayerNorm, RMSNorm
 
 NORMS = ("layernorm", "rmsnorm")
-NORM_POSITIONS = ("pre", "post")
+NORM_POSITIONS = ("pre", "post", "sandwich")
 # name -> (activation, gated)
 MLPS = {
     "gelu_tanh": (lambda x: nn.gelu(x, approximate=True), False),  # GPT-2's gelu_new; flax's default
@@ -45,12 +51,16 @@ class Family:
       norm: 'layernorm' ((x - mean) / std * scale (+ bias)) or 'rmsnorm' (x / rms * scale; Zhang & Sennrich 2019).
       norm_eps: added to the variance (or mean square) inside every norm.
       norm_bias: LayerNorm with a learned bias (GPT-2, BERT); not allowed with 'rmsnorm'.
-      norm_position: 'pre' (a norm before attention and MLP, one at the end) or 'post' (after each residual
-        sum, none at the end: BERT).
+      norm_position: 'pre' (a norm before attention and MLP, one at the end), 'post' (after each residual
+        sum, none at the end: BERT) or 'sandwich' (pre-norm plus a norm on each sublayer's output, ``ln_attention_out``
+        and ``ln_mlp_out``: Gemma 2-4).
       embed_norm: a norm on the embeddings before the first block (BERT).
       mlp: the MLP's activation: 'gelu_tanh', 'gelu' (exact), 'relu', or a gated form 'swiglu' / 'geglu'
         (a third kernel ``w_gate``).
       mlp_bias: biases on the MLP's projections.
+      embed_scale: multiply the token embeddings by sqrt(D) (Gemma; the table itself is unscaled).
+      layer_scale: a learned scalar ``layer_scale: (1,)`` per block, multiplying the block's output (Gemma 4).
+      logit_softcap: c > 0 caps the logits smoothly, ``c tanh(logits / c)`` (Gemma 2 and 4); None = off.
     """
 
     norm: str = "layernorm"
@@ -60,6 +70,9 @@ class Family:
     embed_norm: bool = False
     mlp: str = "gelu_tanh"
     mlp_bias: bool = False
+    embed_scale: bool = False
+    layer_scale: bool = False
+    logit_softcap: float | None = None
 
     def __post_init__(self):
         for name, allowed in (("norm", NORMS), ("norm_position", NORM_POSITIONS), ("mlp", tuple(MLPS))):
@@ -67,6 +80,9 @@ class Family:
                 raise ValueError(f"Family.{name}={getattr(self, name)!r}; allowed: {list(allowed)}")
         if isinstance(self.norm_eps, bool) or not isinstance(self.norm_eps, int | float) or not self.norm_eps > 0:
             raise ValueError(f"Family.norm_eps={self.norm_eps!r}; allowed: a number > 0")
+        cap = self.logit_softcap
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int | float) or not cap > 0):
+            raise ValueError(f"Family.logit_softcap={cap!r}; allowed: None or a number > 0")
         if self.norm == "rmsnorm" and self.norm_bias:
             raise ValueError("Family.norm_bias=True needs norm='layernorm'; RMSNorm has no bias")
 
@@ -81,13 +97,19 @@ class Family:
         kernels = (3 if self.gated else 2) * d * f
         return kernels + ((2 * f if self.gated else f) + d if self.mlp_bias else 0)
 
+    @property
+    def final_norm(self) -> bool:
+        """A norm after the last block (pre-norm and sandwich layouts)."""
+        return self.norm_position != "post"
+
     def block_params(self, d: int, f: int) -> int:
-        """Everything in a block but its attention: two norms and the MLP."""
-        return 2 * self.norm_params(d) + self.mlp_params(d, f)
+        """Everything in a block but its attention: two norms (four in the sandwich), the MLP, the layer scale."""
+        norms = 4 if self.norm_position == "sandwich" else 2
+        return norms * self.norm_params(d) + self.mlp_params(d, f) + self.layer_scale
 
     def outer_params(self, d: int) -> int:
-        """Norms outside the blocks: the final norm (pre-norm) and the embedding norm."""
-        return self.norm_params(d) * ((self.norm_position == "pre") + self.embed_norm)
+        """Norms outside the blocks: the final norm (pre-norm, sandwich) and the embedding norm."""
+        return self.norm_params(d) * (self.final_norm + self.embed_norm)
 
     def mlp_flops(self, d: int, f: int) -> int:
         """Forward FLOPs of the MLP per token."""

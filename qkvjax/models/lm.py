@@ -161,7 +161,8 @@ class Block(nn.Module):
         mask: Array | None = None,
     ):
         cfg, deterministic = self.config, self.deterministic
-        pre = cfg.family.norm_position == "pre"
+        pre, sandwich = cfg.family.norm_position != "post", cfg.family.norm_position == "sandwich"
+        branch = (lambda name: _layer_norm(cfg, name)) if sandwich else (lambda name: lambda h: h)  # noqa: E731
         drop = nn.Dropout(cfg.dropout_rate)
         extra = {} if mask is None else {"mask": mask}  # attention_cls need not take these unless given them
         if self.decode:
@@ -180,12 +181,17 @@ class Block(nn.Module):
             deterministic=deterministic,
         )
         h, used = out if isinstance(out, tuple) else (out, None)
-        x = x + drop(h, deterministic=deterministic)
+        x = x + drop(branch("ln_attention_out")(h), deterministic=deterministic)
         mlp = Mlp(cfg.family, cfg.mlp_width, cfg.dtype, cfg.param_dtype, name="mlp")
         if not pre:  # post-norm: x = Norm(x + Attn(x)); x = Norm(x + Mlp(x))
             x = ln_attention(x)
             return ln_mlp(x + drop(mlp(x), deterministic=deterministic)), used
-        return x + drop(mlp(ln_mlp(x)), deterministic=deterministic), used
+        x = x + drop(branch("ln_mlp_out")(mlp(ln_mlp(x))), deterministic=deterministic)
+        if cfg.family.layer_scale:  # Gemma 4 scales the whole stream after the block
+            init = nn.with_logical_partitioning(nn.initializers.ones, (None,))
+            scale = self.param("layer_scale", init, (1,), cfg.param_dtype).astype(x.dtype)
+            x = x * scale.reshape((1,) * x.ndim)  # (1,) -> (1, 1, 1): rank-exact broadcasting
+        return x, used
 
 
 @flax.struct.dataclass
@@ -268,6 +274,8 @@ class DecoderLM(nn.Module):
             else:
                 pos = positions
             x = x + jnp.take(pos_table, pos, axis=0).astype(cfg.dtype)
+        if cfg.family.embed_scale:  # Gemma: the embeddings times sqrt(D)
+            x = x * jnp.asarray(cfg.d_model**0.5, cfg.dtype)
         if cfg.family.embed_norm:
             x = _layer_norm(cfg, "ln_embed")(x)
         x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
@@ -292,7 +300,7 @@ class DecoderLM(nn.Module):
                 made[i] = used
                 if cache is not None:
                     new_entries.append(used.tensors)
-        if cfg.family.norm_position == "pre":
+        if cfg.family.final_norm:
             x = _layer_norm(cfg, "ln_final")(x)
         if cfg.tie_embeddings:
             logits = core.dense(x, embed.astype(cfg.dtype).T).astype(jnp.float32)  # BTD,DV->BTV
@@ -304,6 +312,8 @@ class DecoderLM(nn.Module):
                 cfg.param_dtype,
             )
             logits = core.dense(x, w_unembed.astype(cfg.dtype)).astype(jnp.float32)  # BTD,DV->BTV
+        if cfg.family.logit_softcap is not None:
+            logits = cfg.family.logit_softcap * jnp.tanh(logits / cfg.family.logit_softcap)
         if cache is None:
             return logits
         advance = tokens.shape[1] if num_valid is None else num_valid

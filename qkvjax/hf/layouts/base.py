@@ -211,6 +211,15 @@ def check_layers(cfg, require, name: str, *, learned_positions: bool, qk_norm: b
         require(att.kv_heads == cfg.attention.kv_heads, f"layer {i}: num_kv_heads={att.num_kv_heads} varies")
 
 
+def plain_family(fam, require, norm_position: str = "pre") -> None:
+    """No part of Gemma's block in a layout that has none: ``norm_position`` as given, no embedding norm (unless
+    post-norm BERT's), no embedding scale, layer scale or logit soft-cap."""
+    require(fam.norm_position == norm_position, f"norm_position={fam.norm_position!r}")
+    require(fam.embed_norm == (norm_position == "post"), f"embed_norm={fam.embed_norm!r}")
+    for field in ("embed_scale", "layer_scale", "logit_softcap"):
+        require(not getattr(fam, field), f"{field}={getattr(fam, field)!r}")
+
+
 def roles(att_params: dict, att) -> dict[str, np.ndarray]:
     """Each role's (D, heads, H) kernel and (heads, H) bias (zeros where there is none), from the scheme's
     groups: a tie is written out, the shared kernel copied into every role it plays."""

@@ -22,6 +22,7 @@ from qkvjax.hf.layouts.base import (
     layer_norm,
     linear,
     norm,
+    plain_family,
     refuse,
     roles,
 )
@@ -97,7 +98,7 @@ def check(cfg: EncoderConfig, require) -> None:
     require(fam.norm == "layernorm", f"norm={fam.norm!r}")
     require(fam.mlp in ACTIVATIONS.written, f"mlp={fam.mlp!r}")
     require(cfg.learned_positions, "learned_positions=False")
-    require(fam.norm_position == "post" and fam.embed_norm, "pre-norm or no embedding norm")
+    plain_family(fam, require, "post")
     require(cfg.num_classes == 0, f"num_classes={cfg.num_classes} (a token classifier head)")
 
 

@@ -29,7 +29,7 @@ import numpy as np
 
 from qkvjax.attention import AttentionConfig
 from qkvjax.hf.folder import Tensors
-from qkvjax.hf.layouts.base import COMMON_READ, Layout, linear, refuse, unembed
+from qkvjax.hf.layouts.base import COMMON_READ, Layout, linear, plain_family, refuse, unembed
 from qkvjax.hf.layouts.llama import mlp_params, rope_base
 from qkvjax.models.family import Family
 from qkvjax.models.lm import ModelConfig
@@ -135,7 +135,7 @@ def check(cfg: ModelConfig, require) -> None:
     require(fam.norm == "rmsnorm", f"norm={fam.norm!r}")
     require(fam.mlp == "swiglu", f"mlp={fam.mlp!r}")
     require(not cfg.learned_positions, "learned_positions=True")
-    require(fam.norm_position == "pre" and not fam.embed_norm, "post-norm or an embedding norm")
+    plain_family(fam, require)
     require(cfg.d_model % first.num_heads == 0, f"d_model={cfg.d_model} is not a multiple of num_heads="
             f"{first.num_heads} (transformers' DeepseekV2Config refuses it)")  # fmt: skip
 

@@ -21,6 +21,7 @@ from qkvjax.hf.layouts.base import (
     heads,
     layer_norm,
     norm,
+    plain_family,
     refuse,
     roles,
     unembed,
@@ -83,7 +84,7 @@ def check(cfg: ModelConfig, require) -> None:
     require(fam.norm == "layernorm", f"norm={fam.norm!r}")
     require(fam.mlp in ACTIVATIONS.written, f"mlp={fam.mlp!r}")
     require(cfg.learned_positions, "learned_positions=False")
-    require(fam.norm_position == "pre" and not fam.embed_norm, "post-norm or an embedding norm")
+    plain_family(fam, require)
 
 
 def write(cfg: ModelConfig, params: dict) -> tuple[dict, dict]:

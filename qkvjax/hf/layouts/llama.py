@@ -15,7 +15,18 @@ import dataclasses
 
 from qkvjax.attention import AttentionConfig
 from qkvjax.hf.folder import Tensors
-from qkvjax.hf.layouts.base import COMMON_READ, Layout, Projections, check_layers, heads, linear, refuse, roles, unembed
+from qkvjax.hf.layouts.base import (
+    COMMON_READ,
+    Layout,
+    Projections,
+    check_layers,
+    heads,
+    linear,
+    plain_family,
+    refuse,
+    roles,
+    unembed,
+)
 from qkvjax.models.family import Family
 from qkvjax.models.lm import ModelConfig
 
@@ -133,7 +144,7 @@ def check(cfg: ModelConfig, require, name: str = "llama", qk_norm: bool = False)
     require(fam.norm == "rmsnorm", f"norm={fam.norm!r}")
     require(fam.mlp == "swiglu", f"mlp={fam.mlp!r}")
     require(not cfg.learned_positions, "learned_positions=True")
-    require(fam.norm_position == "pre" and not fam.embed_norm, "post-norm or an embedding norm")
+    plain_family(fam, require)
 
 
 def write_tensors(cfg: ModelConfig, params: dict) -> tuple[dict, bool]:

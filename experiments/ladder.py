@@ -1,0 +1,54 @@
+"""The scaling study's ladder of models: the sizes, the attention variants and the one function that turns a size,
+a variant and a budget into a run's config. ``experiments/scaling.py`` sweeps it; the benchmarks time the same
+models (``benchmarks/scaling_speed.py``, ``vs_torch.py``, the lever studies), so it lives apart from the sweep and
+imports only qkvjax."""
+
+from __future__ import annotations
+
+import math
+
+from qkvjax.config import AttentionConfig, Config, DataConfig, ModelConfig, TrainConfig
+
+NUM_HEADS, NUM_LAYERS, CONTEXT, BATCH = 4, 4, 128, 16
+DEFAULT_SIZES = (48, 96, 160)
+SHARED_LR = 2e-3  # the one rate the 0.8-epoch comparison used for every scheme: the ranking is also read at it
+# Each variant: the attention config's fields (num_kv_heads as a fraction of N). A name is a label, never a branch.
+VARIANTS = {
+    "separate": {"scheme": "separate"},
+    "shared_kv": {"scheme": "shared_kv"},
+    "gqa": {"scheme": "separate", "kv_heads_fraction": 0.5},
+    "shared_qk": {"scheme": "shared_qk"},
+    "shared_qkv": {"scheme": "shared_qkv"},
+    "reformer_qk": {"scheme": "reformer_qk"},
+    "bilinear": {"scheme": "bilinear"},
+}
+
+
+def size_config(d_model: int, variant: str, learning_rate: float, seed: int, tokens: int, data: DataConfig,
+                layers: int = NUM_LAYERS, context: int = CONTEXT) -> Config:  # fmt: skip
+    """The model and training of one run: width ``d_model``, ``tokens`` training tokens."""
+    spec = dict(VARIANTS[variant])
+    fraction = spec.pop("kv_heads_fraction", None)
+    kv_heads = None if fraction is None else max(1, round(NUM_HEADS * fraction))
+    attention = AttentionConfig(num_heads=NUM_HEADS, head_dim=d_model // NUM_HEADS, num_kv_heads=kv_heads, **spec)
+    steps = max(1, math.ceil(tokens / (BATCH * context)))
+    every = max(1, steps // 10)
+    return Config(
+        model=ModelConfig(attention=attention, d_model=d_model, num_layers=layers, max_len=context),
+        data=data,
+        train=TrainConfig(
+            batch_size=BATCH,
+            num_steps=steps,
+            learning_rate=learning_rate,
+            min_lr_ratio=0.1,
+            warmup_steps=max(1, steps // 20),
+            weight_decay=0.1,
+            b2=0.99,
+            log_every=max(1, steps // 50),
+            eval_every=every,
+            eval_batches=8,
+            checkpoint_every=every,
+            max_to_keep=1,
+        ),  # fmt: skip
+        seed=seed,
+    )
