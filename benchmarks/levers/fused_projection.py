@@ -4,7 +4,7 @@
 (``qkvjax.attention.core.project``). The lever (performance round 3): keep the groups of a scheme whose kernels
 have one shape as ONE parameter ``w_qkv: (D, G, N, H)`` (nanoGPT's ``c_attn`` is one (D, 3D) matrix), project with
 one (B T, D) @ (D, G N H) matmul and take each group's output as a slice: no concatenation of kernels at run time,
-no split of their gradient. This script traces the model once as it is and once with ``Attention.projections``
+no split of their gradient. This script traces the model once as it is and once with ``tied_projections``
 and ``module.project`` replaced by the fused form (nothing in the library changes), checks both compute the same
 loss from the same weights, and times the two train steps alternately.
 
@@ -41,28 +41,29 @@ FUSED = "w_fused"
 
 
 def fused_projections(original):
-    """``Attention.projections`` with the groups' kernels stored as one (D, G, C, H) parameter when they share a
+    """``tied_projections`` with the groups' kernels stored as one (D, G, C, H) parameter when they share a
     shape (else as before); ``kernels[FUSED]`` holds it, ``kernels[group]`` a slice for whoever reads them."""
 
-    def projections(self, d, reads_kv):
-        cfg, scheme = self.config, self.config.tying
+    def projections(cfg, d, reads_kv, make):
+        scheme = cfg.tying
         groups = scheme.groups
         shapes = {(scheme.heads(g, cfg.num_heads, cfg.kv_heads), cfg.width(g)) for g in groups}
         if reads_kv or cfg.use_bias or scheme.bilinear or len(groups) == 1 or len(shapes) != 1:
-            return original(self, d, reads_kv)
+            return original(cfg, d, reads_kv, make)
         ((heads, width),) = shapes
         names = (axes.EMBED, None, axes.HEADS, axes.HEAD_DIM)
         # fan-in init over D per group, as three (D, C, H) kernels: batch axis G, out axes (C, H)
-        w = self._kernel(FUSED, (d, len(groups), heads, width), names, 0, (2, 3), 1.0, 1)
+        w = make.make_kernel(FUSED, (d, len(groups), heads, width), names, 0, (2, 3), 1.0, 1)
         slices = {f"w_{g}": w[:, i] for i, g in enumerate(groups)}
-        kernel = self._kernel  # the original makes everything else; its group kernels are the fused one's slices
-        object.__setattr__(
-            self, "_kernel", lambda name, *a, **k: slices[name] if name in slices else kernel(name, *a, **k)
-        )
-        try:
-            p = original(self, d, reads_kv)
-        finally:
-            object.__delattr__(self, "_kernel")
+
+        class Sliced:  # the original makes everything else; its group kernels are the fused one's slices
+            make_param = staticmethod(make.make_param)
+
+            @staticmethod
+            def make_kernel(name, *a, **k):
+                return slices[name] if name in slices else make.make_kernel(name, *a, **k)
+
+        p = original(cfg, d, reads_kv, Sliced)
         return dataclasses.replace(p, kernels={FUSED: w, **p.kernels})
 
     return projections
@@ -111,13 +112,13 @@ def same_loss(cfg) -> float:
 
 @contextlib.contextmanager
 def patched():
-    originals = module.Attention.projections, module.project
-    module.Attention.projections = fused_projections(originals[0])
+    originals = module.tied_projections, module.project
+    module.tied_projections = fused_projections(originals[0])
     module.project = fused_project(originals[1])
     try:
         yield
     finally:
-        module.Attention.projections, module.project = originals
+        module.tied_projections, module.project = originals
 
 
 def main(argv=None) -> int:

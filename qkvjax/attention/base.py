@@ -40,6 +40,17 @@ class Call:
     def shape(self) -> tuple[int, int, int]:
         return self.x_q.shape
 
+    @classmethod
+    def of(cls, cfg, inputs_q, inputs_kv, mask, causal, positions, decode, deterministic, kv, cache, return_kv):
+        """The call's arguments checked (:func:`check_inputs`) and resolved: the linen and NNX modules' one entry."""
+        self_attention = inputs_kv is None
+        x_kv = inputs_q if self_attention else inputs_kv
+        check_inputs(cfg, inputs_q, x_kv, mask, positions, decode, self_attention, kv, cache)
+        return cls(
+            inputs_q, x_kv, self_attention, None if mask is None else mask.astype(jnp.bool_), causal, positions,
+            decode, deterministic, kv, cache, return_kv or cache is not None,
+        )  # fmt: skip
+
 
 class AttentionModule(nn.Module):
     """An attention layer of the zoo: its config, logically named parameters, and one call signature whose
@@ -64,25 +75,22 @@ class AttentionModule(nn.Module):
         """inputs_q (B, T, D), inputs_kv (B, S, D) or None for self-attention, mask boolean and broadcastable
         to (B, N, T, S) with True = may attend, positions (B, T) for rotary embedding. Returns (B, T, D), or
         ``(y, KV)`` when ``cache`` is given or ``return_kv``."""
-        self_attention = inputs_kv is None
-        x_kv = inputs_q if self_attention else inputs_kv
-        check_inputs(self.config, inputs_q, x_kv, mask, positions, decode, self_attention, kv, cache)
-        call = Call(
-            inputs_q, x_kv, self_attention, None if mask is None else mask.astype(jnp.bool_), causal, positions,
-            decode, deterministic, kv, cache, return_kv or cache is not None,
-        )  # fmt: skip
-        return self.forward(call)
+        args = (mask, causal, positions, decode, deterministic, kv, cache, return_kv)
+        return self.forward(Call.of(self.config, inputs_q, inputs_kv, *args))
 
     def forward(self, call: Call):
         raise NotImplementedError
 
-    def _param(self, name: str, shape, names, init):
+    # The parameter-making interface the stages' parameter functions call (``tied_projections``,
+    # ``latent_projections``); :mod:`qkvjax.nnx` implements the same two methods with ``nnx.Param``.
+    def make_param(self, name: str, shape, names, init):
+        """A parameter ``name`` in the param dtype, annotated with its logical axis ``names``."""
         return self.param(name, nn.with_logical_partitioning(init, names), shape, jnp.dtype(self.config.param_dtype))
 
-    def _kernel(self, name: str, shape, names, in_axis, out_axis, scale: float = 1.0, batch_axis=()) -> Array:
-        """A projection kernel in the compute dtype."""
+    def make_kernel(self, name: str, shape, names, in_axis, out_axis, scale: float = 1.0, batch_axis=()) -> Array:
+        """A projection kernel (fan-in truncated normal over ``in_axis``) in the compute dtype."""
         init = kernel_init(in_axis, out_axis, scale, batch_axis)
-        return self._param(name, shape, names, init).astype(jnp.dtype(self.config.dtype))
+        return self.make_param(name, shape, names, init).astype(jnp.dtype(self.config.dtype))
 
     @property
     def collecting(self) -> bool:

@@ -135,19 +135,7 @@ class AttentionConfig:
                 f"AttentionConfig.num_kv_heads={kv} does not divide num_heads={self.num_heads}; "
                 f"allowed: None or one of {divisors}"
             )
-        pairs = self.rope_pairs
-        if pairs is not None and (
-            isinstance(pairs, bool) or not isinstance(pairs, int) or not 0 <= pairs <= self.head_dim // 2
-        ):
-            raise ValueError(
-                f"AttentionConfig.rope_pairs={pairs!r}; allowed: None or an integer from 0 to H/2 = "
-                f"{self.head_dim // 2}"
-            )
-        if pairs is not None and not self.rope:
-            raise ValueError(f"AttentionConfig.rope_pairs={pairs} needs rope=True")
-        eps = self.norm_eps
-        if isinstance(eps, bool) or not isinstance(eps, int | float) or not 0 < eps < 1:
-            raise ValueError(f"AttentionConfig.norm_eps={eps!r}; allowed: a number in (0, 1)")
+        self._check_rotary_and_norms()
         w = self.sliding_window
         if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
             raise ValueError(f"AttentionConfig.sliding_window={w!r}; allowed: None or an integer >= 1")
@@ -215,6 +203,22 @@ class AttentionConfig:
             raise ValueError(
                 f"AttentionConfig.implementation={self.implementation!r}; allowed: {list(IMPLEMENTATIONS)}"
             )
+
+    def _check_rotary_and_norms(self) -> None:
+        """``rope_pairs`` (a count of pairs within H / 2, with rope) and ``norm_eps``."""
+        pairs = self.rope_pairs
+        if pairs is not None and (
+            isinstance(pairs, bool) or not isinstance(pairs, int) or not 0 <= pairs <= self.head_dim // 2
+        ):
+            raise ValueError(
+                f"AttentionConfig.rope_pairs={pairs!r}; allowed: None or an integer from 0 to H/2 = "
+                f"{self.head_dim // 2}"
+            )
+        if pairs is not None and not self.rope:
+            raise ValueError(f"AttentionConfig.rope_pairs={pairs} needs rope=True")
+        eps = self.norm_eps
+        if isinstance(eps, bool) or not isinstance(eps, int | float) or not 0 < eps < 1:
+            raise ValueError(f"AttentionConfig.norm_eps={eps!r}; allowed: a number in (0, 1)")
 
     def _check_latent(self, scheme: Scheme) -> None:
         latent = sorted(n for n, s in SCHEMES.items() if s.latent)

@@ -154,43 +154,44 @@ class LatentAttention(AttentionModule):
                 f"scheme {self.config.scheme!r} decodes with the functional cache only (cache=, DecodeCache) and "
                 "reads no other layer's K/V; decode=True and kv= are not supported"
             )
-        return run(self, call, Latent(self.config, self.projections(call.shape[2])))
+        return run(self, call, Latent(self.config, latent_projections(self.config, call.shape[2], self)))
 
-    def projections(self, d: int) -> LatentProjections:
-        """The parameters, made in a fixed order (it decides their initial values)."""
-        cfg = self.config
-        n, kh, h, hv, r, hr = cfg.num_heads, cfg.kv_heads, cfg.head_dim, cfg.value_dim, cfg.latent_dim, cfg.rope_dim
-        heads, kv_heads, hd, lat = axes.HEADS, axes.KV_HEADS, axes.HEAD_DIM, axes.LATENT
 
-        def scale(name, width):
-            return self._param(name, (width,), (lat,), nn.initializers.ones) if cfg.latent_norm else None
+def latent_projections(cfg: AttentionConfig, d: int, make) -> LatentProjections:
+    """A latent scheme's parameters, made by ``make`` (``make_kernel``/``make_param``: the linen module, or
+    :mod:`qkvjax.nnx`'s) in a fixed order (it decides their initial values)."""
+    n, kh, h, hv, r, hr = cfg.num_heads, cfg.kv_heads, cfg.head_dim, cfg.value_dim, cfg.latent_dim, cfg.rope_dim
+    heads, kv_heads, hd, lat = axes.HEADS, axes.KV_HEADS, axes.HEAD_DIM, axes.LATENT
 
-        if cfg.q_rank is None:
-            w_q_down = q_scale = None
-            q_width, q_axis, up = d, axes.EMBED, ""
+    def scale(name, width):
+        return make.make_param(name, (width,), (lat,), nn.initializers.ones) if cfg.latent_norm else None
+
+    if cfg.q_rank is None:
+        w_q_down = q_scale = None
+        q_width, q_axis, up = d, axes.EMBED, ""
+    else:
+        w_q_down = make.make_kernel("w_q_down", (d, cfg.q_rank), (axes.EMBED, lat), 0, 1)
+        q_scale = scale("q_norm_scale", cfg.q_rank)
+        q_width, q_axis, up = cfg.q_rank, lat, "_up"
+    w_q = make.make_kernel(f"w_q{up}", (q_width, n, h), (q_axis, heads, hd), 0, (1, 2))
+    b_q = None
+    if cfg.use_bias:
+        b_q = make.make_param("b_q", (n, h), (heads, hd), nn.initializers.zeros).astype(cfg.dtype)
+    w_kv_down = make.make_kernel("w_kv_down", (d, r), (axes.EMBED, lat), 0, 1)
+    w_k_up = make.make_kernel("w_k_up", (r, kh, h), (lat, kv_heads, hd), 0, (1, 2))
+    w_v_up = make.make_kernel("w_v_up", (r, kh, hv), (lat, kv_heads, hd), 0, (1, 2))
+    w_o = make.make_kernel("w_o", (n, hv, d), (heads, hd, axes.EMBED), (0, 1), 2)
+    kv_scale = scale("kv_norm_scale", r)
+    w_q_rope = w_k_rope = None
+    if hr:
+        w_q_rope = make.make_kernel(f"w_q_rope{up}", (q_width, n, hr), (q_axis, heads, hd), 0, (1, 2))
+        if cfg.rope_key_per_head:
+            w_k_rope = make.make_kernel("w_k_rope", (d, kh, hr), (axes.EMBED, kv_heads, hd), 0, (1, 2))
         else:
-            w_q_down = self._kernel("w_q_down", (d, cfg.q_rank), (axes.EMBED, lat), 0, 1)
-            q_scale = scale("q_norm_scale", cfg.q_rank)
-            q_width, q_axis, up = cfg.q_rank, lat, "_up"
-        w_q = self._kernel(f"w_q{up}", (q_width, n, h), (q_axis, heads, hd), 0, (1, 2))
-        b_q = None
-        if cfg.use_bias:
-            b_q = self._param("b_q", (n, h), (heads, hd), nn.initializers.zeros).astype(cfg.dtype)
-        w_kv_down = self._kernel("w_kv_down", (d, r), (axes.EMBED, lat), 0, 1)
-        w_k_up = self._kernel("w_k_up", (r, kh, h), (lat, kv_heads, hd), 0, (1, 2))
-        w_v_up = self._kernel("w_v_up", (r, kh, hv), (lat, kv_heads, hd), 0, (1, 2))
-        w_o = self._kernel("w_o", (n, hv, d), (heads, hd, axes.EMBED), (0, 1), 2)
-        kv_scale = scale("kv_norm_scale", r)
-        w_q_rope = w_k_rope = None
-        if hr:
-            w_q_rope = self._kernel(f"w_q_rope{up}", (q_width, n, hr), (q_axis, heads, hd), 0, (1, 2))
-            if cfg.rope_key_per_head:
-                w_k_rope = self._kernel("w_k_rope", (d, kh, hr), (axes.EMBED, kv_heads, hd), 0, (1, 2))
-            else:
-                w_k_rope = self._kernel("w_k_rope", (d, hr), (axes.EMBED, hd), 0, 1)
-        b_o = None
-        if cfg.has_output_bias:
-            b_o = self._param("b_o", (d,), (axes.EMBED,), nn.initializers.zeros).astype(cfg.dtype)
-        return LatentProjections(
-            w_q_down, q_scale, w_q, b_q, w_kv_down, w_k_up, w_v_up, w_o, kv_scale, w_q_rope, w_k_rope, b_o
-        )
+            w_k_rope = make.make_kernel("w_k_rope", (d, hr), (axes.EMBED, hd), 0, 1)
+    b_o = None
+    if cfg.has_output_bias:
+        b_o = make.make_param("b_o", (d,), (axes.EMBED,), nn.initializers.zeros).astype(cfg.dtype)
+    return LatentProjections(
+        w_q_down, q_scale, w_q, b_q, w_kv_down, w_k_up, w_v_up, w_o, kv_scale, w_q_rope, w_k_rope, b_o
+    )

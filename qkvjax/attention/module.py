@@ -281,39 +281,42 @@ class Attention(AttentionModule):
                 f"scheme {self.config.scheme!r} is a latent scheme: its module is qkvjax.attention.LatentAttention "
                 "(qkvjax.attention.attention_module(config) picks the module for any config)"
             )
-        return run(self, call, Tied(self.config, self.projections(call.shape[2], reads_kv=call.kv is not None)))
+        projections = tied_projections(self.config, call.shape[2], call.kv is not None, self)
+        return run(self, call, Tied(self.config, projections))
 
-    def projections(self, d: int, reads_kv: bool) -> Projections:
-        """The layer's parameters. One kernel per group of the scheme's partition that this layer projects (only
-        the query groups when it reads another layer's K/V), named ``w_`` + the group's roles."""
-        cfg, scheme = self.config, self.config.tying
-        n, h = cfg.num_heads, cfg.head_dim
-        kernels_, biases = {}, {} if cfg.use_bias else None
-        for group in scheme.query_groups if reads_kv else scheme.groups:
-            heads, head_axis = scheme.heads(group, n, cfg.kv_heads), axes.HEADS if "q" in group else axes.KV_HEADS
-            shape = (d, heads, cfg.width(group))
-            kernels_[group] = self._kernel(f"w_{group}", shape, (axes.EMBED, head_axis, axes.HEAD_DIM), 0, (1, 2))
-            if biases is not None:
-                init = nn.initializers.zeros
-                biases[group] = self._param(f"b_{group}", shape[1:], (head_axis, axes.HEAD_DIM), init).astype(cfg.dtype)
-        w_qk = None
-        if scheme.bilinear:  # Var(W_QK) = H / D^2 matches the product of two fan-in-initialised (D, H) kernels
-            w_qk = self._kernel("w_qk_merged", (n, d, d), (axes.HEADS, axes.EMBED, None), 1, 2, h / d, 0)
-        w_o = self._kernel("w_o", (n, cfg.value_dim, d), (axes.HEADS, axes.HEAD_DIM, axes.EMBED), (0, 1), 2)
-        b_o = None
-        if cfg.has_output_bias:
-            b_o = self._param("b_o", (d,), (axes.EMBED,), nn.initializers.zeros).astype(cfg.dtype)
-        # a layer reading another layer's finished keys has no key norm of its own
-        roles = ("q",) + (() if scheme.keys_finished_at_write and reads_kv else ("k",))
-        norm_scale = {
-            r: self._param(f"{r}_norm_scale", (h,), (axes.HEAD_DIM,), nn.initializers.ones)
-            for r in (roles if cfg.qk_norm else ())
-        }
-        rel_bias = None
-        if cfg.relative_bias:
-            shape = (n, 2 * cfg.relative_bias + 1)
-            rel_bias = self._param("rel_bias", shape, (axes.HEADS, None), nn.initializers.zeros)
-        temperature = None
-        if cfg.learned_temperature:
-            temperature = self._param("temperature", (n,), (axes.HEADS,), nn.initializers.zeros).astype(jnp.float32)
-        return Projections(kernels_, biases, w_qk, w_o, b_o, norm_scale, rel_bias, temperature)
+
+def tied_projections(cfg: AttentionConfig, d: int, reads_kv: bool, make) -> Projections:
+    """A partition scheme's (or the bilinear form's) parameters, made by ``make`` (``make_kernel``/``make_param``:
+    the linen module itself, or :mod:`qkvjax.nnx`'s). One kernel per group of the scheme's partition that the layer
+    projects (only the query groups when it reads another layer's K/V), named ``w_`` + the group's roles."""
+    scheme = cfg.tying
+    n, h = cfg.num_heads, cfg.head_dim
+    kernels_, biases = {}, {} if cfg.use_bias else None
+    for group in scheme.query_groups if reads_kv else scheme.groups:
+        heads, head_axis = scheme.heads(group, n, cfg.kv_heads), axes.HEADS if "q" in group else axes.KV_HEADS
+        shape = (d, heads, cfg.width(group))
+        kernels_[group] = make.make_kernel(f"w_{group}", shape, (axes.EMBED, head_axis, axes.HEAD_DIM), 0, (1, 2))
+        if biases is not None:
+            init = nn.initializers.zeros
+            biases[group] = make.make_param(f"b_{group}", shape[1:], (head_axis, axes.HEAD_DIM), init).astype(cfg.dtype)
+    w_qk = None
+    if scheme.bilinear:  # Var(W_QK) = H / D^2 matches the product of two fan-in-initialised (D, H) kernels
+        w_qk = make.make_kernel("w_qk_merged", (n, d, d), (axes.HEADS, axes.EMBED, None), 1, 2, h / d, 0)
+    w_o = make.make_kernel("w_o", (n, cfg.value_dim, d), (axes.HEADS, axes.HEAD_DIM, axes.EMBED), (0, 1), 2)
+    b_o = None
+    if cfg.has_output_bias:
+        b_o = make.make_param("b_o", (d,), (axes.EMBED,), nn.initializers.zeros).astype(cfg.dtype)
+    # a layer reading another layer's finished keys has no key norm of its own
+    roles = ("q",) + (() if scheme.keys_finished_at_write and reads_kv else ("k",))
+    norm_scale = {
+        r: make.make_param(f"{r}_norm_scale", (h,), (axes.HEAD_DIM,), nn.initializers.ones)
+        for r in (roles if cfg.qk_norm else ())
+    }
+    rel_bias = None
+    if cfg.relative_bias:
+        shape = (n, 2 * cfg.relative_bias + 1)
+        rel_bias = make.make_param("rel_bias", shape, (axes.HEADS, None), nn.initializers.zeros)
+    temperature = None
+    if cfg.learned_temperature:
+        temperature = make.make_param("temperature", (n,), (axes.HEADS,), nn.initializers.zeros).astype(jnp.float32)
+    return Projections(kernels_, biases, w_qk, w_o, b_o, norm_scale, rel_bias, temperature)

@@ -303,17 +303,10 @@ class DecoderLM(nn.Module):
         if cfg.family.final_norm:
             x = _layer_norm(cfg, "ln_final")(x)
         if cfg.tie_embeddings:
-            logits = core.dense(x, embed.astype(cfg.dtype).T).astype(jnp.float32)  # BTD,DV->BTV
+            logits = unembed(x, embed.T, cfg)
         else:
-            w_unembed = self.param(
-                "w_unembed",
-                nn.with_logical_partitioning(_dense_init(0, 1), (axes.EMBED, axes.VOCAB)),
-                (cfg.d_model, cfg.vocab_size),
-                cfg.param_dtype,
-            )
-            logits = core.dense(x, w_unembed.astype(cfg.dtype)).astype(jnp.float32)  # BTD,DV->BTV
-        if cfg.family.logit_softcap is not None:
-            logits = cfg.family.logit_softcap * jnp.tanh(logits / cfg.family.logit_softcap)
+            init = nn.with_logical_partitioning(_dense_init(0, 1), (axes.EMBED, axes.VOCAB))
+            logits = unembed(x, self.param("w_unembed", init, (cfg.d_model, cfg.vocab_size), cfg.param_dtype), cfg)
         if cache is None:
             return logits
         advance = tokens.shape[1] if num_valid is None else num_valid
@@ -327,6 +320,13 @@ class DecoderLM(nn.Module):
         if initialized:
             index.value = start + shape[1]
         return jnp.broadcast_to(start + jnp.arange(shape[1])[None], shape)
+
+
+def unembed(x: Array, w: Array, cfg: ModelConfig) -> Array:
+    """Logits in float32 from the final hidden states and the (D, V) unembedding, soft-capped as the family says."""
+    logits = core.dense(x, w.astype(cfg.dtype)).astype(jnp.float32)  # BTD,DV->BTV
+    cap = cfg.family.logit_softcap
+    return logits if cap is None else cap * jnp.tanh(logits / cap)
 
 
 def param_count(config: ModelConfig) -> int:

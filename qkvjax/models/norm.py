@@ -122,8 +122,13 @@ class RMSNorm(nn.Module):
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
-        scale = _feature_param(self, "scale", nn.initializers.ones, x)
-        ct = _compute_dtype(x)
-        xc = x.astype(ct)
-        y = xc * jax.lax.rsqrt(jnp.mean(jnp.square(xc), axis=-1, keepdims=True) + self.epsilon)
-        return (y * _lead(scale.astype(ct), x.ndim)).astype(self.dtype or x.dtype)
+        return rms_norm(x, _feature_param(self, "scale", nn.initializers.ones, x), self.epsilon, self.dtype)
+
+
+def rms_norm(x: Array, scale: Array, eps: float = 1e-6, dtype=None) -> Array:
+    """``x / sqrt(mean(x^2) + eps) * scale`` over the last axis, in float32 at least; the result in ``dtype``
+    (None: ``x``'s)."""
+    ct = _compute_dtype(x)
+    xc = x.astype(ct)
+    y = xc * jax.lax.rsqrt(jnp.mean(jnp.square(xc), axis=-1, keepdims=True) + eps)
+    return (y * _lead(scale.astype(ct), x.ndim)).astype(dtype or x.dtype)

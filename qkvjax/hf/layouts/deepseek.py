@@ -30,7 +30,7 @@ import numpy as np
 from qkvjax.attention import AttentionConfig
 from qkvjax.hf.folder import Tensors
 from qkvjax.hf.layouts.base import COMMON_READ, Layout, linear, plain_family, refuse, unembed
-from qkvjax.hf.layouts.llama import mlp_params, rope_base
+from qkvjax.hf.layouts.llama import mlp_params, mlp_tensors, rope_base
 from qkvjax.models.family import Family
 from qkvjax.models.lm import ModelConfig
 
@@ -175,11 +175,7 @@ def write(cfg: ModelConfig, params: dict) -> tuple[dict, dict]:
         tensors[s + "kv_a_layernorm.weight"] = a["kv_norm_scale"]
         tensors[s + "kv_b_proj.weight"] = _joined(_per_query_head(a["w_k_up"], n), _per_query_head(a["w_v_up"], n))
         tensors[s + "o_proj.weight"] = a["w_o"].reshape(-1, d).T
-        mlp = block["mlp"]
-        for hf_name, name in (("gate_proj", "gate"), ("up_proj", "in"), ("down_proj", "out")):
-            tensors[f"{pre}mlp.{hf_name}.weight"] = mlp["w_" + name].T
-            if cfg.family.mlp_bias:
-                tensors[f"{pre}mlp.{hf_name}.bias"] = mlp["b_" + name]
+        tensors |= mlp_tensors(block["mlp"], pre, cfg.family.mlp_bias)
         tensors[pre + "input_layernorm.weight"] = block["ln_attention"]["scale"]
         tensors[pre + "post_attention_layernorm.weight"] = block["ln_mlp"]["scale"]
     if not cfg.tie_embeddings:

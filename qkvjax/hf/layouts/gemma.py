@@ -30,7 +30,7 @@ import numpy as np
 from qkvjax.attention import AttentionConfig
 from qkvjax.hf.folder import Tensors
 from qkvjax.hf.layouts.base import COMMON_READ, Layout, heads, linear, refuse, unembed
-from qkvjax.hf.layouts.llama import mlp_params
+from qkvjax.hf.layouts.llama import mlp_params, mlp_tensors
 from qkvjax.models.family import Family
 from qkvjax.models.lm import ModelConfig
 
@@ -283,8 +283,7 @@ def write(cfg: ModelConfig, params: dict) -> tuple[dict, dict]:
         ):
             tensors[f"{p}{theirs}.weight"] = block[ours]["scale"]
         tensors[p + "layer_scalar"] = block["layer_scale"]
-        for theirs, ours in (("gate_proj", "gate"), ("up_proj", "in"), ("down_proj", "out")):
-            tensors[f"{p}mlp.{theirs}.weight"] = block["mlp"]["w_" + ours].T
+        tensors |= mlp_tensors(block["mlp"], p, False)
     if not cfg.tie_embeddings:
         tensors["lm_head.weight"] = params["w_unembed"].T
     return _config(cfg), tensors

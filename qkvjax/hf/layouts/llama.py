@@ -113,6 +113,16 @@ def mlp_params(t: Tensors, p: str, bias: bool) -> dict:
     return mlp
 
 
+def mlp_tensors(mlp: dict, p: str, bias: bool) -> dict:
+    """:func:`mlp_params` inverted: ``w_gate``, ``w_in``, ``w_out`` (and biases) as ``nn.Linear`` weights."""
+    out = {}
+    for theirs, ours in (("gate_proj", "gate"), ("up_proj", "in"), ("down_proj", "out")):
+        out[f"{p}mlp.{theirs}.weight"] = mlp["w_" + ours].T
+        if bias:
+            out[f"{p}mlp.{theirs}.bias"] = mlp["b_" + ours]
+    return out
+
+
 def params(t: Tensors, cfg: ModelConfig) -> dict:
     att = cfg.attention
     n, k = att.num_heads, att.kv_heads
@@ -164,11 +174,7 @@ def write_tensors(cfg: ModelConfig, params: dict) -> tuple[dict, bool]:
             tensors[p + "self_attn.o_proj.bias"] = r["b_o"]
         for role in ("q", "k") if layer.config.qk_norm else ():
             tensors[f"{p}self_attn.{role}_norm.weight"] = block["attention"][f"{role}_norm_scale"]
-        mlp = block["mlp"]
-        for hf_name, name in (("gate_proj", "gate"), ("up_proj", "in"), ("down_proj", "out")):
-            tensors[f"{p}mlp.{hf_name}.weight"] = mlp["w_" + name].T
-            if cfg.family.mlp_bias:
-                tensors[f"{p}mlp.{hf_name}.bias"] = mlp["b_" + name]
+        tensors |= mlp_tensors(block["mlp"], p, cfg.family.mlp_bias)
         tensors[p + "input_layernorm.weight"] = block["ln_attention"]["scale"]
         tensors[p + "post_attention_layernorm.weight"] = block["ln_mlp"]["scale"]
     if not cfg.tie_embeddings:
