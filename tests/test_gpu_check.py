@@ -1,5 +1,6 @@
 """benchmarks/gpu_check.py --smoke: the GPU visit's script, run end to end on the CPU at toy shapes, so that it
-cannot rot between visits (the figures it prints here are not measurements of anything)."""
+cannot rot between visits (the figures it prints here are not measurements of anything). Marked ``slow`` (out of
+CI for time): the GPU recipe runs it first, ``.venv/bin/python -m pytest -m slow tests/test_gpu_check.py``."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from tests.helpers import REPO
 pytest.importorskip("torch", reason="the torch section needs the optional bench extra (CI installs it)")
 
 
+@pytest.mark.slow  # 110-200 s (six sections, each in its own interpreter): run before a GPU visit, pytest -m slow
 def test_gpu_check_smoke_runs_every_section(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     proc = subprocess.run(

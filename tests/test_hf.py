@@ -256,7 +256,8 @@ def test_import_decodes_with_the_cache_as_transformers_scores_the_whole_sequence
 
 @pytest.mark.parametrize(("name", "fmt"), [("gpt2", "gpt2"), ("llama_gqa", "llama"), ("qwen2_biases_tied", "llama"),
                                            ("qwen3_qk_norm", "qwen3"), ("deepseek_v2", "deepseek_v2"),
-                                           ("deepseek_v2_q_lora", "deepseek_v2"), ("gemma4", "gemma4")])  # fmt: skip
+                                           ("deepseek_v2_q_lora", "deepseek_v2"), ("gemma4", "gemma4"),
+                                           ("mistral_window", "mistral"), ("qwen2_window_layer", "qwen2")])  # fmt: skip
 def test_import_then_export_loads_in_transformers_with_the_same_logits(folders, name, fmt, tmp_path):
     folder, ref_model = folders[name]
     import_folder(folder, tmp_path / "run")
@@ -483,7 +484,7 @@ def test_schemes_the_layouts_cannot_express_are_refused(folders, tmp_path):
                                           learned_positions=False), "llama")  # fmt: skip
     att = AttentionConfig(num_heads=3, head_dim=5)
     windowed = ModelConfig(att, d_model=15, num_layers=2, layers="[sliding_window=4], []")
-    message = r"^layer 0: sliding_window=4 \(not written yet\): the Hugging Face gpt2 layout"
+    message = r"^layer 0: sliding_window=4 \(this layout has no window; [^\n]*: the Hugging Face gpt2 layout"
     with pytest.raises(ValueError, match=message):
         check_exportable(windowed, "gpt2")
     from qkvjax.models.family import Family

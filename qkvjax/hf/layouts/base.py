@@ -182,11 +182,16 @@ def unembed(t: Tensors, cfg, table: str) -> dict:
 # ------------------------------------------------------------------------------------------- export pieces
 
 
-def check_layers(cfg, require, name: str, *, learned_positions: bool, qk_norm: bool = False) -> None:
+def check_layers(
+    cfg, require, name: str, *, learned_positions: bool, qk_norm: bool = False, windows: bool = False
+) -> None:
     """What these layouts need of each attention layer: a plain partition scheme (each role ``x W``), no layer
     reading another's K/V, no V-norm or relative bias, QK-norm on every layer (with the model's norm epsilon) or
-    on none as ``qk_norm`` says, values as wide as keys, no window, one K for all layers; learned positions (no
-    rotary, K = N, N H = D) or rotary ones (half-split, one base)."""
+    on none as ``qk_norm`` says, values as wide as keys, no window (unless ``windows``: then one width, on the
+    layers that have one), one K for all layers; learned positions (no rotary, K = N, N H = D) or rotary ones
+    (half-split, one base)."""
+    widths = {layer.config.sliding_window for layer in cfg.layer_attention} - {None}
+    require(len(widths) <= 1, f"sliding windows of {len(widths)} widths {sorted(widths)} (one per model)")
     for i, layer in enumerate(cfg.layer_attention):
         att, scheme = layer.config, layer.config.tying
         if learned_positions:  # positions first: infer_format tells a position mismatch by its "rope=" refusal
@@ -207,7 +212,8 @@ def check_layers(cfg, require, name: str, *, learned_positions: bool, qk_norm: b
             eps = cfg.family.norm_eps
             require(att.norm_eps == eps, f"layer {i}: norm_eps={att.norm_eps} differs from the model's {eps}")
         require(att.value_dim == att.head_dim, f"layer {i}: v_head_dim={att.v_head_dim}")
-        require(att.sliding_window is None, f"layer {i}: sliding_window={att.sliding_window} (not written yet)")
+        require(windows or att.sliding_window is None, f"layer {i}: sliding_window={att.sliding_window} (this "
+                "layout has no window; mistral, qwen2, qwen3 and gemma4 have)")  # fmt: skip
         require(att.kv_heads == cfg.attention.kv_heads, f"layer {i}: num_kv_heads={att.num_kv_heads} varies")
 
 

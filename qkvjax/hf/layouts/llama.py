@@ -148,8 +148,8 @@ def params(t: Tensors, cfg: ModelConfig) -> dict:
     return out | unembed(t, cfg, "embed_tokens.weight")
 
 
-def check(cfg: ModelConfig, require, name: str = "llama", qk_norm: bool = False) -> None:
-    check_layers(cfg, require, name, learned_positions=False, qk_norm=qk_norm)
+def check(cfg: ModelConfig, require, name: str = "llama", qk_norm: bool = False, windows: bool = False) -> None:
+    check_layers(cfg, require, name, learned_positions=False, qk_norm=qk_norm, windows=windows)
     fam = cfg.family
     require(fam.norm == "rmsnorm", f"norm={fam.norm!r}")
     require(fam.mlp == "swiglu", f"mlp={fam.mlp!r}")
@@ -157,10 +157,11 @@ def check(cfg: ModelConfig, require, name: str = "llama", qk_norm: bool = False)
     plain_family(fam, require)
 
 
-def write_tensors(cfg: ModelConfig, params: dict) -> tuple[dict, bool]:
-    """The tensors of the Llama layout, and whether attention has biases (written when any layer has one)."""
+def write_tensors(cfg: ModelConfig, params: dict, qkv_bias: bool = False) -> tuple[dict, bool]:
+    """The tensors of the Llama layout, and whether attention has biases (written when any layer has one; with
+    ``qkv_bias`` (Qwen2) the q/k/v biases always, the output's never)."""
     d, layers = cfg.d_model, cfg.layer_attention
-    attention_bias = any(a.config.use_bias or a.config.has_output_bias for a in layers)
+    attention_bias = qkv_bias or any(a.config.use_bias or a.config.has_output_bias for a in layers)
     tensors = {"model.embed_tokens.weight": params["embed"], "model.norm.weight": params["ln_final"]["scale"]}
     for i, layer in enumerate(layers):
         block, p = params[f"block_{i}"], f"model.layers.{i}."
@@ -170,7 +171,7 @@ def write_tensors(cfg: ModelConfig, params: dict) -> tuple[dict, bool]:
             if attention_bias:
                 tensors[f"{p}self_attn.{x}_proj.bias"] = r["b_" + x].reshape(-1)
         tensors[p + "self_attn.o_proj.weight"] = block["attention"]["w_o"].reshape(-1, d).T
-        if attention_bias:
+        if attention_bias and not qkv_bias:
             tensors[p + "self_attn.o_proj.bias"] = r["b_o"]
         for role in ("q", "k") if layer.config.qk_norm else ():
             tensors[f"{p}self_attn.{role}_norm.weight"] = block["attention"][f"{role}_norm_scale"]
@@ -213,14 +214,56 @@ def write(cfg: ModelConfig, params: dict) -> tuple[dict, dict]:
 
 
 def qwen3_check(cfg: ModelConfig, require) -> None:
-    check(cfg, require, "qwen3", qk_norm=True)
+    check(cfg, require, "qwen3", qk_norm=True, windows=True)
     require(not cfg.family.mlp_bias, "mlp_bias=True")
+
+
+def _window(cfg: ModelConfig) -> int | None:
+    return next((layer.config.sliding_window for layer in cfg.layer_attention if layer.config.sliding_window), None)
+
+
+def layer_windows(cfg: ModelConfig) -> dict:
+    """Qwen2's and Qwen3's window fields: ``layer_types`` per layer, the one width, the switch."""
+    kinds = ["sliding_attention" if layer.config.sliding_window else "full_attention" for layer in cfg.layer_attention]
+    window = _window(cfg)
+    return {"use_sliding_window": window is not None, "sliding_window": window, "layer_types": kinds,
+            "max_window_layers": cfg.num_layers}  # fmt: skip
 
 
 def qwen3_write(cfg: ModelConfig, params: dict) -> tuple[dict, dict]:
     """(config.json, tensors) of a ``Qwen3ForCausalLM``."""
     tensors, attention_bias = write_tensors(cfg, params)
-    return write_config(cfg, "qwen3", "Qwen3ForCausalLM") | {"attention_bias": attention_bias}, tensors
+    config = write_config(cfg, "qwen3", "Qwen3ForCausalLM") | {"attention_bias": attention_bias}
+    return config | layer_windows(cfg), tensors
+
+
+def mistral_check(cfg: ModelConfig, require) -> None:
+    """Mistral: the Llama layout with one window on every layer (or none), no biases."""
+    check(cfg, require, "mistral", windows=True)
+    windows = {layer.config.sliding_window for layer in cfg.layer_attention}
+    require(len(windows) == 1, "a window on some layers only (Mistral has one for all; qwen2 has per-layer ones)")
+    require(not any(a.config.use_bias or a.config.has_output_bias for a in cfg.layer_attention), "use_bias=True")
+    require(not cfg.family.mlp_bias, "mlp_bias=True")
+
+
+def mistral_write(cfg: ModelConfig, params: dict) -> tuple[dict, dict]:
+    """(config.json, tensors) of a ``MistralForCausalLM``."""
+    tensors, _ = write_tensors(cfg, params)
+    return write_config(cfg, "mistral", "MistralForCausalLM") | {"sliding_window": _window(cfg)}, tensors
+
+
+def qwen2_check(cfg: ModelConfig, require) -> None:
+    """Qwen2: the Llama layout with q/k/v biases (zeros where the model has none), no output bias, windows per
+    layer."""
+    check(cfg, require, "qwen2", windows=True)
+    require(not any(a.config.has_output_bias for a in cfg.layer_attention), "an output bias (Qwen2 has none)")
+    require(not cfg.family.mlp_bias, "mlp_bias=True")
+
+
+def qwen2_write(cfg: ModelConfig, params: dict) -> tuple[dict, dict]:
+    """(config.json, tensors) of a ``Qwen2ForCausalLM``: its q/k/v biases always written."""
+    tensors, _ = write_tensors(cfg, params, qkv_bias=True)
+    return write_config(cfg, "qwen2", "Qwen2ForCausalLM") | layer_windows(cfg), tensors
 
 
 READ = COMMON_READ | {
@@ -238,7 +281,11 @@ PROJECTIONS = Projections(
     "model.layers.0.self_attn.q_proj.weight", "num_attention_heads", "num_key_value_heads",
 )  # fmt: skip
 
-LAYOUT = Layout("llama", ("llama", "mistral", "qwen2"), False, config, params, check, write,
+LAYOUT = Layout("llama", ("llama",), False, config, params, check, write,
                 prefixes=("model.", ""), read=READ, inert=INERT, projections=PROJECTIONS)  # fmt: skip
+MISTRAL = Layout("mistral", ("mistral",), False, config, params, mistral_check, mistral_write,
+                 prefixes=("model.", ""), read=READ, inert=INERT, projections=PROJECTIONS)  # fmt: skip
+QWEN2 = Layout("qwen2", ("qwen2",), False, config, params, qwen2_check, qwen2_write,
+               prefixes=("model.", ""), read=READ, inert=INERT, projections=PROJECTIONS)  # fmt: skip
 QWEN3 = Layout("qwen3", ("qwen3",), False, qwen3_config, params, qwen3_check, qwen3_write,
                prefixes=("model.", ""), read=READ, inert=INERT, projections=PROJECTIONS)  # fmt: skip
