@@ -97,6 +97,14 @@ def _models():
                 bos_token_id=0, eos_token_id=0,
             )
         ),
+        # V3: its rotary weights in the half-split layout (rope_interleave false), the query LoRA, dense layers only
+        "deepseek_v3_half": lambda: tf.DeepseekV3ForCausalLM(
+            tf.DeepseekV3Config(
+                hidden_size=21, num_hidden_layers=2, num_attention_heads=3, kv_lora_rank=8, q_lora_rank=9,
+                qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=3, intermediate_size=11, first_k_dense_replace=2,
+                vocab_size=V, max_position_embeddings=17, rope_interleave=False, bos_token_id=0, eos_token_id=0,
+            )
+        ),
         # sliding (W=3, H=6, K=2) and full layers (H=8, K=1, K = V, a quarter of the pairs rotated), the last two
         # reading the first two's K/V, sandwich norms, layer scalars, embedding scale, logit soft-cap
         "gemma4": lambda: tf.Gemma4ForCausalLM(
@@ -156,7 +164,7 @@ def _close(ours, ref, mask):
 @pytest.mark.parametrize(
     "name",
     ["gpt2", "llama_gqa", "qwen2_biases_tied", "mistral_window", "qwen2_window_layer", "qwen3_qk_norm", "deepseek_v2",
-     "deepseek_v2_q_lora", "gemma4", "bert"],
+     "deepseek_v2_q_lora", "deepseek_v3_half", "gemma4", "bert"],
 )  # fmt: skip
 def test_import_computes_what_transformers_computes(folders, name):
     folder, ref_model = folders[name]
@@ -257,11 +265,16 @@ def test_import_decodes_with_the_cache_as_transformers_scores_the_whole_sequence
 @pytest.mark.parametrize(("name", "fmt"), [("gpt2", "gpt2"), ("llama_gqa", "llama"), ("qwen2_biases_tied", "llama"),
                                            ("qwen3_qk_norm", "qwen3"), ("deepseek_v2", "deepseek_v2"),
                                            ("deepseek_v2_q_lora", "deepseek_v2"), ("gemma4", "gemma4"),
-                                           ("mistral_window", "mistral"), ("qwen2_window_layer", "qwen2")])  # fmt: skip
+                                           ("mistral_window", "mistral"), ("qwen2_window_layer", "qwen2"),
+                                           ("deepseek_v3_half", "deepseek_v2"),
+                                           ("deepseek_v3_half", "deepseek_v3")])  # fmt: skip
 def test_import_then_export_loads_in_transformers_with_the_same_logits(folders, name, fmt, tmp_path):
+    """The default format is the first layout that expresses the model (a V3 model goes to V2's layout, its rotary
+    features reordered); a named one is written as asked."""
     folder, ref_model = folders[name]
     import_folder(folder, tmp_path / "run")
-    assert export_workdir(tmp_path / "run", str(tmp_path / "out")) == fmt
+    chosen = None if fmt != "deepseek_v3" else fmt
+    assert export_workdir(tmp_path / "run", str(tmp_path / "out"), chosen) == fmt
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     tokens, mask = _batch()
     _close(_reference(back, tokens, mask, False), _reference(ref_model, tokens, mask, False), mask)
@@ -640,7 +653,8 @@ def test_an_imported_bert_workdir_is_read_converted_and_exported_and_refused_whe
 
 
 CONFIG_CLASSES = {"gpt2": "GPT2Config", "llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config",
-                  "qwen3": "Qwen3Config", "deepseek_v2": "DeepseekV2Config", "gemma4_text": "Gemma4TextConfig",
+                  "qwen3": "Qwen3Config", "deepseek_v2": "DeepseekV2Config", "deepseek_v3": "DeepseekV3Config",
+                  "gemma4_text": "Gemma4TextConfig",
                   "bert": "BertConfig"}  # fmt: skip
 
 

@@ -13,7 +13,17 @@ from qkvjax.hf.layouts import bert, deepseek, gemma, gpt2, llama
 from qkvjax.hf.layouts.base import INERT, Layout, Projections
 
 # in the order infer_format prefers them: the first that can express a model is its default export format
-ORDER = (bert.LAYOUT, llama.LAYOUT, gpt2.LAYOUT, llama.QWEN3, deepseek.LAYOUT, gemma.LAYOUT, llama.MISTRAL, llama.QWEN2)
+ORDER = (
+    bert.LAYOUT,
+    llama.LAYOUT,
+    gpt2.LAYOUT,
+    llama.QWEN3,
+    deepseek.LAYOUT,
+    gemma.LAYOUT,
+    llama.MISTRAL,
+    llama.QWEN2,
+    deepseek.V3,
+)
 LAYOUTS: dict[str, Layout] = {layout.name: layout for layout in ORDER}
 MODEL_TYPES: dict[str, str] = {t: layout.name for layout in LAYOUTS.values() for t in layout.model_types}
 

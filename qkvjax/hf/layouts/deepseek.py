@@ -1,4 +1,8 @@
-"""DeepSeek-V2 (``DeepseekV2ForCausalLM``): Multi-head Latent Attention (qkvjax's ``mla`` scheme) with dense MLPs.
+"""DeepSeek-V2 and V3 (``DeepseekV2ForCausalLM``, ``DeepseekV3ForCausalLM``): Multi-head Latent Attention (qkvjax's
+``mla`` scheme) with dense MLPs. V3's attention tensors are V2's; its ``rope_interleave`` says which rotary layout
+the weights use (true: interleaved pairs, as V2; false: the half-split ``rotate_half`` one), and it writes no
+``mlp_bias``. Its multi-token-prediction layers (``num_nextn_predict_layers``) are not part of the model
+transformers runs and are not imported.
 
 Per layer, in ``nn.Linear`` ``[out, in]`` weights (H = ``qk_nope_head_dim``, P = ``qk_rope_head_dim``,
 U = ``v_head_dim``, R = ``kv_lora_rank``, Rq = ``q_lora_rank``)::
@@ -40,13 +44,14 @@ LATENT_EPS = 1e-6  # DeepseekV2RMSNorm's default, which kv_a_layernorm and q_a_l
 def config(hf: dict, max_len: int | None = None) -> ModelConfig:
     n, layers = hf["num_attention_heads"], hf["num_hidden_layers"]
     dense = hf.get("first_k_dense_replace", 0)
-    if dense < layers and hf.get("n_routed_experts"):
+    if dense < layers and (hf.get("n_routed_experts") or hf.get("model_type") == "deepseek_v3"):
         raise ValueError(
             f"config.json first_k_dense_replace={dense}: layers {dense}..{layers - 1} are mixture-of-experts layers, "
             f"which qkvjax does not model; allowed: first_k_dense_replace >= num_hidden_layers={layers} (dense MLPs)"
         )
     refuse(hf, "hidden_act", ("silu",), "the DeepSeek-V2 layout's MLP is SwiGLU")
     refuse(hf, "attention_bias", (False,), "biases on the latent down-projections are not modelled")
+    interleaved = hf.get("rope_interleave", True)  # V2 has no such field: interleaved
     attention = AttentionConfig(
         num_heads=n,
         head_dim=hf["qk_nope_head_dim"],
@@ -56,7 +61,7 @@ def config(hf: dict, max_len: int | None = None) -> ModelConfig:
         q_rank=hf.get("q_lora_rank"),
         rope=True,
         rope_base=rope_base(hf),
-        rope_layout="interleaved",
+        rope_layout="interleaved" if interleaved else "half",
         rope_head_dim=hf["qk_rope_head_dim"],
         norm_eps=LATENT_EPS,
     )
@@ -157,10 +162,11 @@ def _joined(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return np.concatenate([x, y], axis=-1).reshape(x.shape[0], -1).T
 
 
-def write(cfg: ModelConfig, params: dict) -> tuple[dict, dict]:
-    """(config.json, tensors) of a ``DeepseekV2ForCausalLM`` with dense MLPs."""
+def write(cfg: ModelConfig, params: dict, v3: bool = False) -> tuple[dict, dict]:
+    """(config.json, tensors) of a ``DeepseekV2ForCausalLM`` with dense MLPs (``v3``: a ``DeepseekV3ForCausalLM``,
+    whose ``rope_interleave`` takes the model's rotary layout as it is)."""
     att, d = cfg.attention, cfg.d_model
-    n, rot = att.num_heads, lambda w: _interleaved(w, att.rope_layout)
+    n, rot = att.num_heads, (lambda w: w) if v3 else (lambda w: _interleaved(w, att.rope_layout))
     tensors = {"model.embed_tokens.weight": params["embed"], "model.norm.weight": params["ln_final"]["scale"]}
     for i in range(cfg.num_layers):
         block, pre = params[f"block_{i}"], f"model.layers.{i}."
@@ -206,14 +212,27 @@ def write(cfg: ModelConfig, params: dict) -> tuple[dict, dict]:
         "bos_token_id": None,
         "eos_token_id": None,
     }
+    if v3:
+        config |= {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+                   "rope_interleave": att.rope_layout == "interleaved"}  # fmt: skip
+        del config["mlp_bias"]
     return config, tensors
+
+
+def v3_check(cfg: ModelConfig, require) -> None:
+    check(cfg, require)
+    require(not cfg.family.mlp_bias, "mlp_bias=True (DeepSeek-V3's MLPs have no biases)")
+
+
+def v3_write(cfg: ModelConfig, params: dict) -> tuple[dict, dict]:
+    return write(cfg, params, v3=True)
 
 
 READ = COMMON_READ | {
     "hidden_act", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
     "max_position_embeddings", "rms_norm_eps", "rope_parameters", "rope_scaling", "rope_theta",
     "tie_word_embeddings", "attention_bias", "mlp_bias", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim",
-    "qk_rope_head_dim", "v_head_dim", "first_k_dense_replace", "n_routed_experts",
+    "qk_rope_head_dim", "v_head_dim", "first_k_dense_replace", "n_routed_experts", "rope_interleave",
 }  # fmt: skip
 INERT = frozenset({
     "attention_dropout", "pretraining_tp",
@@ -222,7 +241,10 @@ INERT = frozenset({
     # the mixture-of-experts layers' settings: a folder with such layers is refused (first_k_dense_replace)
     "moe_intermediate_size", "n_group", "n_shared_experts", "norm_topk_prob", "num_experts_per_tok",
     "output_router_logits", "routed_scaling_factor", "topk_group", "topk_method",
+    "num_nextn_predict_layers",  # V3's multi-token-prediction layers: not run by the model, not imported
 })  # fmt: skip
 
 LAYOUT = Layout("deepseek_v2", ("deepseek_v2",), False, config, params, check, write, prefixes=("model.", ""),
                 read=READ, inert=INERT)  # fmt: skip
+V3 = Layout("deepseek_v3", ("deepseek_v3",), False, config, params, v3_check, v3_write, prefixes=("model.", ""),
+            read=READ, inert=INERT)  # fmt: skip
