@@ -1,5 +1,6 @@
 """A tiny Hugging Face model folder to try ``qkvjax import`` / ``export`` on: a byte-level BPE tokenizer trained on
-a text file with the ``tokenizers`` library, and a GPT-2 or Llama model of that vocabulary with random weights,
+a text file with the ``tokenizers`` library, and a model of that vocabulary with random weights (GPT-2, Llama,
+Qwen3, DeepSeek-V2 with MLA, or Gemma 4 with K = V full layers and K/V-sharing last layers),
 saved with transformers' ``save_pretrained`` (needs the ``hf`` and ``bench`` extras). Stands in for a downloaded
 checkpoint (``huggingface-cli download gpt2``, ``Qwen/Qwen2-0.5B``, ...), which works the same way.
 
@@ -32,16 +33,27 @@ def model(arch: str, vocab_size: int, seed: int):
     if arch == "gpt2":
         cfg = tf.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=128, vocab_size=vocab_size)
         return tf.GPT2LMHeadModel(cfg)
-    cfg = tf.LlamaConfig(
-        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=160,
-        vocab_size=vocab_size, max_position_embeddings=128,
-    )  # fmt: skip
+    common = dict(hidden_size=64, intermediate_size=160, vocab_size=vocab_size, max_position_embeddings=128)
+    if arch == "qwen3":
+        return tf.Qwen3ForCausalLM(tf.Qwen3Config(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                                  head_dim=16, **common))  # fmt: skip
+    if arch == "deepseek_v2":
+        return tf.DeepseekV2ForCausalLM(tf.DeepseekV2Config(
+            num_hidden_layers=2, num_attention_heads=4, kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16,
+            qk_rope_head_dim=8, v_head_dim=16, first_k_dense_replace=2, **common))  # fmt: skip
+    if arch == "gemma4":
+        return tf.Gemma4ForCausalLM(tf.Gemma4TextConfig(
+            num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=32,
+            layer_types=["sliding_attention", "full_attention"] * 2, hidden_size_per_layer_input=0,
+            attention_k_eq_v=True, num_kv_shared_layers=2, global_head_dim=32, num_global_key_value_heads=1,
+            final_logit_softcapping=30.0, **common))  # fmt: skip
+    cfg = tf.LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, **common)
     return tf.LlamaForCausalLM(cfg)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--arch", choices=["gpt2", "llama"], default="llama")
+    parser.add_argument("--arch", choices=["gpt2", "llama", "qwen3", "deepseek_v2", "gemma4"], default="llama")
     parser.add_argument("--corpus", required=True, help="a UTF-8 text file to train the tokenizer on")
     parser.add_argument("--out", required=True, help="the model folder to write")
     parser.add_argument("--vocab-size", type=int, default=512)

@@ -105,8 +105,9 @@ def config(hf: dict, max_len: int | None = None) -> ModelConfig:
         options += [f"sliding_window={window}"] if kind == "sliding_attention" else []
         options += [] if donor is None else [f"kv_from={donor}"]
         entries.append(("shared_kv" if k_eq_v else "separate") + "[" + ",".join(options) + "]")
-    attention = AttentionConfig(num_heads=n, head_dim=hf["head_dim"], rope=True, qk_norm=True, v_norm=True,
-                                norm_eps=eps)  # fmt: skip
+    k = hf.get("num_key_value_heads") or n  # the base's; each layer's own is in its pattern entry
+    attention = AttentionConfig(num_heads=n, head_dim=hf["head_dim"], num_kv_heads=None if k == n else k, rope=True,
+                                qk_norm=True, v_norm=True, norm_eps=eps)  # fmt: skip
     return ModelConfig(
         attention=attention,
         layers=", ".join(entries),
