@@ -335,10 +335,13 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
     plt = report.pyplot()
 
     cells = finals(rows)
+    corpora = sorted({c for c, _, _ in cells})
+    corpus = "shakespeare" if "shakespeare" in corpora or not corpora else corpora[0]  # the folder's own corpus
+    title = {"shakespeare": "Tiny Shakespeare"}.get(corpus, corpus)
     written = []
     fig, ax = plt.subplots(figsize=(10, 5))
     for variant in (v for v in VARIANT_ORDER if v != "separate"):
-        entries = [paired(cells, c, s, v) for c, s, v in cells if c == "shakespeare" and v == variant]
+        entries = [paired(cells, c, s, v) for c, s, v in cells if c == corpus and v == variant]
         pts = sorted((e["ref_params"], e["delta"], e.get("ci")) for e in entries if e and "delta" in e)
         if not pts:
             continue
@@ -362,9 +365,9 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
     ax.set_xscale("log")
     ax.set_xlabel("parameters (separate's at each size; log; the schemes drawn side by side)")
     ax.set_ylabel("Δ final validation loss vs separate (nats/byte)")
-    sizes = len({s for c, s, v in cells if c == "shakespeare" and "delta" in (paired(cells, c, s, v) or {})})
+    sizes = len({s for c, s, v in cells if c == corpus and "delta" in (paired(cells, c, s, v) or {})})
     so_far = " so far" if sizes < 3 else ""
-    ax.set_title(f"Tying penalty against model size: Tiny Shakespeare, {sizes} of 3 sizes{so_far}\n"
+    ax.set_title(f"Tying penalty against model size: {title}, {sizes} of 3 sizes{so_far}\n"
                  "mean over seeds with 95% t intervals (2 or more seeds)\n"
                  "dashed: least-squares trend through every seed's Δ; shaded: its 95% band", fontsize=9)  # fmt: skip
     ax.grid(alpha=0.3, which="both")
@@ -376,7 +379,7 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
 
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     for variant in VARIANT_ORDER:
-        runs = [r for (c, _, v), by_seed in cells.items() if c == "shakespeare" and v == variant
+        runs = [r for (c, _, v), by_seed in cells.items() if c == corpus and v == variant
                 for r in by_seed.values()]  # fmt: skip
         pts = [(6 * int(r["params"]) * int(r["tokens"]), float(r["final_val_loss"])) for r in runs]
         if pts:
@@ -385,8 +388,8 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
     ax.set_xscale("log")
     ax.set_xlabel("training compute, 6 x params x tokens (FLOPs; log)")
     ax.set_ylabel("final validation loss (nats/byte)")
-    widths = ", ".join(str(s) for s in sorted({s for c, s, _ in cells if c == "shakespeare"}))
-    ax.set_title(f"Loss against compute (Tiny Shakespeare, every seed; the clusters are d_model {widths},\n"
+    widths = ", ".join(str(s) for s in sorted({s for c, s, _ in cells if c == corpus}))
+    ax.set_title(f"Loss against compute ({title}, every seed; the clusters are d_model {widths},\n"
                  "each trained on 10 tokens per separate parameter)", fontsize=9)  # fmt: skip
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
