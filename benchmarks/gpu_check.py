@@ -48,9 +48,10 @@ if __package__ in (None, ""):  # run as a script: make the repository and this f
 
 SECTIONS = ("machine", "correctness", "speed", "torch", "train", "sample")
 # Seconds each section may run before it is killed (a GPU visit has 10 minutes a call); --smoke: 120 each.
-LIMITS = {"machine": 60, "correctness": 120, "speed": 180, "torch": 120, "train": 120, "sample": 100}
-SPEED_ROWS = ("separate", "flax", "shared_kv", "gqa", "shared_qk", "mla", "separate/xla")  # most wanted first
-SMOKE_SPEED_ROWS = ("separate", "flax", "mla")
+LIMITS = {"machine": 60, "correctness": 120, "speed": 240, "torch": 120, "train": 150, "sample": 120}
+# most wanted first; "/xla": XLA's attention instead of cuDNN's; "+rope": MLA's decoupled rotary part
+SPEED_ROWS = ("separate", "flax", "shared_kv", "gqa", "shared_qk", "mla", "mla+rope", "separate/xla")
+SMOKE_SPEED_ROWS = ("separate", "flax", "mla+rope")
 SMOKE_VARIANTS = ("separate", "mla+rope", "cla2")  # each module class and a K/V hand-over
 CORRECTNESS_VARIANTS = {  # name: config overrides on the small LM
     "separate": {},
@@ -259,7 +260,7 @@ def section_correctness(args) -> dict:
             for dtype in ("float32", "bfloat16"):
                 (_, y), g = out_and_grads(_attention_stack(_small_lm(over, dtype, layers)))(params, x, c)
                 row[dtype] = {"out": _rel(y, ref_y), "grads": _rel(g, ref_g)}
-            if gpu and name in ("separate", "gqa"):  # cuDNN flash attention against XLA's, bf16, T = 64
+            if gpu and name in ("separate", "gqa", "mla", "mla+rope"):  # cuDNN flash attention against XLA's, bf16
                 xc, cc = rng.standard_normal((2, b, 64, d)).astype(np.float32)
                 cudnn = _small_lm(dict(over) | {"model.attention.implementation": "cudnn"}, "bfloat16", layers)
                 xla = _small_lm(dict(over) | {"model.attention.implementation": "xla"}, "bfloat16", layers)
@@ -334,11 +335,14 @@ def _decode_error(model, rng, DecodeCache) -> float:
 def _speed_config(args, row: str):
     over = {"model.dropout_rate": 0.0, "train.grad_accum_steps": 1, "train.batch_size": args.batch_size}
     scheme = row.split("/")[0]
+    if scheme.endswith("+rope"):  # MLA's decoupled rotary part: keys H + P wide, values H (padded for cuDNN)
+        scheme = scheme.removesuffix("+rope")
+        over["model.attention.rope"] = True
     if scheme == "gqa":
         over["model.attention.num_kv_heads"] = 4 if not args.smoke else 2
     elif scheme not in ("separate", "flax"):
         over["model.attention.scheme"] = scheme
-    if _on_gpu() and row not in ("separate/xla", "mla", "flax"):
+    if _on_gpu() and not row.endswith("/xla") and row != "flax":
         over["model.attention.implementation"] = "cudnn"
     path = "experiments/configs/tiny.py" if args.smoke else "experiments/configs/gpt2_small.py"
     return _config(path, over)
@@ -367,7 +371,8 @@ def section_speed(args) -> dict:
         else:
             model = DecoderLM(cfg.model)
         runner = bench.prepare_train(model, cfg)
-        step_s = statistics.median(runner["step"]() for _ in range(args.steps))
+        times = [runner["step"]() for _ in range(args.steps)]
+        step_s = statistics.median(times)
         flops = train_flops_per_token(cfg.model, cfg.seq_len)
         tps = runner["tokens"] / step_s
         rows[row] = {
@@ -376,6 +381,7 @@ def section_speed(args) -> dict:
             "batch": cfg.train.batch_size,
             "seq_len": cfg.seq_len,
             "step_s": step_s,
+            **_quartiles(times),
             "tokens_per_s": tps,
             "train_flops_per_token": flops,
             "mfu": tps * flops / peak if peak else None,
@@ -392,6 +398,12 @@ def section_speed(args) -> dict:
     return result
 
 
+def _quartiles(times: list[float]) -> dict:
+    """The timed steps' first and third quartiles: the spread a ratio between two rows is read against."""
+    q1, _, q3 = statistics.quantiles(times, n=4) if len(times) > 1 else (times[0],) * 3
+    return {"step_s_q1": q1, "step_s_q3": q3}
+
+
 def section_torch(args) -> dict:
     import torch
     import torch_reference  # beside this script
@@ -399,7 +411,8 @@ def section_torch(args) -> dict:
     cuda = torch.cuda.is_available()
     cfg = _speed_config(args, "separate")
     one_step = torch_reference.runner(cfg, args.batch_size, device="cuda" if cuda else "cpu", compile=cuda)
-    step_s = statistics.median(one_step() for _ in range(args.steps))
+    times = [one_step() for _ in range(args.steps)]
+    step_s = statistics.median(times)
     from qkvjax.models.lm import train_flops_per_token
 
     peak = _read(args.work, "machine", "matmul", "flops_per_s")
@@ -412,6 +425,7 @@ def section_torch(args) -> dict:
         "dtype": cfg.model.attention.dtype,
         "batch": args.batch_size,
         "step_s": step_s,
+        **_quartiles(times),
         "tokens_per_s": tps,
         "mfu": tps * flops / peak if peak else None,
         "warmup_and_compile_s": one_step.warmup_s,
@@ -535,6 +549,7 @@ def section_sample(args) -> dict:
     param_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
     prompt_len, new = (8, 16) if args.smoke else (32, 128)
     rows = {}
+    result = {"param_bytes": param_bytes, "prompt_len": prompt_len, "new_tokens": new, "rows": rows}
     for batch in (1, 8) if args.smoke else (1, 64):
         prompts = [rng.integers(0, cfg.model.vocab_size, prompt_len) for _ in range(batch)]
         _, stats = generate_batch(model, params, prompts, new, seed=2)  # its tokens/s leave the compiles out
@@ -546,9 +561,11 @@ def section_sample(args) -> dict:
             "bytes_per_step": bytes_per_step,
             "floor_tokens_per_s": floor,
             "fraction_of_floor": stats["tokens_per_s"] / floor if floor else None,
+            "prefill_and_compile_s": stats["prefill_and_compile_s"],
         }
         print(f"sample b{batch}: {stats['tokens_per_s']:,.0f} tok/s (floor {floor or 0:,.0f})", flush=True)
-    return {"param_bytes": param_bytes, "prompt_len": prompt_len, "new_tokens": new, "rows": rows}
+        _save(args, result)  # a row kept if the next one runs out of time
+    return result
 
 
 def _read(work: str, section: str, *keys):
@@ -692,20 +709,24 @@ def table(m: dict) -> str:
             lines.append(f"  {name:<12} " + " | ".join(cells))
     if "speed" in m:
         s = m["speed"]["rows"]
-        lines.append(f"{'train step':<14} {'tok/s':>10} {'x sep':>6} {'MFU':>6} {'compile s':>9} {'mem GB':>7}")
+        lines.append(
+            f"{'train step':<14} {'tok/s':>10} {'IQR':>6} {'x sep':>6} {'MFU':>6} {'compile s':>9} {'mem GB':>7}"
+        )
         sep = s.get("separate", {}).get("tokens_per_s")
-        rows = [(k, r["tokens_per_s"], r["train_flops_per_token"], r["compile_s"], r["xla_memory_bytes"])
-                for k, r in s.items()]  # fmt: skip
+        rows = [(k, r, r["train_flops_per_token"], r["compile_s"], r["xla_memory_bytes"]) for k, r in s.items()]
         if "torch" in m:
             t = m["torch"]
             label = "torch.compile" if t["compiled"] else "torch eager"
             flops = next(iter(s.values()))["train_flops_per_token"] if s else None
-            rows.append((label, t["tokens_per_s"], flops, t["warmup_and_compile_s"], t["peak_device_bytes"]))
-        for name, tps, flops, compile_s, mem in rows:
+            rows.append((label, t, flops, t["warmup_and_compile_s"], t["peak_device_bytes"]))
+        for name, r, flops, compile_s, mem in rows:
+            tps = r["tokens_per_s"]
             mfu = f"{100 * tps * flops / peak:.1f}%" if peak and flops else "n/a"
             ratio = f"{tps / sep:.2f}" if sep else "n/a"
             mem = f"{mem / 2**30:.1f}" if mem else "n/a"
-            lines.append(f"{name:<14} {tps:>10,.0f} {ratio:>6} {mfu:>6} {compile_s:>9.1f} {mem:>7}")
+            # the timed steps' interquartile range as +-% of the median step: a ratio inside it is noise
+            iqr = f"{50 * (r['step_s_q3'] - r['step_s_q1']) / r['step_s']:.1f}%" if "step_s_q1" in r else "n/a"
+            lines.append(f"{name:<14} {tps:>10,.0f} {iqr:>6} {ratio:>6} {mfu:>6} {compile_s:>9.1f} {mem:>7}")
     if "train" in m:
         t = m["train"]
         lines.append(
@@ -730,14 +751,14 @@ def main(argv=None) -> int:
     p.add_argument("--section", default=None, help=argparse.SUPPRESS)  # one section, in the driver's child
     p.add_argument("--work", default=None, help=argparse.SUPPRESS)  # where the child writes its json
     p.add_argument("--batch-size", type=int, default=None, help="train batch (default 32; 2 with --smoke)")
-    p.add_argument("--steps", type=int, default=None, help="timed train steps (default 10; 3 with --smoke)")
+    p.add_argument("--steps", type=int, default=None, help="timed train steps (default 20; 3 with --smoke)")
     p.add_argument("--corpus", default=None, help="text for the train section (default README.md)")
     p.add_argument("--rows", default=None, help=f"speed rows, comma-separated, of {','.join(SPEED_ROWS)}")
     p.add_argument("--budget-s", type=float, default=540, help="seconds for all sections; those left over are skipped")
     args = p.parse_args(argv)
     args.t0 = time.perf_counter()
     args.batch_size = args.batch_size or (2 if args.smoke else 32)
-    args.steps = args.steps or (3 if args.smoke else 10)
+    args.steps = args.steps or (3 if args.smoke else 20)
     if args.section:
         return run_section(args)
     return drive(args)

@@ -307,6 +307,7 @@ def test_einsum_and_xla_split_on_what_dot_product_attention_takes():
     assert picks(implementation="xla", qkv=fresh_qkv(u=H), causal=False) == "xla"
     assert picks(implementation="cudnn", qkv=fresh_qkv(u=H), causal=False) == "xla"
     assert picks(implementation="xla", causal=False) == "einsum"  # values wider than keys
+    assert picks(implementation="xla", qkv=fresh_qkv(u=H - 2), causal=False) == "xla"  # narrower: padded
     assert picks(implementation="xla", qkv=fresh_qkv(u=H), causal=False, self_mask=True) == "einsum"
     assert picks(implementation="einsum", qkv=fresh_qkv(u=H), causal=False) == "einsum"
 

@@ -90,13 +90,14 @@ def test_matches_the_float64_reference(kv, extra):
         rtol=1e-4,
         atol=1e-4,
     )
-    chunked = LatentAttention(dataclasses.replace(cfg, implementation="chunked", chunk_size=3))
-    np.testing.assert_allclose(
-        chunked.apply({"params": params}, x, causal=True),
-        mla_reference(params, cfg, x, causal=True),
-        rtol=1e-4,
-        atol=1e-4,
-    )
+    for how in (dict(implementation="chunked", chunk_size=3), dict(implementation="xla")):  # xla: values padded
+        other = LatentAttention(dataclasses.replace(cfg, **how))  # when narrower than the rotary-widened keys
+        np.testing.assert_allclose(
+            other.apply({"params": params}, x, causal=True),
+            mla_reference(params, cfg, x, causal=True),
+            rtol=1e-4,
+            atol=1e-4,
+        )
 
 
 @pytest.mark.parametrize("kv,hv", [(None, H), (K, H), (1, HV)])

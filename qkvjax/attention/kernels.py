@@ -242,10 +242,16 @@ def _xla(a: Inputs) -> Array:
     r = a.rules
     only_causal = r.mask is None and r.causal and not r.window
     k, v = a.slots.read(a.slots.length)
-    return jax.nn.dot_product_attention(
+    # dot_product_attention takes one head width for q, k and v; values narrower than the keys (MLA's decoupled
+    # rotary part: H + P against Hv) are padded with zeros, which mix to zeros, and cut off again (DeepSeek's
+    # FlashAttention route), so the fused kernel runs instead of materialising the scores
+    width = v.shape[-1]
+    v = jax.numpy.pad(v, [(0, 0)] * 3 + [(0, k.shape[-1] - width)])
+    out = jax.nn.dot_product_attention(
         a.queries.q, k, v, mask=None if only_causal else r.allowed, is_causal=only_causal,
         implementation=a.how.implementation,
     )  # fmt: skip
+    return out[..., :width]
 
 
 def _chunked_applies(a: Inputs) -> bool:
@@ -273,11 +279,11 @@ def _blocks_applies(a: Inputs, window: int = 0) -> bool:
 
 def _einsum_applies(a: Inputs) -> bool:
     """What ``jax.nn.dot_product_attention`` cannot take: custom scores, a cache, keys laid out (B, K, S, H),
-    values of another width than the keys; or asked for."""
+    values wider than the keys (narrower ones are padded, :func:`_xla`); or asked for."""
     s, q = a.slots, a.queries
     return bool(
         a.custom or a.how.implementation in ("einsum", "chunked") or s.start is not None or s.layout == CACHED
-        or s.value_dim != q.q.shape[-1]
+        or s.value_dim > q.q.shape[-1]
     )  # fmt: skip
 
 
