@@ -9,16 +9,22 @@ initialisation W_0 / Gaussian control* (means over heads and layers, as ``qkvjax
 fixed by the scheme's tie and shows as ``(1)`` (and the Gaussian control of the K/V rank error, which
 draws W^K and W^V apart, as ``—`` where K = V); one the scheme does not have (``bilinear`` has no W^Q, W^K) as
 ``—``. Drift is |W - W_0|_F / |W_0|_F over the attention's input kernels (every kernel but ``w_o``): the mean
-over kernels and layers, and its range.
+over kernels and layers, and its range; then its control, what weight decay alone moves a kernel in as many steps
+of the run's optimizer with zero gradients (``drift_decay_only``, which ``qkvjax analyze --workdir`` writes; with
+``--ladder``, an older file from ``experiments/scaling.py`` without it gets it from its run name: size, rate, step).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 MEASURES = ("qk_cos", "kv_cos", "symmetry", "trace_ratio", "effective_rank", "kv_rank_err")
 HEADER = ("qk_cos", "kv_cos", "symmetry", "trace ratio", "eff. rank of W^Q W^K^T", "kv_rank_err")
@@ -57,7 +63,28 @@ def _drift(a: dict) -> str:
     values = [v for layer in a.get("drift") or [] for k, v in layer.items() if k not in ("layer", "w_o")]
     if not values:
         return "—"
-    return f"{statistics.fmean(values):.2f} ({min(values):.2f}-{max(values):.2f})"
+    decay = a.get("drift_decay_only")
+    alone = "" if not decay else f"; decay alone {decay['drift']:.2f}"
+    return f"{statistics.fmean(values):.2f} ({min(values):.2f}-{max(values):.2f}){alone}"
+
+
+LADDER_RUN = re.compile(r"^\w+-d(?P<size>\d+)-(?P<variant>\w+)-lr(?P<lr>[\d.e-]+)-seed(?P<seed>\d+) step (?P<step>\d+)")
+
+
+def ladder_decay_only(source: str) -> dict | None:
+    """The decay-alone control of a scaling-ladder run named in ``source`` (None if it is not one): its
+    optimizer rebuilt by ``experiments/ladder.py`` from the size, the rate and the step reached."""
+    from experiments.ladder import BATCH, CONTEXT, size_config
+    from qkvjax.config import DataConfig
+    from qkvjax.sources import decay_only_drift
+
+    m = LADDER_RUN.match(source)
+    if not m:
+        return None
+    step = int(m["step"])
+    tokens = step * BATCH * CONTEXT  # size_config's step count back: ceil(tokens / (BATCH * CONTEXT))
+    cfg = size_config(int(m["size"]), m["variant"], float(m["lr"]), int(m["seed"]), tokens, DataConfig())
+    return decay_only_drift(cfg.train, step)
 
 
 def table(analyses: list[dict]) -> str:
@@ -70,6 +97,8 @@ def table(analyses: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("json", nargs="+", help="files written by qkvjax analyze --json")
+    p.add_argument("--ladder", action="store_true", help="files of experiments/scaling.py runs: the decay-alone "
+                   "control from each run's name where the file lacks it")  # fmt: skip
     args = p.parse_args(argv)
     analyses = []
     for name in args.json:
@@ -82,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"analyze_table: error: {name} has no 'mean'/'source'; allowed: a qkvjax analyze --json file",
                   file=sys.stderr)  # fmt: skip
             return 2
+        if args.ladder and "drift_decay_only" not in analyses[-1]:
+            analyses[-1]["drift_decay_only"] = ladder_decay_only(analyses[-1]["source"])
     print(table(analyses))
     return 0
 

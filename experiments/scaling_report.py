@@ -34,6 +34,7 @@ from experiments.rows import read_csv
 
 BYTES_PER_TOKEN = (3.5, 4.5)  # GPT-2-style BPE on English prose: the range used to convert to per-token units
 SHARED_LR = 2e-3
+CORPUS_TITLES = {"shakespeare": "Tiny Shakespeare", "python_docs": "Python documentation"}  # corpus -> heading
 KAYYAM_KV = (("300M", 3.1), ("1.2B", 2.5))  # K = V's per-token perplexity penalty in Kayyam et al. 2026
 KAYYAM_PARAMS = (300e6, 1.2e9)
 SPEED = Path(__file__).resolve().parents[1] / "benchmarks/results/scaling_speed_cpu_deferred.json"
@@ -232,8 +233,8 @@ def summary_markdown(rows: list[dict], curves: list[dict] = ()) -> str:
                 + ("" if e["n"] < 2 else f" ± {e['std']:.3f}")  # one seed has no spread
                 + f" | {_fmt_delta(e)} | {'—' if dt is None else f'{dt:+.3f}'} | {e['tokens']:,} | {e['epochs']:.2f} |"
             )
-            if "delta" in e and corpus == "shakespeare":
-                points[e["variant"]] += [(e["ref_params"], d) for d in e["diffs"]]
+            if "delta" in e:
+                points[corpus, e["variant"]] += [(e["ref_params"], d) for d in e["diffs"]]
         lines.append("")
     lines += _delta_by_size(cells, train, by_size)
     shared = _shared_rate_ranking(rows, best)
@@ -255,16 +256,7 @@ def summary_markdown(rows: list[dict], curves: list[dict] = ()) -> str:
                   "|---|---|---|---|---|---|---|---|"]  # fmt: skip
         lines += [f"| {g['corpus']} | {g['size']} | {g['epochs']:.2f} | {g['runs']} | {g['train']:.3f} | "
                   f"{g['val']:.3f} | {g['gap']:+.3f} ± {g['gap_std']:.3f} | {g['rising']} |" for g in gen]  # fmt: skip
-    slopes = [(v, t) for v in VARIANT_ORDER if (t := trend(points.get(v, [])))]
-    if slopes:
-        lines += ["", "## Trend of Δ with size (Tiny Shakespeare)", "",
-                  "Least squares of every seed's paired Δ against log10(parameters): the slope per 10x parameters, "
-                  "± its standard error, [95% t interval]. Negative: the penalty shrinks with size.", ""]  # fmt: skip
-        for v, t in slopes:
-            lo, hi = t["ci"]
-            verdict = "shrinks" if hi < 0 else "grows" if lo > 0 else "no trend told apart from zero"
-            lines.append(f"- {v}: {t['slope']:+.3f} ± {t['se']:.3f} [{lo:+.3f}, {hi:+.3f}] nats/byte per 10x "
-                         f"parameters ({t['n']} paired runs at {t['sizes']} sizes): {verdict}")  # fmt: skip
+    lines += _trends(points)
     lines += ["", "## Kayyam et al. (2026) in these units", "",
               "They report K = V's per-token perplexity penalty: +3.1% at 300M parameters and +2.5% at 1.2B. As a "
               "loss, ln(1 + p) nats per token, divided by b bytes per token (b = "
@@ -284,6 +276,33 @@ def summary_markdown(rows: list[dict], curves: list[dict] = ()) -> str:
               f"Δ = 0.01 is +{math.expm1(0.01 * BYTES_PER_TOKEN[0]) * 100:.1f}% to "
               f"+{math.expm1(0.01 * BYTES_PER_TOKEN[1]) * 100:.1f}%."]  # fmt: skip
     return "\n".join(lines) + "\n"
+
+
+def _trends(points: dict[tuple[str, str], list[tuple[float, float]]]) -> list[str]:
+    """Per corpus, each variant's slope of Δ against log10(parameters); where a corpus has three sizes or more,
+    also the slope without its largest size (whose runs may have seen the text many times over)."""
+    lines = []
+    for corpus in sorted({c for c, _ in points}):
+        fits = []
+        for v in VARIANT_ORDER:
+            pts = points.get((corpus, v), [])
+            largest = max((p for p, _ in pts), default=None)
+            fits.append((v, trend(pts), trend([(p, d) for p, d in pts if p != largest])))
+        if not any(full for _, full, _ in fits):
+            continue
+        lines += ["", f"## Trend of Δ with size ({CORPUS_TITLES.get(corpus, corpus)})", "",
+                  "Least squares of every seed's paired Δ against log10(parameters): the slope per 10x parameters, "
+                  "± its standard error, [95% t interval]. Negative: the penalty shrinks with size. Where three "
+                  "sizes or more were run, the same line without the largest size follows.", ""]  # fmt: skip
+        for v, full, cut in fits:
+            for label, t in (("", full), ("; without the largest size", cut if full and full["sizes"] > 2 else None)):
+                if t is None:
+                    continue
+                lo, hi = t["ci"]
+                verdict = "shrinks" if hi < 0 else "grows" if lo > 0 else "no trend told apart from zero"
+                lines.append(f"- {v}{label}: {t['slope']:+.3f} ± {t['se']:.3f} [{lo:+.3f}, {hi:+.3f}] nats/byte per "
+                             f"10x parameters ({t['n']} paired runs at {t['sizes']} sizes): {verdict}")  # fmt: skip
+    return lines
 
 
 def _delta_by_size(cells: dict, train: dict[str, float], by_size: list[tuple]) -> list[str]:
@@ -337,7 +356,7 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
     cells = finals(rows)
     corpora = sorted({c for c, _, _ in cells})
     corpus = "shakespeare" if "shakespeare" in corpora or not corpora else corpora[0]  # the folder's own corpus
-    title = {"shakespeare": "Tiny Shakespeare"}.get(corpus, corpus)
+    title = CORPUS_TITLES.get(corpus, corpus)
     written = []
     fig, ax = plt.subplots(figsize=(10, 5))
     for variant in (v for v in VARIANT_ORDER if v != "separate"):

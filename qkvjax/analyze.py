@@ -171,10 +171,13 @@ def analyze_layers(
     random_seeds: int = 3,
     initial: list[LayerWeights] | None = None,
     drift: list[dict] | None = None,
+    decay_only: dict | None = None,
 ) -> dict:
     """The report: per-layer means over heads (with spreads), the random and the mismatched-heads controls, and
     with ``initial`` the same measures of the run's own initialisation W_0 (a trained run is compared with where
-    it started, not only with fresh random matrices) and ``drift`` (``|W - W_0| / |W_0|`` per kernel and layer)."""
+    it started, not only with fresh random matrices), ``drift`` (``|W - W_0| / |W_0|`` per kernel and layer) and
+    ``decay_only``, its control: the drift weight decay alone gives over as many steps
+    (:func:`qkvjax.sources.decay_only_drift`)."""
     if not layers:
         raise ValueError(f"{source}: no attention layers found")
     layers = [_float64(lw) for lw in layers]
@@ -198,6 +201,8 @@ def analyze_layers(
         report["initial"] = _pooled([head_measures(_float64(lw)) for lw in initial])
     if drift is not None:
         report["drift"] = drift
+    if decay_only is not None:
+        report["drift_decay_only"] = decay_only
     if layers[0].num_kv_heads > 1:
         report["mismatched"] = _pooled([head_measures(lw, shift=1) for lw in layers])
     else:  # one KV head: every query head reads the same K and V, so no head is mismatched
@@ -230,6 +235,10 @@ def format_report(report: dict) -> str:
         lines.append(f"{'layer':<11}" + "".join(f"{n:>12}" for n in names))
         for r in report["drift"]:  # a kernel a layer does not have (a CLA reader's w_k, w_v) is "-"
             lines.append(f"{r['layer']:<11}" + "".join(f"{r[n]:>12.3f}" if n in r else f"{'-':>12}" for n in names))
+        if report.get("drift_decay_only"):
+            d = report["drift_decay_only"]
+            note = f"  (the run's optimizer, every gradient zero, {d['steps']} steps: weight decay alone)"
+            lines.append(f"{'decay only':<11}" + "".join(f"{d['drift']:>12.3f}" for _ in names) + note)
     return "\n".join(lines)
 
 

@@ -239,12 +239,12 @@ def _analyze(args: argparse.Namespace) -> int:
         if folder and not os.path.isdir(folder):
             raise ValueError(f"{flag}={path!r}: folder {folder} does not exist")
     if args.workdir is not None:
-        layers, source, initial, drift = load_workdir(args.workdir, args.step, with_initial=True)
+        layers, source, initial, drift, decay_only = load_workdir(args.workdir, args.step, with_initial=True)
     else:
         layers = load_safetensors(args.safetensors, args.format, args.num_heads, args.num_kv_heads)
         name = args.label or os.path.basename(args.safetensors)
-        source, initial, drift = f"{name} ({args.format})", None, None
-    report = analyze_layers(layers, source, args.seed, args.random_seeds, initial, drift)
+        source, initial, drift, decay_only = f"{name} ({args.format})", None, None, None
+    report = analyze_layers(layers, source, args.seed, args.random_seeds, initial, drift, decay_only)
     print(format_report(report))
     if args.json:
         with open(args.json, "w") as f:

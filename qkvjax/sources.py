@@ -19,6 +19,7 @@ import re
 import numpy as np
 
 from qkvjax.analyze import LayerWeights, block_attention, layer_from_params
+from qkvjax.config import TrainConfig
 from qkvjax.hf.layouts import LAYOUTS, Projections
 
 FORMATS: dict[str, Projections] = {name: lay.projections for name, lay in LAYOUTS.items() if lay.projections}
@@ -132,7 +133,8 @@ def _form(layer) -> str:
 
 def load_workdir(workdir: str, step: int | None = None, with_initial: bool = False):
     """(LayerWeights of every block, label) of a qkvjax run's checkpoint; with ``with_initial``, also the run's
-    initialisation W_0 as LayerWeights and the relative drift of every attention kernel (:func:`drift`)."""
+    initialisation W_0 as LayerWeights, the relative drift of every attention kernel (:func:`drift`) and what
+    weight decay alone would have moved it (:func:`decay_only_drift`)."""
     from qkvjax.evaluate import restore_params
 
     _, params, config, step = restore_params(workdir, step)
@@ -143,7 +145,32 @@ def load_workdir(workdir: str, step: int | None = None, with_initial: bool = Fal
     if not with_initial:
         return out
     initial = _attention_only(initial_params(workdir, config))
-    return (*out, _layers(initial, spec), drift(params, initial))
+    return (*out, _layers(initial, spec), drift(params, initial), decay_only_drift(config.train, step))
+
+
+def decay_only_drift(train: TrainConfig, steps: int) -> dict:
+    """The control drift is read against: ``|W - W_0|_F / |W_0|_F`` after ``steps`` updates of the run's own
+    optimizer and schedule with every gradient zero. AdamW's moments then stay 0, so each step only shrinks a
+    decayed kernel, W <- (1 - lr_t wd) W (Loshchilov & Hutter 2019): the drift is 1 - prod_t (1 - lr_t wd), the
+    same for every kernel of two dimensions or more and independent of W_0, so one (2, 2) kernel measures it."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from qkvjax.train.state import make_optimizer
+
+    tx = make_optimizer(train)
+    w0 = {"w": jnp.ones((2, 2), jnp.float32)}
+    zeros = jax.tree.map(jnp.zeros_like, w0)
+
+    def body(_, carry):
+        w, state = carry
+        updates, state = tx.update(zeros, state, w)
+        return optax.apply_updates(w, updates), state
+
+    with jax.numpy_dtype_promotion("standard"):  # optax's bias correction raises a float to its int32 count
+        w, _ = jax.jit(lambda w: jax.lax.fori_loop(0, steps, body, (w, tx.init(w))))(w0)
+    return {"steps": int(steps), "drift": float(jnp.linalg.norm(w["w"] - w0["w"]) / jnp.linalg.norm(w0["w"]))}
 
 
 def initial_params(workdir: str, config):

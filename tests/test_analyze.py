@@ -1,5 +1,6 @@
 """`qkvjax analyze`: the measures against direct float64 computations, the safetensors layouts, qkvjax runs."""
 
+import dataclasses
 import json
 import os
 
@@ -197,6 +198,7 @@ def test_an_untrained_run_has_not_drifted_from_its_seed(tmp_path, corpus, data_d
     report = json.loads(out.read_text())
     assert all(v < 1e-6 for r in report["drift"] for k, v in r.items() if k != "layer")
     assert set(report["drift"][0]) == {"layer", "w_q", "w_k", "w_v", "w_o"}
+    assert report["drift_decay_only"]["steps"] == 1 and report["drift_decay_only"]["drift"] < 1e-9
     for m in MEASURES:
         if report["mean"][m] is not None:
             assert report["initial"][m] == pytest.approx(report["mean"][m], abs=1e-5)
@@ -245,3 +247,18 @@ def test_a_cla_readers_absent_kernels_print_as_a_dash():
     assert table[0].split() == ["layer", "w_k", "w_o", "w_q", "w_v"]
     assert table[2].split()[1] == "-" and table[2].split()[4] == "-" and "nan" not in "".join(table)
     assert all(float(x) > 0.3 for x in table[1].split()[1:])  # a producer's kernels all moved
+
+
+def test_the_decay_only_control_is_adamws_shrinkage_over_the_schedule():
+    """With every gradient zero AdamW's moments stay 0 and each step multiplies a kernel by (1 - lr_t wd): the
+    control's drift is 1 - prod_t (1 - lr_t wd), computed here in float64 from the schedule itself."""
+    from qkvjax.config import TrainConfig
+    from qkvjax.sources import decay_only_drift
+    from qkvjax.train.state import learning_rate_schedule
+
+    cfg = TrainConfig(num_steps=37, learning_rate=0.3, warmup_steps=5, weight_decay=0.7, min_lr_ratio=0.1)
+    rates = np.array([float(learning_rate_schedule(cfg)(t)) for t in range(29)], np.float64)
+    got = decay_only_drift(cfg, 29)
+    assert got["steps"] == 29
+    assert got["drift"] == pytest.approx(1 - np.prod(1 - rates * cfg.weight_decay), rel=1e-5)
+    assert decay_only_drift(dataclasses.replace(cfg, weight_decay=0.0), 29)["drift"] == 0.0  # no decay, no drift

@@ -19,14 +19,15 @@ def test_rows_tell_training_from_initialisation_and_mark_ties(tmp_path, capsys):
     tied = dict(free, kv_cos=1.0, kv_cos_std=0.0)
     drift = [{"layer": 0, "w_q": 0.5, "w_k": 1.5, "w_v": 1.0, "w_o": 9.0}, {"layer": 1, "w_q": 0.7, "w_k": 1.3}]
     files = []
-    for name, a in {"gqa": _analysis("run step 7 (separate)", free, 1, drift),
+    for name, a in {"gqa": _analysis("run step 7 (separate)", free, 1, drift) | {"drift_decay_only": {"drift": 0.4}},
                     "kv": _analysis("run step 7 (shared_kv)", tied)}.items():  # fmt: skip
         files.append(tmp_path / f"{name}.json")
         files[-1].write_text(json.dumps(a))
     assert analyze_table.main([str(f) for f in files]) == 0
     rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines()[2:]]
     # drift: w_o left out, mean of (0.5, 1.5, 1.0, 0.7, 1.3) = 1.0, range over kernels and layers
-    assert rows[0][:4] == ["| separate (K=1)", "1.00 (0.50-1.50)", "0.550 / 0.430 / 0.430", "0.520 / 0.440 / 0.440"]
+    assert rows[0][:4] == ["| separate (K=1)", "1.00 (0.50-1.50); decay alone 0.40", "0.550 / 0.430 / 0.430",
+                           "0.520 / 0.440 / 0.440"]  # fmt: skip
     assert rows[0][6] == "9.2 / 11.0 / 11.0 (of 13)"
     assert rows[1][0] == "| shared_kv" and rows[1][3] == "(1)"  # fixed by the tie
     assert rows[1][7] == "0.481 / 0.600 / — |"  # the Gaussian control draws K and V apart: not K = V's control
@@ -36,3 +37,16 @@ def test_a_file_that_is_not_an_analysis_is_refused(tmp_path, capsys):
     (tmp_path / "x.json").write_text("{}")
     assert analyze_table.main([str(tmp_path / "x.json")]) == 2
     assert "has no 'mean'/'source'" in capsys.readouterr().err
+
+
+def test_a_ladder_runs_decay_control_comes_from_its_name():
+    """--ladder: a scaling run's file gets the control of its own size, rate and step (the d=160 and d=96 runs'
+    0.75 and 0.40 in experiments/README.md); a name that is not the ladder's gets none."""
+    from experiments.ladder import BATCH, CONTEXT, size_config
+    from qkvjax.config import DataConfig
+    from qkvjax.sources import decay_only_drift
+
+    got = analyze_table.ladder_decay_only("shakespeare-d96-reformer_qk-lr0.008-seed0 step 2345 (reformer_qk)")
+    train = size_config(96, "reformer_qk", 0.008, 0, 2345 * BATCH * CONTEXT, DataConfig()).train
+    assert train.num_steps == 2345 and got == decay_only_drift(train, 2345)
+    assert analyze_table.ladder_decay_only("my-run step 9 (separate)") is None

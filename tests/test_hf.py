@@ -296,7 +296,7 @@ def test_analyze_reports_an_imported_gemma4s_k_eq_v_and_kv_reading_layers_for_wh
     from qkvjax.sources import load_workdir
 
     import_folder(folders["gemma4"][0], tmp_path / "run")
-    layers, source, initial, drift = load_workdir(str(tmp_path / "run"), with_initial=True)
+    layers, source, initial, drift, _ = load_workdir(str(tmp_path / "run"), with_initial=True)
     report = analyze_layers(layers, source, initial=initial, drift=drift)
     forms = [r.get("form", "") for r in report["layers"]]
     assert forms == ["window 3", "shared_kv (K = V)", "reads layer 0's K/V, window 3",

@@ -211,6 +211,12 @@ def test_the_report_pairs_seeds_and_fits_the_trend_through_every_seed(tmp_path):
     np.testing.assert_allclose(scaling_report.trend_band(fit, 6.5), [at, at - half, at + half], rtol=1e-9)
     summary = scaling_report.summary_markdown(rows)
     assert f"- shared_kv: {slope:+.3f} ± {se:.3f}" in summary and "(9 paired runs at 3 sizes): shrinks" in summary
+    cut = scaling_report.trend([(10**lp, d) for lp, d in zip(x, y, strict=True) if lp < max(x)])  # largest left out
+    assert f"- shared_kv; without the largest size: {cut['slope']:+.3f} ± {cut['se']:.3f}" in summary
+    assert "(6 paired runs at 2 sizes)" in summary and "## Trend of Δ with size (Tiny Shakespeare)" in summary
+    docs = [r | {"corpus": "python_docs"} for r in rows]  # each corpus its own trend, under its own heading
+    docs_summary = scaling_report.summary_markdown(docs)
+    assert docs_summary.count("## Trend of Δ with size") == 1 and "(Python documentation)" in docs_summary
     one_seed = [r for r in rows if r["size"] != "160" or r["seed"] == "0"]  # a size begun: one seed so far
     assert "nan" not in scaling_report.summary_markdown(one_seed)
     for png in scaling_report.plot(rows, tmp_path):
