@@ -2,7 +2,8 @@
 kill, a full disk or a power cut never leaves half a row behind a good one, and a rerun resumes from what is there.
 
     read_csv(path)                      the rows so far ([] when the file is absent)
-    append_rows(path, columns, rows)    one finished run's rows (the header first, if the file is new)
+    append_rows(path, columns, rows)    one finished run's rows (the header first, if the file is new; a file
+                                        written before columns were added at the end is rewritten with them)
     replace_rows(path, columns, rows)   the whole file, written beside it and renamed into place
     blank(value)                        a CSV cell ('' for None)
 
@@ -27,6 +28,13 @@ def read_csv(path: Path) -> list[dict]:
 
 def append_rows(path: Path, columns, rows: list[dict]) -> None:
     new = not path.exists()
+    if not new:
+        with open(path, newline="") as f:
+            header = next(csv.reader(f), [])
+        if header != list(columns):
+            if header != list(columns)[: len(header)]:
+                raise ValueError(f"{path} has columns {header}; allowed: {list(columns)} or a leading part of them")
+            replace_rows(path, columns, read_csv(path))  # columns added since: the old rows' new cells blank
     with open(path, "a", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=columns)
         if new:

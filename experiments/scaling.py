@@ -87,7 +87,7 @@ MAX_SEEDS = 5  # ``more`` trains up to this many seeds where the first ones cann
 RUN_COLUMNS = (
     "stage", "corpus", "size", "variant", "scheme", "num_kv_heads", "seed", "learning_rate", "params",
     "kv_cache_bytes_per_token", "tokens", "tokens_per_param", "epochs", "steps", "final_val_loss",
-    "best_eval_loss", "last_eval_loss", "bits_per_byte", "tokens_per_s", "wall_s", "run", "finished_at",
+    "best_eval_loss", "last_eval_loss", "bits_per_byte", "tokens_per_s", "wall_s", "run", "finished_at", "device",
 )  # fmt: skip
 CURVE_COLUMNS = ("run", "step", "tokens", "wall_s", "train_loss", "val_loss")
 PROTOCOL_FILE = "protocol.json"
@@ -350,7 +350,7 @@ def finish_row(run: Run, workdir: Path, result: dict, train_bytes: int) -> tuple
         "last_eval_loss": evals[-1] if evals else "", "bits_per_byte": result["bits_per_byte"],
         "tokens_per_s": round(measured[len(measured) // 2], 1) if measured else "",
         "wall_s": curve[-1]["wall_s"] if curve else "", "run": run.name,
-        "finished_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "finished_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "device": device_label(),
     }  # fmt: skip
     return row, curve
 
@@ -389,12 +389,16 @@ def main_sweep(args) -> Path:
     peak, started, split_bytes = None, time.monotonic(), {}
     if "more" in stages and "large" in stages[stages.index("more") :]:
         stages = [*stages, "more"]  # the largest size's extra seeds, once its first ones exist
+    taken = set()  # runs another worker claimed (--claims)
     for stage in stages:
         while True:  # a sweep stage grows as edges win; others are planned once their rates exist
-            runs = [r for r in sweep.stage_runs(stage) if not math.isnan(r.learning_rate)]
+            runs = [r for r in sweep.stage_runs(stage) if not math.isnan(r.learning_rate) and r.name not in taken]
             if not runs:
                 break
             run = runs[0]
+            if args.claims and not claim(Path(args.claims), run.name):
+                taken.add(run.name)
+                continue
             eta = estimate_s(run, rates)
             rest = budget.hms(max(left - (time.monotonic() - started), eta))
             print(f"--- {stage} [{len(runs)} left in stage] {run.name}: {run.config.train.num_steps} steps, "
@@ -413,6 +417,26 @@ def main_sweep(args) -> Path:
             sweep.rows.append({k: str(v) for k, v in row.items()})
     print(f"sweep finished: {len(sweep.rows)} runs in {sweep.out / 'runs.csv'}")
     return sweep.out
+
+
+def claim(folder: Path, name: str) -> bool:
+    """True for the one worker that creates ``folder/name`` first (O_EXCL: atomic on a local file system), so
+    workers sharing ``--claims`` never train the same run (``experiments/parallel_sweep.py``)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        os.close(os.open(folder / name, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
+
+
+def device_label() -> str:
+    """What trained a row: the accelerator's name, or the CPU with its cores ('' in rows written before 2026-11-26,
+    all from the 2-core CPU VM that protocol.json names)."""
+    import jax
+
+    d = jax.devices()[0]
+    return d.device_kind if d.platform != "cpu" else f"cpu ({os.cpu_count()} cores)"
 
 
 def rebuild_curves(out: Path) -> int:
@@ -487,6 +511,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-dir", default="~/tensorflow_datasets", help="TFDS data_dir")
     p.add_argument("--plan-only", action="store_true", help="print the plan and the estimate, train nothing")
     p.add_argument("--rebuild-curves", action="store_true", help="rewrite curves.csv from the runs' workdirs")
+    p.add_argument("--claims", default=None, help="a folder shared by parallel workers: each run is trained by the "
+                   "worker that claims it first (experiments/parallel_sweep.py)")  # fmt: skip
     return p
 
 

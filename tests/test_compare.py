@@ -46,6 +46,7 @@ def test_matchings_hold_for_every_scheme_of_the_presets(preset):
     assert len(notes) == len(SCHEMES) - 4 and all("cannot be run at 0.5" in n for n in notes)
 
 
+@pytest.mark.slow  # ~55 s: trains a real sweep twice (its plan, rows files and bill stay in CI; pytest -m slow)
 def test_sweep_end_to_end_and_rerun_skips_finished_runs(tmp_path, small_text, data_dir, capsys):
     out = tmp_path / "cmp"
     args = _args(out, small_text, data_dir, "--schemes", "separate,shared_kv", "--seeds", "0", "--steps", "3")

@@ -170,21 +170,26 @@ def test_decoder_lm_decodes_ragged_prompts_against_the_full_forward():
     )
     model = DecoderLM(model_cfg)
     tokens = jax.random.randint(jax.random.key(7), (B, T), 0, 13)
-    params = model.init(jax.random.key(8), tokens)["params"]
+    params = jax.jit(model.init)(jax.random.key(8), tokens)["params"]
     assert sum(p.size for p in jax.tree.leaves(params)) == param_count(model_cfg)
-    full = model.apply({"params": params}, tokens)
+    apply = jax.jit(lambda x: model.apply({"params": params}, x))
+    full = apply(tokens)
     lengths = jnp.array([T, 2, 4])
     cache = DecodeCache.empty(model_cfg, B)
     assert cache.nbytes == kv_cache_bytes_per_token(model_cfg) * B * model_cfg.max_len
     assert kv_cache_bytes_per_token(model_cfg) == 2 * (R + HR) * 4  # two layers, float32: the latent and H_r
-    logits, cache = model.apply({"params": params}, tokens, cache=cache, num_valid=lengths)
+    cached = jax.jit(lambda x, c, n: model.apply({"params": params}, x, cache=c, num_valid=n))
+    logits, cache = cached(tokens, cache, lengths)
     np.testing.assert_allclose(logits[0], full[0], rtol=1e-4, atol=1e-4)
-    step_logits, _ = model.apply({"params": params}, tokens[:, :1], cache=cache)
-    for b in range(B):  # row b's next token sits at position lengths[b]: equal to the full forward of that prefix
-        n = int(lengths[b])
-        prefix = jnp.concatenate([tokens[b : b + 1, :n], tokens[b : b + 1, :1]], axis=1)
-        want = model.apply({"params": params}, prefix)[0, -1]
-        np.testing.assert_allclose(step_logits[b, 0], want, rtol=1e-4, atol=1e-4)
+    step_logits, _ = jax.jit(lambda x, c: model.apply({"params": params}, x, cache=c))(tokens[:, :1], cache)
+    # row b's next token sits at position lengths[b]: equal to the full forward of that prefix, which is position
+    # lengths[b] of any sequence that starts with it (the model is causal), so one forward holds all three
+    prefixes = np.zeros((B, T + 1), np.int32)
+    for b, n in enumerate(np.asarray(lengths)):
+        prefixes[b, : n + 1] = np.r_[np.asarray(tokens[b, :n]), np.asarray(tokens[b, 0])]
+    want = apply(jnp.asarray(prefixes))
+    for b, n in enumerate(np.asarray(lengths)):
+        np.testing.assert_allclose(step_logits[b, 0], want[b, n], rtol=1e-4, atol=1e-4)
 
 
 def test_parameters_and_cache_match_the_accounting():

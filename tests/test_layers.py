@@ -26,7 +26,7 @@ def lm(layers="", rope=False, kv=None, **kw):
 
 def params_of(cfg):
     tokens = jnp.zeros((1, T), jnp.int32)
-    return nn.meta.unbox(DecoderLM(cfg).init(jax.random.key(0), tokens)["params"])
+    return nn.meta.unbox(jax.jit(DecoderLM(cfg).init)(jax.random.key(0), tokens)["params"])  # one compile
 
 
 @pytest.mark.parametrize("pattern", ["[kv=4]", "(separate, separate*1)*2"])
@@ -122,7 +122,7 @@ def test_decoding_token_by_token_matches_the_full_forward(pattern, rope, kv):
     tokens = jax.random.randint(jax.random.key(1), (B, T), 0, V)
     params = params_of(cfg)
     assert sum(p.size for p in jax.tree.leaves(params)) == param_count(cfg)
-    full = model.apply({"params": params}, tokens)
+    full = jax.jit(model.apply)({"params": params}, tokens)
     cache = DecodeCache.empty(cfg, B)
     assert cache.nbytes == kv_cache_bytes_per_token(cfg) * B * T  # the accounting is the real cache
     step = jax.jit(lambda p, c, x: model.apply({"params": p}, x, cache=c))
@@ -131,10 +131,10 @@ def test_decoding_token_by_token_matches_the_full_forward(pattern, rope, kv):
         logits, cache = step(params, cache, tokens[:, i : i + 1])
         outs.append(logits)
     np.testing.assert_allclose(jnp.concatenate(outs, 1), full, rtol=1e-5, atol=1e-5)
-    # prefill of 3 then single tokens: the same
-    logits, cache = model.apply({"params": params}, tokens[:, :3], cache=DecodeCache.empty(cfg, B))
+    # prefill of 3 then single tokens (the same compiled step): the same
+    logits, cache = step(params, DecodeCache.empty(cfg, B), tokens[:, :3])
     for i in range(3, T):
-        more, cache = model.apply({"params": params}, tokens[:, i : i + 1], cache=cache)
+        more, cache = step(params, cache, tokens[:, i : i + 1])
         logits = jnp.concatenate([logits, more], 1)
     np.testing.assert_allclose(logits, full, rtol=1e-5, atol=1e-5)
 

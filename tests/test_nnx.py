@@ -102,15 +102,16 @@ def test_decoder_has_the_linen_tree_and_computes_the_same_logits_and_decodes_the
     linen_params = _linen(linen, tokens)
     model = qnnx.DecoderLM(config, rngs=nnx.Rngs(0))
     assert _shapes(qnnx.params(model)) == _shapes(linen_params)
-    np.testing.assert_allclose(model(tokens), linen.apply({"params": qnnx.params(model)}, tokens), atol=2e-5)
+    forward, linen_forward = nnx.jit(lambda m, x: m(x)), jax.jit(lambda p, x: linen.apply({"params": p}, x))
+    np.testing.assert_allclose(forward(model, tokens), linen_forward(qnnx.params(model), tokens), atol=2e-5)
     qnnx.load_params(model, linen_params)
-    want = linen.apply({"params": linen_params}, tokens)
-    np.testing.assert_allclose(model(tokens), want, atol=2e-5)
-    cache = DecodeCache.empty(config, 2)
-    logits, cache = model(tokens[:, :5], cache=cache)
+    want = linen_forward(linen_params, tokens)
+    np.testing.assert_allclose(forward(model, tokens), want, atol=2e-5)
+    step = nnx.jit(lambda m, x, c: m(x, cache=c))  # one compile for the prefill, one for every single token
+    logits, cache = step(model, tokens[:, :5], DecodeCache.empty(config, 2))
     steps = [logits]
     for t in range(5, T):
-        logits, cache = model(tokens[:, t : t + 1], cache=cache)
+        logits, cache = step(model, tokens[:, t : t + 1], cache)
         steps.append(logits)
     np.testing.assert_allclose(jnp.concatenate(steps, 1), want, atol=5e-5)
 

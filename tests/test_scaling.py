@@ -1,6 +1,7 @@
 """The scaling sweep (experiments/scaling.py) and the second corpus's builder (experiments/build_corpus.py)."""
 
 import csv
+import dataclasses
 import hashlib
 import json
 import os
@@ -142,6 +143,22 @@ def test_the_corpus_builder_gives_a_known_sha256(tmp_path, capsys):
 
 
 KNOWN_SHA256 = "88410188a7f30c6d528dde9805a1107a3d2327d441e298af179243b1433efd11"
+
+
+def test_a_corpus_takes_its_patterns_in_hash_order_up_to_its_byte_budget(tmp_path):
+    """The linux corpus' rules on a small tree: every pattern matched, other files and folders left out, files in
+    the order of their path's sha256, and the one that crosses the budget is the last."""
+    tree = {"Documentation/a.rst": "x" * 40, "Documentation/sub/b.txt": "y" * 40, "kernel/c.c": "z" * 40,
+            "kernel/d.h": "w" * 40, "drivers/e.c": "skipped", "kernel/f.py": "skipped"}  # fmt: skip
+    for name, text in tree.items():
+        (tmp_path / "src" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "src" / name).write_text(text)
+    order = sorted((n for n in tree if "skipped" not in tree[n]), key=lambda n: hashlib.sha256(n.encode()).hexdigest())
+    linux = build_corpus.CORPORA["linux"]
+    whole = build_corpus.build(tmp_path / "src", tmp_path / "all.txt", {}, dataclasses.replace(linux, max_bytes=None))
+    assert (tmp_path / "all.txt").read_text() == "".join(tree[n] + "\n\n" for n in order) and whole["files"] == 4
+    cut = build_corpus.build(tmp_path / "src", tmp_path / "cut.txt", {}, dataclasses.replace(linux, max_bytes=50))
+    assert (tmp_path / "cut.txt").read_text() == "".join(tree[n] + "\n\n" for n in order[:2]) and cut["files"] == 2
 
 
 def test_more_seeds_go_where_the_first_seeds_cannot_tell_a_difference(tmp_path, small_text):
@@ -317,3 +334,64 @@ def test_detectable_difference_is_the_paired_power_formula():
     assert detectable(diffs) == pytest.approx((stats.t.ppf(0.975, 3) + stats.t.ppf(0.8, 3)) * sd / 2)
     assert detectable(diffs * 2) < detectable(diffs)
     assert math.isnan(detectable([0.1]))
+
+
+def test_a_claim_goes_to_one_worker_and_rows_gain_columns_added_since(tmp_path):
+    """scaling.claim is exclusive; append_rows rewrites a file whose header is a leading part of the columns (the
+    old rows' new cells blank) and refuses one that is not."""
+    from experiments import rows
+    from experiments.scaling import claim
+
+    assert claim(tmp_path / "claims", "run-a") and not claim(tmp_path / "claims", "run-a")
+    assert claim(tmp_path / "claims", "run-b")
+    path = tmp_path / "runs.csv"
+    rows.append_rows(path, ("run", "loss"), [{"run": "old", "loss": 1.5}])
+    rows.append_rows(path, ("run", "loss", "device"), [{"run": "new", "loss": 2.5, "device": "gpu"}])
+    assert rows.read_csv(path) == [{"run": "old", "loss": "1.5", "device": ""},
+                                   {"run": "new", "loss": "2.5", "device": "gpu"}]  # fmt: skip
+    with pytest.raises(ValueError, match=r"has columns \['run', 'loss', 'device'\]; allowed: \['loss'"):
+        rows.append_rows(path, ("loss", "run", "device"), [])
+
+
+def test_parallel_sweep_merges_each_workers_new_rows_once(tmp_path):
+    from experiments import parallel_sweep, rows
+    from experiments.scaling import CURVE_COLUMNS, RUN_COLUMNS
+
+    out, w0, w1 = tmp_path / "out", tmp_path / "w0", tmp_path / "w1"
+    for folder in (out, w0, w1):
+        folder.mkdir()
+
+    def row(name):
+        return {"run": name, "final_val_loss": "1.0"}
+
+    rows.append_rows(out / "runs.csv", RUN_COLUMNS, [row("a")])
+    for folder, names in ((w0, ("a", "b")), (w1, ("a", "c", "d"))):  # each worker starts from out's rows
+        rows.append_rows(folder / "runs.csv", RUN_COLUMNS, [row(n) for n in names])
+        curve = [{"run": n, "step": s, "val_loss": 2.0} for n in names for s in (1, 2)]
+        rows.append_rows(folder / "curves.csv", CURVE_COLUMNS, curve)
+    assert parallel_sweep.merge(out, w0) == 1 and parallel_sweep.merge(out, w1) == 2
+    assert parallel_sweep.merge(out, w1) == 0  # merged once
+    assert [r["run"] for r in rows.read_csv(out / "runs.csv")] == ["a", "b", "c", "d"]
+    assert [(c["run"], c["step"]) for c in rows.read_csv(out / "curves.csv")] == [
+        (n, s) for n in "bcd" for s in ("1", "2")
+    ]
+
+
+@pytest.mark.slow  # ~1-2 min: two workers train a real sweep (pytest -m slow)
+def test_parallel_sweep_trains_every_run_once_across_workers(tmp_path, small_text, data_dir):
+    out = tmp_path / "sweep"
+    sweep_args = _sweep_command(out, small_text, data_dir)[4:]  # without the interpreter, the script and --out
+    env = {**os.environ, "XLA_FLAGS": xla_flags(1), "PYTHONUNBUFFERED": "1"}
+    command = [sys.executable, "experiments/parallel_sweep.py", "--out", str(out), "--workers", "2",
+               "--budget-s", "400", "--scratch", str(tmp_path / "scratch"), "--", *sweep_args]  # fmt: skip
+    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=500)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = _rows(out)
+    assert sorted((int(r["size"]), r["variant"]) for r in rows) == [
+        (s, v) for s in (8, 12, 16) for v in ("separate", "shared_kv")
+    ]
+    assert len({r["run"] for r in rows}) == 6 and all(r["device"].startswith("cpu (") for r in rows)
+    trained = [(tmp_path / "scratch" / f"w{i}" / "worker.log").read_text().count("--- ") for i in (0, 1)]
+    assert sum(trained) == 6  # every run trained by one worker only (which one is a race: each claims the next)
+    again = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and "0 runs added" in again.stdout and len(_rows(out)) == 6

@@ -56,15 +56,17 @@ def test_a_windowed_stack_decodes_token_by_token_as_its_full_forward():
     assert [layer.config.sliding_window for layer in cfg.layer_attention] == [W, None]
     model = DecoderLM(cfg)
     tokens = jax.random.randint(jax.random.PRNGKey(2), (B, T), 1, 13)
-    params = model.init(jax.random.PRNGKey(3), tokens)
-    want = model.apply(params, tokens)
+    params = jax.jit(model.init)(jax.random.PRNGKey(3), tokens)
+    want = jax.jit(model.apply)(params, tokens)
     prompt = np.array([5, 2])
-    logits, cache = model.apply(params, tokens[:, :5], cache=DecodeCache.empty(cfg, B), num_valid=jnp.asarray(prompt))
+    prefill = jax.jit(lambda x, c, n: model.apply(params, x, cache=c, num_valid=n))
+    one = jax.jit(lambda x, c: model.apply(params, x, cache=c))  # compiled once, every step the same shapes
+    logits, cache = prefill(tokens[:, :5], DecodeCache.empty(cfg, B), jnp.asarray(prompt))
     got = [[logits[b, i] for i in range(prompt[b])] for b in range(B)]
     pos = prompt.copy()
     while pos.min() < T:
         step = jnp.asarray([tokens[b, min(pos[b], T - 1)] for b in range(B)])[:, None]
-        logits, cache = model.apply(params, step, cache=cache)
+        logits, cache = one(step, cache)
         for b in range(B):
             if pos[b] < T:
                 got[b].append(logits[b, 0])

@@ -1,0 +1,127 @@
+"""``experiments/scaling.py`` in several processes at once, for a machine one sweep process cannot fill (a GPU
+training these small models is idle most of each step), under one deadline; resumable like the sweep itself.
+
+    python experiments/parallel_sweep.py --workers 4 --budget-s 420 --out experiments/results/scaling_corpus2 \\
+        -- --corpus experiments/corpora/python_docs.txt --stages lr-large,large --lr-grid 2e-3,4e-3,8e-3 ...
+
+Everything after ``--`` goes to every worker as it is (``--out`` and ``--claims`` excepted). The stages run one at
+a time, each in rounds: every worker starts from a copy of ``--out``'s ``runs.csv``, ``curves.csv`` and
+``protocol.json`` in a scratch folder of its own, takes the stage's next run that no other worker has claimed
+(``scaling.py --claims``: one claim file per run, created exclusively), and trains until the stage has nothing
+left for it; then each worker's new rows and curves are appended to ``--out`` (fsynced, as the sweep does). A
+stage whose plan depends on finished runs (a rate sweep extending past a winning edge, the seeded stage at the
+rates the sweep picked) gets another round until a round adds nothing. At the deadline the workers are killed:
+finished runs are already in ``--out``; a killed run left its checkpoint in the scratch folder, and reruns from it
+if the scratch folder is still there, else from the start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from experiments.rows import append_rows, read_csv
+from experiments.scaling import CURVE_COLUMNS, PROTOCOL_FILE, RUN_COLUMNS, STAGES, build_parser, check_args
+
+SCALING = Path(__file__).resolve().parent / "scaling.py"
+COPIED = ("runs.csv", "curves.csv", PROTOCOL_FILE)
+
+
+def merge(out: Path, worker: Path) -> int:
+    """Appends the rows (and their curves) that ``worker`` finished and ``out`` lacks; returns how many."""
+    have = {r["run"] for r in read_csv(out / "runs.csv")}
+    new = [r for r in read_csv(worker / "runs.csv") if r["run"] not in have]
+    if not new:
+        return 0
+    names = {r["run"] for r in new}
+    curve = [c for c in read_csv(worker / "curves.csv") if c["run"] in names]
+    append_rows(out / "curves.csv", CURVE_COLUMNS, curve)  # the curves first: a row names a finished curve
+    append_rows(out / "runs.csv", RUN_COLUMNS, new)
+    return len(new)
+
+
+def run_round(args, stage: str, passed: list[str], deadline: float) -> int:
+    """One round of ``stage`` in every worker; the number of rows it added to ``--out``."""
+    out, scratch = Path(args.out), Path(args.scratch)
+    claims = scratch / f"claims-{stage}-{time.monotonic_ns()}"  # fresh each round: a killed run can be retaken
+    procs = []
+    for i in range(args.workers):
+        folder = scratch / f"w{i}"
+        folder.mkdir(parents=True, exist_ok=True)
+        for name in COPIED:
+            if (out / name).exists():
+                shutil.copyfile(out / name, folder / name)
+            else:
+                (folder / name).unlink(missing_ok=True)
+        cmd = [sys.executable, str(SCALING), *passed, "--out", str(folder), "--stages", stage, "--claims", str(claims)]
+        log = open(folder / "worker.log", "a")
+        procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True), log))
+    try:
+        for proc, _ in procs:
+            try:
+                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                break
+    finally:
+        for proc, log in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            log.close()
+    added = sum(merge(out, scratch / f"w{i}") for i in range(args.workers))
+    failed = [i for i, (p, _) in enumerate(procs) if p.returncode not in (0, -signal.SIGKILL)]
+    for i in failed:
+        tail = (scratch / f"w{i}" / "worker.log").read_text().splitlines()[-15:]
+        print(f"worker {i} exited {procs[i][0].returncode}:\n" + "\n".join(tail), file=sys.stderr)
+    return added
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    ours, passed = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="the sweep's results folder (runs.csv, curves.csv, protocol.json)")
+    p.add_argument("--workers", type=int, default=4, help="processes at once (default 4)")
+    p.add_argument("--budget-s", type=float, default=420, help="seconds until every worker is stopped (default 420)")
+    p.add_argument("--scratch", default="/tmp/parallel_sweep", help="the workers' folders and checkpoints")
+    args = p.parse_args(ours)
+    sweep = build_parser().parse_args([*passed, "--out", args.out])  # the workers' arguments, checked here once
+    try:
+        if args.workers < 1:
+            raise ValueError(f"--workers={args.workers}; allowed: an integer >= 1")
+        if args.budget_s <= 0:
+            raise ValueError(f"--budget-s={args.budget_s}; allowed: seconds > 0")
+        if any(a.startswith(("--out", "--claims")) for a in passed):
+            raise ValueError("--out/--claims after '--'; allowed: the sweep's other arguments (--out goes before)")
+        check_args(sweep)
+    except ValueError as e:
+        print(f"parallel_sweep: error: {e}", file=sys.stderr)
+        return 2
+    deadline = time.monotonic() + args.budget_s
+    # the plan, and protocol.json in --out (the workers copy it, so all of them check the same protocol)
+    subprocess.run([sys.executable, str(SCALING), *passed, "--out", args.out, "--plan-only"], check=True)
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # the workers share one accelerator
+    stages = [s for s in STAGES if s in sweep.stages]  # the sweep's own order
+    total = 0
+    for stage in stages:
+        while time.monotonic() < deadline - 10:
+            added = run_round(args, stage, passed, deadline)
+            total += added
+            print(f"parallel_sweep: {stage}: {added} runs added", flush=True)
+            if not added:
+                break
+    print(f"parallel_sweep: {total} runs added to {args.out}/runs.csv", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
