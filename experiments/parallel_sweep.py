@@ -30,10 +30,19 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from experiments.rows import append_rows, read_csv
-from experiments.scaling import CURVE_COLUMNS, PROTOCOL_FILE, RUN_COLUMNS, STAGES, build_parser, check_args
+from experiments.scaling import (
+    CURVE_COLUMNS,
+    PROTOCOL_FILE,
+    RUN_COLUMNS,
+    STAGES,
+    Sweep,
+    build_parser,
+    check_args,
+    train_split_bytes,
+)
 
 SCALING = Path(__file__).resolve().parent / "scaling.py"
-COPIED = ("runs.csv", "curves.csv", PROTOCOL_FILE)
+COPIED = ("runs.csv", "curves.csv", PROTOCOL_FILE, "probe.json")  # probe.json: the plan's speeds, measured once
 
 
 def merge(out: Path, worker: Path) -> int:
@@ -109,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     deadline = time.monotonic() + args.budget_s
     # the plan, and protocol.json in --out (the workers copy it, so all of them check the same protocol)
     subprocess.run([sys.executable, str(SCALING), *passed, "--out", args.out, "--plan-only"], check=True)
+    for _, data in filter(None, Sweep(sweep).corpora.values()):  # TFDS prepares each corpus here, once: workers
+        train_split_bytes(data)  # preparing one data_dir at the same time would race
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # the workers share one accelerator
     stages = [s for s in STAGES if s in sweep.stages]  # the sweep's own order
     total = 0
