@@ -40,22 +40,32 @@ KAYYAM_PARAMS = (300e6, 1.2e9)
 SPEED = Path(__file__).resolve().parents[1] / "benchmarks/results/scaling_speed_cpu_deferred.json"
 
 
-def best_rates(rows: list[dict]) -> dict[tuple, float]:
-    """(corpus, size, variant) -> the rate of the lowest seed-0 final loss among the sweep's runs."""
-    sweep = collections.defaultdict(list)
+def sweep_means(rows: list[dict]) -> dict[tuple, dict[float, tuple[float, int]]]:
+    """(corpus, size, variant) -> {rate: (mean final loss over the sweep seeds finished there, how many)}."""
+    by_seed = collections.defaultdict(lambda: collections.defaultdict(list))
     for r in rows:
         if r["stage"].startswith("lr-"):
-            sweep[r["corpus"], int(r["size"]), r["variant"]].append(r)
-    return {k: float(min(v, key=lambda r: float(r["final_val_loss"]))["learning_rate"]) for k, v in sweep.items()}
+            by_seed[r["corpus"], int(r["size"]), r["variant"]][float(r["learning_rate"])].append(
+                float(r["final_val_loss"])
+            )
+    return {cell: {lr: (statistics.fmean(v), len(v)) for lr, v in by_lr.items()} for cell, by_lr in by_seed.items()}
+
+
+def best_rates(rows: list[dict]) -> dict[tuple, float]:
+    """(corpus, size, variant) -> the rate of the lowest final loss averaged over the sweep seeds, among the rates
+    every sweep seed of the cell has finished (as ``scaling.py`` picks it)."""
+    out = {}
+    for cell, by_lr in sweep_means(rows).items():
+        full = max(n for _, n in by_lr.values())
+        out[cell] = min((lr for lr, (_, n) in by_lr.items() if n == full), key=lambda lr: by_lr[lr][0])
+    return out
 
 
 def finals(rows: list[dict]) -> dict[tuple, dict[int, dict]]:
     """(corpus, size, variant) -> {seed: row} of the runs at the rate the protocol chose for that cell: the size's
     own sweep, else the middle size's (larger sizes and the second corpus), read off each row's rate."""
     out = collections.defaultdict(dict)
-    for r in rows:
-        if r["stage"].startswith("lr-") and r["seed"] != "0":
-            continue
+    for r in rows:  # a sweep seed's run at the winning rate is that seed's final run (the seeded stage skips it)
         out[r["corpus"], int(r["size"]), r["variant"]].setdefault(int(r["seed"]), []).append(r)
     best = best_rates(rows)
     chosen = {}
@@ -198,12 +208,12 @@ def summary_markdown(rows: list[dict], curves: list[dict] = ()) -> str:
     train = tail_train_loss(curves)
     best = best_rates(rows)
     lines = [f"# Scaling sweep: {len(rows)} finished runs", ""]
-    sweep = collections.defaultdict(dict)
-    for r in rows:
-        if r["stage"].startswith("lr-"):
-            sweep[r["corpus"], int(r["size"]), r["variant"]][float(r["learning_rate"])] = float(r["final_val_loss"])
+    means = sweep_means(rows)
+    sweep = {cell: {lr: m for lr, (m, _) in by_lr.items()} for cell, by_lr in means.items()}
     if sweep:
-        lines += ["## Learning-rate sweeps (seed 0, final validation loss, nats/byte; best in bold)", ""]
+        seeds = sorted({n for by_lr in means.values() for _, n in by_lr.values()})
+        lines += [f"## Learning-rate sweeps (final validation loss, nats/byte, the mean over the sweep seeds: "
+                  f"{'/'.join(map(str, seeds))} per cell; best in bold)", ""]  # fmt: skip
         rates = sorted({lr for v in sweep.values() for lr in v})
         lines += ["| corpus | d | variant | " + " | ".join(f"{lr:g}" for lr in rates) + " |",
                   "|---|---|---|" + "---|" * len(rates)]  # fmt: skip

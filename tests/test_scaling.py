@@ -395,3 +395,28 @@ def test_parallel_sweep_trains_every_run_once_across_workers(tmp_path, small_tex
     assert sum(trained) == 6  # every run trained by one worker only (which one is a race: each claims the next)
     again = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and "0 runs added" in again.stdout and len(_rows(out)) == 6
+
+
+def test_the_report_picks_rates_on_the_sweep_seeds_mean_and_counts_their_runs_as_seeds():
+    """Sweep seeds 0 and 1: the rate is the best mean of the two (not seed 0's, nor the best single run), and each
+    sweep seed's run at that rate is that seed's final run, beside the seeded stage's seeds 2 and 3."""
+    from experiments import scaling_report
+
+    def row(stage, variant, lr, seed, loss):
+        return {"stage": stage, "corpus": "docs", "size": "48", "variant": variant, "seed": str(seed),
+                "learning_rate": str(lr), "final_val_loss": str(loss), "params": "100", "tokens": "1000",
+                "epochs": "0.1", "kv_cache_bytes_per_token": "8", "run": f"{stage}-{variant}-{lr}-{seed}",
+                "best_eval_loss": str(loss), "last_eval_loss": str(loss), "tokens_per_s": "1"}  # fmt: skip
+
+    # 4e-3: seed 0 best on its own (2.00), but the mean over both seeds is 2.15; 8e-3's mean is 2.10
+    sweep = [(0.004, 0, 2.00), (0.004, 1, 2.30), (0.008, 0, 2.05), (0.008, 1, 2.15)]
+    rows = [row("lr-small", v, lr, s, x + (0.1 if v == "shared_kv" else 0)) for v in ("separate", "shared_kv")
+            for lr, s, x in sweep]  # fmt: skip
+    rows += [row("small", v, 0.008, s, 2.1 + s / 100 + (0.1 if v == "shared_kv" else 0))
+             for v in ("separate", "shared_kv") for s in (2, 3)]  # fmt: skip
+    assert scaling_report.best_rates(rows)[("docs", 48, "separate")] == 0.008
+    cells = scaling_report.finals(rows)
+    assert sorted(cells["docs", 48, "separate"]) == [0, 1, 2, 3]  # seeds 0 and 1 from the sweep at 8e-3
+    assert float(cells["docs", 48, "separate"][1]["final_val_loss"]) == 2.15
+    e = scaling_report.paired(cells, "docs", 48, "shared_kv")
+    assert e["n"] == 4 and e["delta"] == pytest.approx(0.1)
