@@ -59,7 +59,8 @@ def inputs(seed, *shape):
 
 def init_params(cfg, x, seed=0, **kw):
     """Parameters with every leaf random (biases too, so that bias paths are exercised)."""
-    params = nn.meta.unbox(attention_module(cfg)(cfg).init(jax.random.key(seed), x, **kw))["params"]
+    module = attention_module(cfg)(cfg)  # shapes only (traced, not run): every leaf is drawn below
+    params = nn.meta.unbox(jax.eval_shape(lambda: module.init(jax.random.key(seed), x, **kw)))["params"]
     leaves, tree = jax.tree.flatten(params)
     keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
     return jax.tree.unflatten(

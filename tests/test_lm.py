@@ -37,12 +37,13 @@ def test_cached_decoding_matches_the_full_forward(scheme, kv, rope):
     cfg = lm(scheme, kv, rope, block=2, learned_positions=not rope)  # the full forward in causal blocks of 2
     model = DecoderLM(cfg)
     tokens = jax.random.randint(jax.random.key(1), (B, T), 0, V)
-    params = model.init(jax.random.key(0), tokens)["params"]
-    full = model.apply({"params": params}, tokens)
+    params = jax.jit(model.init)(jax.random.key(0), tokens)["params"]
+    full = jax.jit(model.apply)({"params": params}, tokens)
     cache = DecodeCache.empty(cfg, B)
+    step = jax.jit(lambda p, x, c: model.apply({"params": p}, x, cache=c))  # compiled once, T steps
     outs = []
     for i in range(T):
-        logits, cache = model.apply({"params": params}, tokens[:, i : i + 1], cache=cache)
+        logits, cache = step(params, tokens[:, i : i + 1], cache)
         outs.append(logits)
     np.testing.assert_allclose(jnp.concatenate(outs, 1), full, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(cache.lengths, [T] * B)
