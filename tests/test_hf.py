@@ -286,7 +286,8 @@ def _perturbed(config, seed=3):
     import flax.linen as nn
     import jax
 
-    params = nn.meta.unbox(DecoderLM(config).init(jax.random.key(seed), jnp.zeros((1, 3), jnp.int32))["params"])
+    params = nn.meta.unbox(jax.jit(DecoderLM(config).init)(jax.random.key(seed), jnp.zeros((1, 3), jnp.int32)))
+    params = params["params"]
     rng = np.random.default_rng(seed)
     return jax.tree.map(lambda p: np.asarray(p) + 0.2 * rng.standard_normal(p.shape).astype(np.float32), params)
 

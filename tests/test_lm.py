@@ -25,7 +25,7 @@ def lm(scheme="separate", kv=None, rope=False, block=64, **kw):
 @pytest.mark.parametrize("tie", [True, False])
 def test_param_count_matches_the_tree(scheme, tie):
     cfg = lm(scheme, tie_embeddings=tie, learned_positions=not tie)
-    params = DecoderLM(cfg).init(jax.random.key(0), jnp.zeros((1, T), jnp.int32))["params"]
+    params = jax.eval_shape(DecoderLM(cfg).init, jax.random.key(0), jnp.zeros((1, T), jnp.int32))["params"]
     assert sum(p.size for p in jax.tree.leaves(nn.meta.unbox(params))) == param_count(cfg)
 
 

@@ -18,7 +18,7 @@ D, T, V = 21, 9, 37  # model width, sequence length, vocabulary: odd and distinc
 
 
 def _linen(module, *args, **kwargs):
-    return nn.meta.unbox(module.init(jax.random.key(5), *args, **kwargs)["params"])
+    return nn.meta.unbox(jax.jit(lambda: module.init(jax.random.key(5), *args, **kwargs))()["params"])  # one compile
 
 
 def _shapes(tree):

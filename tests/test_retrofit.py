@@ -22,7 +22,7 @@ def _model(kv_heads, use_bias, rope=False):
 
 def _params(config, seed=0):
     tokens = jnp.zeros((1, 3), jnp.int32)
-    params = nn.meta.unbox(DecoderLM(config).init(jax.random.key(seed), tokens)["params"])
+    params = nn.meta.unbox(jax.jit(DecoderLM(config).init)(jax.random.key(seed), tokens)["params"])
     rng = np.random.default_rng(seed)
     return jax.tree.map(lambda p: np.asarray(p) + 0.3 * rng.standard_normal(p.shape).astype(np.float32), params)
 
