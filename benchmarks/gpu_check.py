@@ -23,6 +23,8 @@ Sections:
                checkpoint, then resumed; the two runs' losses and final parameters compared.
   sample       ``qkvjax.sample.generate_batch`` at batch 1 and 64 against the floor of reading every weight and
                the filled cache once per token at the measured copy bandwidth.
+  levers       ``separate``'s train step again under each of ``LEVERS`` (XLA flags, a larger batch), each in a
+               process of its own, against a baseline measured the same way in the same section.
 """
 
 from __future__ import annotations
@@ -46,9 +48,19 @@ REPO = Path(__file__).resolve().parents[1]
 if __package__ in (None, ""):  # run as a script: make the repository and this folder importable
     sys.path[:0] = [str(REPO), str(Path(__file__).resolve().parent)]
 
-SECTIONS = ("machine", "correctness", "speed", "torch", "train", "sample")
+SECTIONS = ("machine", "correctness", "speed", "torch", "train", "sample", "levers")
 # Seconds each section may run before it is killed (a GPU visit has 10 minutes a call); --smoke: 120 each.
-LIMITS = {"machine": 60, "correctness": 120, "speed": 240, "torch": 120, "train": 150, "sample": 120}
+LIMITS = {"machine": 60, "correctness": 120, "speed": 240, "torch": 120, "train": 150, "sample": 120, "levers": 300}
+# The levers section: `separate`'s speed row again, each in a process of its own under these XLA_FLAGS (a flag
+# must be set before XLA starts) or batch, beside the baseline measured the same way in the same section. On the
+# CPU (--smoke) only flags the CPU takes, so the code path runs.
+LEVERS = {
+    "baseline": ("", None),
+    "latency_hiding": ("--xla_gpu_enable_latency_hiding_scheduler=true", None),
+    "no_command_buffer": ("--xla_gpu_enable_command_buffer=", None),  # empty: no CUDA graphs
+    "batch_64": ("", 64),
+}
+SMOKE_LEVERS = {"baseline": ("", None), "batch_4": ("", 4)}
 # most wanted first; "/xla": XLA's attention instead of cuDNN's; "+rope": MLA's decoupled rotary part
 SPEED_ROWS = ("separate", "flax", "shared_kv", "gqa", "shared_qk", "mla", "mla+rope", "separate/xla")
 SMOKE_SPEED_ROWS = ("separate", "flax", "mla+rope")
@@ -568,6 +580,32 @@ def section_sample(args) -> dict:
     return result
 
 
+def section_levers(args) -> dict:
+    """``separate``'s train step under each of :data:`LEVERS` (XLA flags or a batch), each in its own process
+    through the speed section; tokens/s, the steps' quartiles and the ratio to the baseline measured here."""
+    rows = {}
+    result = {"rows": rows}
+    for name, (flags, batch) in (SMOKE_LEVERS if args.smoke else LEVERS).items():
+        work = Path(tempfile.mkdtemp(prefix=f"gpu_check_lever_{name}_"))
+        env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + flags).strip())
+        cmd = [sys.executable, __file__, "--section", "speed", "--rows", "separate", "--out", str(work), "--work",
+               str(work), "--batch-size", str(batch or args.batch_size), "--steps", str(args.steps)]  # fmt: skip
+        proc = subprocess.run(cmd + (["--smoke"] if args.smoke else []), env=env, capture_output=True, text=True)
+        if proc.returncode:
+            rows[name] = {"flags": flags, "batch": batch, "error": proc.stderr.strip().splitlines()[-1][:300]}
+        else:
+            row = json.loads((work / "speed.json").read_text())["rows"]["separate"]
+            rows[name] = {"flags": flags, "batch": row["batch"]} | {
+                k: row[k] for k in ("tokens_per_s", "step_s", "step_s_q1", "step_s_q3", "compile_s", "xla_memory_bytes")
+            }
+            base = rows.get("baseline", {}).get("tokens_per_s")
+            rows[name]["x_baseline"] = row["tokens_per_s"] / base if base else None
+            print(f"lever {name}: {row['tokens_per_s']:,.0f} tok/s", flush=True)
+        shutil.rmtree(work, ignore_errors=True)
+        _save(args, result)
+    return result
+
+
 def _read(work: str, section: str, *keys):
     """A number another section wrote (None if that section did not run or failed)."""
     path = Path(work) / f"{section}.json"
@@ -739,6 +777,13 @@ def table(m: dict) -> str:
         for b, r in m["sample"]["rows"].items():
             frac = f"{100 * r['fraction_of_floor']:.0f}% of floor" if r.get("fraction_of_floor") else ""
             lines.append(f"sample b{b}: {r['tokens_per_s']:,.0f} tok/s {frac}")
+    for name, r in m.get("levers", {}).get("rows", {}).items():
+        if "error" in r:
+            lines.append(f"lever {name}: ERROR {r['error']}")
+            continue
+        iqr = 50 * (r["step_s_q3"] - r["step_s_q1"]) / r["step_s"]
+        ratio = f"x{r['x_baseline']:.3f}" if r.get("x_baseline") else ""
+        lines.append(f"lever {name} (batch {r['batch']}): {r['tokens_per_s']:,.0f} tok/s ±{iqr:.1f}% {ratio}")
     lines.append("status: " + ", ".join(f"{k} {v['rc']} ({v['seconds']} s)" for k, v in m["status"].items()))
     return "\n".join(lines)
 

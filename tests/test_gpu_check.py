@@ -16,7 +16,7 @@ from tests.helpers import REPO
 pytest.importorskip("torch", reason="the torch section needs the optional bench extra (CI installs it)")
 
 
-@pytest.mark.slow  # 110-200 s (six sections, each in its own interpreter): run before a GPU visit, pytest -m slow
+@pytest.mark.slow  # 130-250 s (seven sections, each in its own interpreter): run before a GPU visit, pytest -m slow
 def test_gpu_check_smoke_runs_every_section(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     proc = subprocess.run(
@@ -25,7 +25,7 @@ def test_gpu_check_smoke_runs_every_section(tmp_path):
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + (tmp_path / "gpu_check.log").read_text()[-3000:]
     out = json.loads((tmp_path / "gpu_check.json").read_text())
-    assert set(out["status"]) == {"machine", "correctness", "speed", "torch", "train", "sample"}
+    assert set(out["status"]) == {"machine", "correctness", "speed", "torch", "train", "sample", "levers"}
     assert all(s["rc"] == 0 for s in out["status"].values())
     assert sorted(os.listdir(tmp_path)) == ["gpu_check.json", "gpu_check.log"]  # section files merged, removed
     # float32 on the CPU against the float64 host reference: far under the bound, and bf16 under its own
@@ -39,4 +39,7 @@ def test_gpu_check_smoke_runs_every_section(tmp_path):
     assert train["killed_while_running"] and train["checkpoints_left_at_kill"]
     assert train["losses_identical"] and train["params_identical"]  # the CPU is deterministic: bit for bit
     assert set(out["sample"]["rows"]) == {"1", "8"}
+    levers = out["levers"]["rows"]
+    assert set(levers) == {"baseline", "batch_4"} and levers["baseline"]["x_baseline"] == 1.0
+    assert levers["batch_4"]["batch"] == 4 and levers["batch_4"]["tokens_per_s"] > 0
     assert "status: machine 0" in proc.stdout  # the table, printed last
