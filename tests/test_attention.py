@@ -296,8 +296,9 @@ def test_shared_kernel_gradient_is_sum_of_role_gradients(scheme):
     def loss(p, c):
         return jnp.sum((Attention(c).apply({"params": p}, x, causal=True) - target) ** 2)
 
-    g_tied = jax.grad(loss)(params, cfg)
-    g_sep = jax.grad(loss)(untie(params, scheme), config("separate", use_bias=True))
+    g_tied = jax.jit(jax.grad(lambda p: loss(p, cfg)))(params)
+    separate = config("separate", use_bias=True)
+    g_sep = jax.jit(jax.grad(lambda p: loss(p, separate)))(untie(params, scheme))
     for group in SCHEMES[scheme].groups:
         for p in ("w_", "b_"):
             expected = sum(g_sep[p + role] for role in group)
@@ -557,8 +558,8 @@ def test_chunked_online_softmax_equals_the_dense_path_forward_and_backward(schem
         y = Attention(cfg).apply({"params": params}, xq, xkv, mask=mask, causal=not cross)
         return jnp.sum(jnp.sin(y) * rows[:, :, None].astype(np.float32)), y
 
-    (_, y1), g1 = jax.value_and_grad(lambda p: loss(dense, p), has_aux=True)(params)
-    (_, y2), g2 = jax.value_and_grad(lambda p: loss(chunked, p), has_aux=True)(params)
+    (_, y1), g1 = jax.jit(jax.value_and_grad(lambda p: loss(dense, p), has_aux=True))(params)
+    (_, y2), g2 = jax.jit(jax.value_and_grad(lambda p: loss(chunked, p), has_aux=True))(params)
     np.testing.assert_allclose(np.asarray(y2)[rows], np.asarray(y1)[rows], rtol=2e-5, atol=2e-5)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), g2, g1)
 
@@ -608,7 +609,8 @@ def test_causal_blocks_change_the_program_not_the_maths(scheme, kv, extra):
         return str(jax.make_jaxpr(lambda p: loss(cfg, p))(params)).count("dot_general")
 
     assert dots(blocked) > dots(full)  # the blocked path was taken: two products per block, not two in all
-    g_full, g_blocked = jax.grad(lambda p: loss(full, p))(params), jax.grad(lambda p: loss(blocked, p))(params)
+    g_full = jax.jit(jax.grad(lambda p: loss(full, p)))(params)
+    g_blocked = jax.jit(jax.grad(lambda p: loss(blocked, p)))(params)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5), g_blocked, g_full)
     # analysis collects the (T, S) logits and weights: then the full square is computed, whatever the block
     _, inter = Attention(blocked).apply({"params": params}, x, causal=True, mutable=["intermediates"])

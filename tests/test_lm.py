@@ -88,13 +88,13 @@ def test_remat_changes_memory_not_maths(remat):
     tokens = jax.random.randint(jax.random.key(4), (B, T), 0, V)
     # blocks of 3 causal queries (T = 7): the remat policies see the blocked attention's products too
     base, rematted = DecoderLM(lm("shared_kv", block=3)), DecoderLM(lm("shared_kv", block=3, remat=remat))
-    params = base.init(jax.random.key(0), tokens)["params"]
+    params = jax.jit(base.init)(jax.random.key(0), tokens)["params"]
 
     def loss(model, p):
         return jnp.mean(model.apply({"params": p}, tokens) ** 2)
 
-    g0 = jax.grad(lambda p: loss(base, p))(params)
-    g1 = jax.grad(lambda p: loss(rematted, p))(params)
+    g0 = jax.jit(jax.grad(lambda p: loss(base, p)))(params)  # jitted, as training runs remat
+    g1 = jax.jit(jax.grad(lambda p: loss(rematted, p)))(params)
     for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
