@@ -246,12 +246,13 @@ def _xla(a: Inputs) -> Array:
     # rotary part: H + P against Hv) are padded with zeros, which mix to zeros, and cut off again (DeepSeek's
     # FlashAttention route), so the fused kernel runs instead of materialising the scores
     width = v.shape[-1]
-    v = jax.numpy.pad(v, [(0, 0)] * 3 + [(0, k.shape[-1] - width)])
+    if width < k.shape[-1]:  # only then: the common case of one width traces no pad and no slice
+        v = jax.numpy.pad(v, [(0, 0)] * 3 + [(0, k.shape[-1] - width)])
     out = jax.nn.dot_product_attention(
         a.queries.q, k, v, mask=None if only_causal else r.allowed, is_causal=only_causal,
         implementation=a.how.implementation,
     )  # fmt: skip
-    return out[..., :width]
+    return out if out.shape[-1] == width else out[..., :width]
 
 
 def _chunked_applies(a: Inputs) -> bool:
