@@ -173,8 +173,9 @@ def _convert(args: argparse.Namespace) -> int:
 
     errors: list[float] = []
     out = convert_workdir(
-        args.workdir, args.out, args.to, args.num_kv_heads, args.step, args.rank, errors, args.cla, args.rope_dim
-    )
+        args.workdir, args.out, args.to, args.num_kv_heads, args.step, args.rank, errors, args.cla, args.rope_dim,
+        args.latent_norm,
+    )  # fmt: skip
     what = (
         f"rank {args.rank} keeps [W^K, W^V] to a relative error |W - W_R|_F / |W|_F"
         if args.rank is not None
@@ -187,6 +188,8 @@ def _convert(args: argparse.Namespace) -> int:
             f"layer {reader} reads layer {donor}'s K/V: relative error of its keys {key_error:.4f}, of its "
             f"value-output maps {value_error:.4f} (weights only: it now attends over layer {donor}'s input)"
         )
+    if args.latent_norm:
+        print("latent norm added (DeepSeek-V2's form), its gains the latent's expected RMS: not exact at any rank")
     before, after = (kv_cache_bytes_per_token(load_config(w).model) for w in (args.workdir, out))
     print(f"KV cache: {before:,} -> {after:,} bytes per token ({after / before:.2f}x)")
     if isinstance(load_config(out).model, EncoderConfig):
@@ -483,6 +486,9 @@ def _tool_commands() -> tuple[Command, ...]:
             opt("--rope-dim", type=int, default=None,
                 help="--to mla of a rotary model: features per head kept rotated (MHA2MLA's partial RoPE, the pairs "
                 "of highest frequency; the others lose their rotation: uptrain)"),
+            opt("--latent-norm", action="store_true",
+                help="--to mla: normalise the latent, as DeepSeek-V2 does (its layout needs it; gains set to the "
+                "latent's expected RMS, not exact: uptrain)"),
             opt("--num-kv-heads", type=int, default=None, help="mean-pool kv heads to K (GQA/MQA)"),
             opt("--cla", type=int, default=None, metavar="G",
                 help="Cross-Layer Attention: groups of G layers share K/V"),

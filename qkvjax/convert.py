@@ -13,6 +13,11 @@
   and a value bias reaches the output as sum_n b_v W^O_n (added to the output bias). A rotary model's latent keys
   cannot be rotated, so it takes ``rope_dim`` (MHA2MLA's partial RoPE, Ji et al. 2025): the highest-frequency pairs
   of every head stay rotated as a rotary key per KV head, the others lose their rotation and go into the latent.
+  ``latent_norm`` adds DeepSeek-V2's RMS norm on the latent (its layout always has one; not exact at any rank):
+  ``norm(c) g`` with every gain ``g = s``, the latent's RMS ``s`` expected when the layer's input is its input
+  norm's output on isotropic unit-RMS features, ``s^2 = (|diag(gamma) W_down|_F^2 + |beta W_down|^2) / R``
+  (gamma, beta: the input norm's scale and bias). A token whose latent has RMS ``s`` is computed as before; others
+  have their latent keys and values rescaled by ``s / rms(c)``: uptrain.
 
 * ``to_shared_kv`` (least squares, exact when W^V's columns lie in W^K's span): one tensor per kv head plays
   key and value (K = V). Keys stay exactly as they were (``w_kv = W^K``) and the values become ``x W^K C`` with
@@ -104,8 +109,8 @@ def rotary_split(h: int, rope_dim: int, interleaved: bool) -> tuple[np.ndarray, 
     return kept, np.setdiff1d(np.arange(h), kept)
 
 
-def latent_attention_params(att: dict, cfg: AttentionConfig, rank: int, rope_dim: int | None = None
-                            ) -> tuple[dict, float]:  # fmt: skip
+def latent_attention_params(att: dict, cfg: AttentionConfig, rank: int, rope_dim: int | None = None,
+                            norm_input: dict | None = None) -> tuple[dict, float]:  # fmt: skip
     """One attention layer's parameters as the ``mla`` scheme's at latent rank ``rank`` (config:
     :func:`latent_config`), and the relative error of the rank-``rank`` approximation of its stacked [W^K, W^V].
 
@@ -113,7 +118,11 @@ def latent_attention_params(att: dict, cfg: AttentionConfig, rank: int, rope_dim
     ``rope_dim / 2`` highest-frequency pairs of every query and key head stay rotated, as a decoupled rotary part
     with a key per KV head at their own frequencies; the other features lose their rotation and only their key
     part joins W^V in the latent. That is the one change to the function besides the truncation (the error
-    reported is the truncation's): measure it with ``qkvjax eval`` and uptrain."""
+    reported is the truncation's): measure it with ``qkvjax eval`` and uptrain.
+
+    ``norm_input``: the parameters of the norm that feeds the layer ({"scale": (D,), "bias": (D,)}, either may be
+    absent; {} for a norm without parameters) asks for a latent norm (``latent_norm=True``), whose gains are the
+    latent's expected RMS (the module docstring): DeepSeek-V2's form."""
     scheme = cfg.tying
     if scheme.bilinear or scheme.latent or scheme.normalize_keys or scheme.mask_self:
         raise ValueError(f"scheme {cfg.scheme!r} has no plain W^K and W^V to factor; convert a plain q.k scheme")
@@ -159,6 +168,11 @@ def latent_attention_params(att: dict, cfg: AttentionConfig, rank: int, rope_dim
         "w_v_up": jnp.asarray(up[:, k * h :].reshape(rank, k, hv), dtype),
         "w_o": att["w_o"],
     } | {name: jnp.asarray(w, dtype) for name, w in rotary.items()}
+    if norm_input is not None:  # BSD -> BSR: E|c|^2 over x = gamma u + beta with E[u u^T] = I
+        gamma = np.asarray(norm_input.get("scale", np.ones(d)), np.float64)
+        beta = np.asarray(norm_input.get("bias", np.zeros(d)), np.float64)
+        rms = np.sqrt((np.sum((gamma[:, None] * down) ** 2) + np.sum((beta @ down) ** 2)) / rank)
+        out["kv_norm_scale"] = jnp.full((rank,), rms, dtype)
     if cfg.use_bias:  # b_k: q . b_k is the same for every key, so the softmax drops it; b_v passes to the output
         out["b_q"] = att["b_" + scheme.group_of("q")]
         b_v = np.repeat(np.asarray(att["b_" + scheme.group_of("v")], np.float64), cfg.group_size, axis=0)  # KU -> NU
@@ -264,8 +278,9 @@ def cross_layer_pattern(scheme: str, group: int) -> str:
     return "(" + ", ".join([scheme] + [f"[kv_from=-{j}]" for j in range(1, group)]) + ")*"
 
 
-def latent_config(cfg: AttentionConfig, rank: int, rope_dim: int | None = None) -> AttentionConfig:
-    """The ``mla`` config that :func:`latent_attention_params` fills: rank ``rank``, no latent norm, and for a
+def latent_config(cfg: AttentionConfig, rank: int, rope_dim: int | None = None, latent_norm: bool = False
+                  ) -> AttentionConfig:  # fmt: skip
+    """The ``mla`` config that :func:`latent_attention_params` fills: rank ``rank``, a latent norm or none, and for a
     rotary model a rotary part of ``rope_dim`` per KV head whose base puts its pairs at the frequencies they had
     (pair i of H_r at base'^(-i / (H_r/2)) = base^(-i / (H/2)): base' = base^(H_r / H))."""
     rotary = {} if rope_dim is None else dict(
@@ -273,7 +288,7 @@ def latent_config(cfg: AttentionConfig, rank: int, rope_dim: int | None = None) 
         rope_base=cfg.rope_base ** (rope_dim / cfg.head_dim),
     )  # fmt: skip
     return dataclasses.replace(
-        cfg, scheme="mla", kv_rank=rank, latent_norm=False, q_rank=None, rope_head_dim=rope_dim, **rotary
+        cfg, scheme="mla", kv_rank=rank, latent_norm=latent_norm, q_rank=None, rope_head_dim=rope_dim, **rotary
     )
 
 
@@ -300,10 +315,12 @@ def convert(
     errors: list | None = None,
     cross_layer: int | None = None,
     rope_dim: int | None = None,
+    latent_norm: bool = False,
 ):
     """(new config, new params) with the scheme ``to`` and/or ``num_kv_heads`` changed; ``rank`` is the latent
-    rank of ``to="mla"``, whose relative approximation error per layer is appended to ``errors`` if given, and
-    ``rope_dim`` its rotary features per head for a rotary model (:func:`latent_attention_params`).
+    rank of ``to="mla"``, whose relative approximation error per layer is appended to ``errors`` if given,
+    ``rope_dim`` its rotary features per head for a rotary model and ``latent_norm`` whether its latent is
+    normalised, as DeepSeek-V2's always is (:func:`latent_attention_params`).
     ``cross_layer`` G: CLA in groups of G layers (last), appending (reader, donor, key error, value-output error)
     per reading layer to ``errors``."""
     att_cfg = model.attention
@@ -314,6 +331,8 @@ def convert(
         raise ValueError(f"rank={rank!r} goes with a latent target scheme and only there: --to mla --rank R")
     if rope_dim is not None and rank is None:
         raise ValueError(f"rope_dim={rope_dim!r} goes with --to mla --rank R (a rotary model's rotated part)")
+    if latent_norm and rank is None:
+        raise ValueError("latent_norm=True goes with --to mla --rank R (a norm on MLA's latent)")
     if cross_layer is not None and "layers" not in {f.name for f in dataclasses.fields(model)}:
         raise ValueError(f"--cla {cross_layer!r}: an encoder (EncoderConfig) has no layer patterns; allowed: decoders")
     if model.layers:  # an EncoderConfig (an imported BERT) has none
@@ -341,7 +360,10 @@ def convert(
             block = dict(new[layer])
             error = None
             if target.latent:
-                block["attention"], error = latent_attention_params(block["attention"], att_cfg, rank, rope_dim)
+                feeding = block.get("ln_attention", {}) if latent_norm else None  # the block's pre-norm, if any
+                block["attention"], error = latent_attention_params(
+                    block["attention"], att_cfg, rank, rope_dim, feeding
+                )
             elif target.bilinear:
                 block["attention"] = bilinear_attention_params(block["attention"], att_cfg)
             else:
@@ -349,7 +371,8 @@ def convert(
             if errors is not None and error is not None:
                 errors.append(error)
             new[layer] = block
-        att_cfg = latent_config(att_cfg, rank, rope_dim) if target.latent else dataclasses.replace(att_cfg, scheme=to)
+        att_cfg = (latent_config(att_cfg, rank, rope_dim, latent_norm) if target.latent
+                   else dataclasses.replace(att_cfg, scheme=to))  # fmt: skip
     out = dataclasses.replace(model, attention=att_cfg)
     if cross_layer is not None:
         out, new = _cross_layer(out, new, cross_layer, errors)
@@ -385,6 +408,7 @@ def convert_workdir(
     errors: list | None = None,
     cross_layer: int | None = None,
     rope_dim: int | None = None,
+    latent_norm: bool = False,
 ) -> str:
     """Writes a new workdir whose checkpoint holds the converted params (fresh optimizer state, same step and
     data position), so ``qkvjax eval`` / ``sample`` / ``train`` (to uptrain) all work on it. ``errors``: as in
@@ -410,7 +434,9 @@ def convert_workdir(
     out = os.fspath(path(out))
     require_empty(out)
     _, params, config, step = restore_params(workdir, step)
-    model_cfg, new_params = convert(config.model, params, to, num_kv_heads, rank, errors, cross_layer, rope_dim)
+    model_cfg, new_params = convert(
+        config.model, params, to, num_kv_heads, rank, errors, cross_layer, rope_dim, latent_norm
+    )
     config = dataclasses.replace(config, model=model_cfg)
     data_state = None
     if not params_only(workdir):

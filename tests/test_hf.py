@@ -233,6 +233,40 @@ def test_an_imported_llama_converts_to_partial_rope_mla_as_transformers_computes
     assert np.abs(np.asarray(ours) - unchanged)[mask].max() > 100 * TOL * np.abs(unchanged).max()  # it did change
 
 
+@pytest.mark.parametrize("fmt", ["deepseek_v2", "deepseek_v3"])
+def test_a_llama_retrofitted_to_mla_exports_in_deepseek_form_and_transformers_computes_the_retrofit(
+    folders, fmt, tmp_path
+):
+    """Llama (one KV head) -> MLA at about half rank with partial RoPE and DeepSeek's latent norm (convert
+    --latent-norm) -> a DeepSeek folder: transformers' DeepseekV2/V3ForCausalLM gives qkvjax's own logits for the
+    converted model, which differ from the Llama's (it is a retrofit). Without the latent norm, export names the
+    flag."""
+    from qkvjax.convert import convert_workdir
+    from qkvjax.evaluate import restore_params
+
+    folder, llama = folders["llama_gqa"]
+    import_folder(folder, tmp_path / "run")
+    config, _ = load_pretrained(folder)
+    att, hr = config.attention, 2
+    half = min(config.d_model, att.kv_heads * (att.head_dim - hr + att.value_dim)) // 4 * 2  # R + P even, as
+    # transformers' complex view of the rotary key needs (a slice of the (R + P)-wide latent row)
+    run, mla = str(tmp_path / "run"), str(tmp_path / "mla")
+    convert_workdir(run, mla, "mla", None, rank=half, rope_dim=hr, latent_norm=True)
+    assert export_workdir(mla, str(tmp_path / "out"), fmt) == fmt
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert type(back).__name__ == {"deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}[fmt]
+    _, params, mla_config, _ = restore_params(mla)
+    assert mla_config.model.attention.latent_norm and mla_config.model.attention.latent_dim == half
+    tokens, mask = _batch()
+    ours = np.asarray(model_of(mla_config.model).apply({"params": params}, jnp.asarray(tokens)))
+    _close(ours, _reference(back, tokens, mask, False), mask)
+    before = _reference(llama, tokens, mask, False)
+    assert np.abs(ours - before)[mask].max() > 100 * TOL * np.abs(before).max()  # a retrofit, not a copy
+    convert_workdir(run, str(tmp_path / "bare"), "mla", None, rank=half, rope_dim=hr)
+    with pytest.raises(ValueError, match=r"^layer 0: latent_norm=False [^\n]*--latent-norm"):
+        export_workdir(str(tmp_path / "bare"), str(tmp_path / "out2"), fmt)
+
+
 @pytest.mark.parametrize(
     "name",
     ["gpt2", "llama_gqa", "qwen2_biases_tied", "mistral_window", "qwen3_qk_norm", "deepseek_v2_q_lora", "gemma4"],

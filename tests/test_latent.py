@@ -406,3 +406,33 @@ def test_a_rotary_model_converts_to_partial_rope_mla(layout):
             latent_attention_params(p, rope, 3, rope_dim=bad)
     with pytest.raises(ValueError, match=r"rope_dim=2 is for rotary models; this one has rope=False"):
         latent_attention_params(p, dataclasses.replace(rope, rope=False), 3, rope_dim=2)
+
+
+def test_a_latent_norm_added_by_convert_has_the_latents_expected_rms_as_its_gains():
+    """convert --latent-norm (DeepSeek-V2's form): each gain is the RMS the latent has when the layer's input is
+    its input norm's output, gamma u + beta, on isotropic unit-RMS u (a Monte Carlo estimate in float64 within
+    2%); a token whose latent has exactly that RMS is computed as without the norm; the norm needs a latent."""
+    plain = AttentionConfig(num_heads=N, head_dim=H, num_kv_heads=K, v_head_dim=HV)
+    x = inputs(23, B, T, D)
+    p = init_params(plain, x, 24)
+    rng = np.random.default_rng(25)
+    gamma, beta = rng.uniform(0.3, 2.0, D), rng.normal(0, 0.5, D)
+    out, _ = latent_attention_params(p, plain, 5, norm_input={"scale": gamma, "bias": beta})
+    bare, _ = latent_attention_params(p, plain, 5)
+    down = np.asarray(bare["w_kv_down"], np.float64)
+    u = rng.standard_normal((200_000, D))
+    expected = np.sqrt(np.mean(((gamma * u + beta) @ down) ** 2))
+    gains = np.asarray(out["kv_norm_scale"], np.float64)
+    assert gains.shape == (5,) and np.ptp(gains) == 0 and abs(gains[0] / expected - 1) < 0.02, (gains, expected)
+    assert "kv_norm_scale" not in bare and latent_config(plain, 5, latent_norm=True).latent_norm
+    # the input that gives its latent exactly that RMS: the normed layer computes what the bare one does
+    cfg = latent_config(plain, 5, latent_norm=True)
+    c = np.asarray(x, np.float64) @ down  # BTD,DR->BTR
+    scaled = x * jnp.asarray(gains[0] / np.sqrt(np.mean(c**2, -1, keepdims=True)), x.dtype)  # each token's latent
+    normed = LatentAttention(cfg).apply({"params": out}, scaled, causal=True)
+    np.testing.assert_allclose(normed, LatentAttention(latent_config(plain, 5)).apply({"params": bare}, scaled,
+                               causal=True), rtol=2e-4, atol=2e-5)  # fmt: skip
+    model_cfg = ModelConfig(plain, vocab_size=13, d_model=D, num_layers=1, mlp_dim=7, max_len=T)
+    params = DecoderLM(model_cfg).init(jax.random.key(26), jnp.zeros((1, T), jnp.int32))["params"]
+    with pytest.raises(ValueError, match=r"^latent_norm=True goes with --to mla --rank R"):
+        convert(model_cfg, params, num_kv_heads=1, latent_norm=True)

@@ -59,12 +59,17 @@ def test_the_engines_block_runs_as_written(tmp_path, corpus):
     pytest.importorskip("transformers", reason="the hf extra makes the tiny Qwen3, DeepSeek-V2 and Gemma 4 folders")
     clone = fresh_clone(tmp_path, Path(sys.prefix), Path(corpus).parents[2])
     commands = ["source .venv/bin/activate", *block("hf-engines")]
-    assert len(commands) == 1 + 10
+    assert len(commands) == 1 + 14
     rows = run_commands(commands, clone, env={**os.environ, "XLA_FLAGS": xla_flags(1)})
     failed = [r for r in rows if r["returncode"]]
     assert not failed, f"{failed[0]['command']}\n{failed[0]['stdout'][-2000:]}\n{failed[0]['stderr'][-2000:]}"
     runs = clone / "runs"
-    for folder, model_type in (("hf_gemma4", "gemma4_text"), ("hf_deepseek", "deepseek_v2"), ("hf_qwen3", "qwen3")):
+    for folder, model_type in (
+        ("hf_gemma4", "gemma4_text"),
+        ("hf_deepseek", "deepseek_v2"),
+        ("hf_qwen3", "qwen3"),
+        ("hf_llama_mla", "deepseek_v2"),
+    ):
         assert json.loads((runs / folder / "config.json").read_text())["model_type"] == model_type
     analyze = next(r["stdout"] for r in rows if r["command"].startswith("qkvjax analyze"))
     assert "shared_kv (K = V), reads layer 1's K/V" in analyze  # Gemma 4's last layer, named as it is

@@ -128,8 +128,8 @@ def check(cfg: ModelConfig, require) -> None:
         )
         require(
             att.latent_norm,
-            f"{at} latent_norm=False (DeepSeek-V2 normalises its latents: a latent without a "
-            "norm, as convert makes it, is another function)",
+            f"{at} latent_norm=False (DeepSeek-V2 normalises its latents: convert --to mla with --latent-norm, "
+            "whose gains are the latent's expected RMS, then uptrain)",
         )
         require(att.norm_eps == LATENT_EPS, f"{at} norm_eps={att.norm_eps} (DeepSeek-V2's latent norms: 1e-6)")
         require(not att.use_bias and not att.has_output_bias, f"{at} use_bias=True")
