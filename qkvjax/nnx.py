@@ -236,21 +236,20 @@ class DecoderLM(nnx.Module):
             x = self.ln_embed(x, dt)
         x = self.dropout(x, deterministic=deterministic)
         made: dict[int, KV] = {}
-        entries, new_entries = iter(cache.kv) if cache is not None else None, []
+        entries, new_entries = iter(cache.entries()) if cache is not None else None, []
         for i, layer in enumerate(cfg.layer_attention):
-            own = None if cache is None or not layer.produces_kv else KV.cached(next(entries), cache.lengths)
+            own = None if cache is None or not layer.produces_kv else next(entries)
             kv = None if layer.produces_kv else made[layer.kv_from]
             x, used = getattr(self, f"block_{i}")(x, positions, kv=kv, cache=own, deterministic=deterministic)
             if layer.produces_kv:
                 made[i] = used
-                new_entries += [used.tensors] if cache is not None else []
+                new_entries += [used] if cache is not None else []
         if cfg.family.final_norm:
             x = self.ln_final(x, dt)
         logits = unembed(x, self.embed[...].T if cfg.tie_embeddings else self.w_unembed[...], cfg)
         if cache is None:
             return logits
-        advance = tokens.shape[1] if num_valid is None else num_valid
-        return logits, DecodeCache(tuple(new_entries), cache.lengths + advance)
+        return logits, cache.advanced(new_entries, tokens.shape[1] if num_valid is None else num_valid)
 
 
 def params(module: nnx.Module) -> dict:

@@ -74,6 +74,78 @@ def test_a_windowed_stack_decodes_token_by_token_as_its_full_forward():
     np.testing.assert_allclose(np.stack([np.stack(g) for g in got]), want, rtol=1e-4, atol=1e-4)
 
 
+def _decode_in_calls(model, params, cache, tokens, calls) -> np.ndarray:
+    """Logits of every position of ``tokens`` (B, T) decoded with ``cache`` in calls of ragged lengths: each of
+    ``calls`` gives the tokens per row for one call (right-padded to the longest, ``num_valid``), then one token
+    at a time to the end."""
+    step = jax.jit(lambda x, c, n: model.apply(params, x, cache=c, num_valid=n))
+    t = tokens.shape[1]
+    pos, got = np.zeros(len(tokens), int), [[] for _ in tokens]
+    for valid in [*calls, *[None] * t]:
+        valid = np.minimum(t - pos, 1) if valid is None else np.asarray(valid)
+        if not valid.any():
+            break
+        width = int(valid.max())
+        x = np.zeros((len(tokens), width), np.int32)
+        for b, (p, n) in enumerate(zip(pos, valid, strict=True)):
+            x[b, :n] = tokens[b, p : p + n]
+        logits, cache = step(jnp.asarray(x), cache, jnp.asarray(valid, jnp.int32))
+        for b, n in enumerate(valid):
+            got[b] += list(np.asarray(logits[b, :n]))
+        pos += valid
+    return np.stack([np.stack(g) for g in got]), cache
+
+
+@pytest.mark.parametrize(
+    ("scheme", "layers", "rings"),
+    [
+        ("separate", f"[sliding_window={W}], []", (W, 0)),
+        ("shared_kv", f"[sliding_window={W}], []", (W, 0)),  # K = V: raw in the ring, rotated by slot position
+        ("shared_qk", f"[sliding_window={W}], []", (W, 0)),
+        ("reformer_qk", f"[sliding_window={W}], []", (W, 0)),
+        ("bilinear", f"[sliding_window={W}], []", (W, 0)),  # the ring holds the key side's inputs
+        ("mla", f"[sliding_window={W}], []", (W, 0)),  # the latent and the shared rotary key, absorbed
+        ("mla_per_head", f"[sliding_window={W}], []", (W, 0)),
+        ("separate", f"[sliding_window={W}], [kv_from=-1, sliding_window=2], []", (W, 0)),  # a reader within W
+        ("separate", f"[sliding_window={W}], [kv_from=-1], [sliding_window=2]", (0, 2)),  # a reader of it all
+    ],
+)
+def test_a_windowed_layer_caches_a_ring_of_its_window_and_decodes_as_the_full_forward(scheme, layers, rings):
+    """DecodeCache.empty gives a layer whose readers all have windows a ring of the widest (W slots, not
+    max_len); prompts of 5 and 2 tokens, a ragged call of 3 and 4 more (longer than W: it reads the ring and its
+    own tokens), then one token at a time past several turns of the ring: every position's logits equal the full
+    forward's, and the ring's entry keeps W slots throughout."""
+    extra = {"mla_per_head": {"rope_key_per_head": True}, "separate": {"num_kv_heads": 1}}.get(scheme, {})  # GQA
+    att = config("mla" if scheme == "mla_per_head" else scheme, **extra)
+    n_layers = len(layers.split("], ["))
+    cfg = ModelConfig(
+        attention=att, vocab_size=13, d_model=D, num_layers=n_layers, max_len=2 * T, learned_positions=False,
+        layers=layers,
+    )  # fmt: skip
+    model = DecoderLM(cfg)
+    tokens = jax.random.randint(jax.random.PRNGKey(4), (B, T), 1, 13)
+    params = jax.jit(model.init)(jax.random.PRNGKey(5), tokens)
+    want = jax.jit(model.apply)(params, tokens)
+    cache = DecodeCache.empty(cfg, B)
+    assert cache.rings == rings
+    slots = [max(x.shape[1:-1]) if x.ndim == 3 else x.shape[2] for x in (next(iter(e.values())) for e in cache.kv)]
+    assert slots == [r or 2 * T for r in rings]
+    got, cache = _decode_in_calls(model, params, cache, np.asarray(tokens), [[5, 2], [3, 4]])
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    assert cache.rings == rings and [int(x) for x in cache.lengths] == [T, T]
+    assert jax.tree.map(jnp.shape, cache.kv) == jax.tree.map(jnp.shape, DecodeCache.empty(cfg, B).kv)
+
+
+def test_a_ring_saves_what_the_window_leaves_out():
+    """A stack of windowed layers holds W slots per row whatever the context: the cache's bytes are W / max_len
+    of a cache of every position, and a row decodes past max_len's worth of the ring's slots."""
+    att = AttentionConfig(num_heads=N, head_dim=H, rope=True, sliding_window=W)
+    cfg = ModelConfig(attention=att, vocab_size=13, d_model=D, num_layers=2, max_len=T, learned_positions=False)
+    ring = DecodeCache.empty(cfg, B)
+    every = DecodeCache.empty(dataclasses.replace(cfg, attention=dataclasses.replace(att, sliding_window=None)), B)
+    assert ring.rings == (W, W) and every.rings == (0, 0) and ring.nbytes * T == every.nbytes * W
+
+
 @pytest.mark.parametrize("bad", [0, -2, 2.5, True])
 def test_a_bad_window_is_refused_in_one_line(bad):
     message = rf"^AttentionConfig.sliding_window={bad!r}; allowed: None or an integer >= 1$"

@@ -1,6 +1,7 @@
 """Keys and values between layers and decode steps: the :class:`KV` a layer hands on, what a decode cache holds
-(:func:`cache_shapes`), how new positions are written into it (:func:`write`), and flax's ``decode=True``
-variables as a thin adapter onto the same cache (:func:`linen_cache`).
+(:func:`cache_shapes`), how new positions are written into it (:func:`update`: every position, or a
+sliding-window layer's ring of its last W), and flax's ``decode=True`` variables as a thin adapter onto the same
+cache (:func:`linen_cache`).
 
 A model's container of every layer's cache is :class:`qkvjax.models.lm.DecodeCache`; it is built from
 :func:`cache_shapes` and read and written only through the functions here.
@@ -36,11 +37,16 @@ class KV:
 
     Per-token tensors (``"x"``, ``"latent"``, a shared ``"k_rope"``) are (B, S, C) in both. ``KV(tensors, start)``
     without a layout (the positional form) is a cache when ``start`` is given.
+
+    ``ring`` W > 0 marks a window-only cache as a call reads it (:func:`update`): its first W slots are a ring in
+    which slot j holds the one position congruent to j mod W of the row's last W, and the slots after them, if
+    any, this call's fresh tokens; :func:`slot_positions` says which position each slot holds.
     """
 
     tensors: dict[str, Array]
     start: Array | None = None
     layout: str | None = flax.struct.field(pytree_node=False, default=None)
+    ring: int = flax.struct.field(pytree_node=False, default=0)
 
     def __post_init__(self):
         if self.layout is None:  # KV(tensors) or KV(tensors, start): the layout follows from the start
@@ -92,6 +98,67 @@ def cache_shapes(config: AttentionConfig, d_model: int, length: int) -> dict[str
     return shapes | ({"x": (length, d_model)} if scheme.bilinear else {})
 
 
+def update(cache: KV, new: dict[str, Array], t: int) -> KV:
+    """The cache a call reads after its ``t`` new tokens (fresh tensors ``new``): :func:`write` into a cache of
+    every position, or :func:`ring_view` of a ring (``cache.ring``, as
+    :meth:`qkvjax.models.lm.DecodeCache.entries` marks a sliding-window layer's)."""
+    return ring_view(cache, new, t) if cache.ring else write(cache, new, t)
+
+
+def ring_view(cache: KV, new: dict[str, Array], t: int) -> KV:
+    """A window-only cache of W slots read with ``t`` new tokens at positions start_b + i (Mistral's rolling
+    buffer, Jiang et al. 2023). One token (decoding) is written in place, at slot start_b mod W: the position it
+    replaces, start_b - W, is outside the window of every query from start_b on, so the view is the ring. More
+    tokens are appended after the ring, unwritten (W + t slots): a later new token would replace a slot that an
+    earlier one still sees; :func:`settle` keeps each row's last W positions of that view."""
+    if set(new) != set(cache.tensors):
+        raise ValueError(f"the cache holds {sorted(cache.tensors)} but this layer makes {sorted(new)}")
+    w = cache.ring
+    if cache.length != w:
+        raise ValueError(f"a ring of W={w} slots has {cache.length}; allowed: W slots, as DecodeCache.empty makes")
+    if t == 1:
+        tensors = {name: core.write_rows(cache.tensors[name], new[name], cache.start % w) for name in cache.tensors}
+    else:  # BTKH -> BKTH (a group's) or BTC (per token) after the ring's slots
+        laid = {name: x.transpose(0, 2, 1, 3) if x.ndim == 4 else x for name, x in new.items()}
+        tensors = {
+            name: jnp.concatenate([x, laid[name].astype(x.dtype)], axis=2 if x.ndim == 4 else 1)
+            for name, x in cache.tensors.items()
+        }
+    return KV(tensors, cache.start, CACHED, ring=w)
+
+
+def slot_positions(kv: KV) -> Array:
+    """(B, S) for a ring view, else (1, S): the position each slot holds. A cache of every position holds
+    position s in slot s; a ring whose newest token is at E holds E - ((E - j) mod W) in slot j (negative: empty)
+    and a view's fresh slot W + i the new token start + i."""
+    if not kv.ring:
+        return jnp.arange(kv.length)[None]
+    w, fresh = kv.ring, kv.length - kv.ring
+    newest = (kv.start - (1 if fresh else 0))[:, None]  # no fresh slots: the one new token was written
+    ring = newest - (newest - jnp.arange(w)[None]) % w
+    return jnp.concatenate([ring, kv.start[:, None] + jnp.arange(fresh)[None]], axis=1)
+
+
+def settle(kv: KV, valid: Array | None = None) -> dict[str, Array]:
+    """What the cache keeps of a call's view ``kv``: its tensors, or a ring view's W slots for each row's last W
+    positions once ``valid`` (B,) of the call's new tokens count (None: all; the rest is right padding). With
+    E = start + valid - 1, slot j keeps position p = E - ((E - j) mod W): the old ring's slot j when p < start,
+    else the fresh slot W + p - start."""
+    if not kv.ring or kv.length == kv.ring:
+        return kv.tensors
+    w, start = kv.ring, kv.start[:, None]
+    newest = start + (kv.length - w if valid is None else valid[:, None]) - 1
+    j = jnp.arange(w)[None]
+    p = newest - (newest - j) % w
+    source = jnp.where(p < start, j, w + p - start)  # (B, W) slots of the view
+
+    def take(x: Array) -> Array:
+        index = source[:, None, :, None] if x.ndim == 4 else source[:, :, None]  # BKSH, or BSC
+        return jnp.take_along_axis(x, index, axis=2 if x.ndim == 4 else 1)
+
+    return {name: take(x) for name, x in kv.tensors.items()}
+
+
 def write(cache: KV, new: dict[str, Array], t: int) -> KV:
     """``cache`` with ``new`` (fresh tensors: (B, T, K, H), or (B, T, D) / (B, T, R) for the per-token ones)
     written at each row's start; the positions of the ``t`` new tokens, per row, are start_b .. start_b + t - 1."""
@@ -128,8 +195,9 @@ def linen_cache(module: nn.Module, fresh: KV, batch: int):
         return None, lambda updated, t: None
 
     def store(updated: KV, t: int) -> None:
+        kept = settle(updated)
         for name, slot in slots.items():
-            slot.value = updated.tensors[name]
+            slot.value = kept[name]
         index.value = index.value + t
 
     cache = KV.cached({k: slot.value for k, slot in slots.items()}, jnp.broadcast_to(index.value, (batch,)))

@@ -84,7 +84,8 @@ class AttentionConfig:
       sliding_window: W: a query sees only keys fewer than W positions away (with causal attention: the last W
         tokens, itself included; Mistral's ``sliding_window``, Gemma's sliding layers); None = the whole context.
         Causal self-attention over fresh keys runs the ``window`` kernel (blocks of queries scored against a band
-        of keys, :func:`core.banded_attention`); a decode cache still holds every position (the window is a mask).
+        of keys, :func:`core.banded_attention`); its decode cache is a ring of the last W tokens
+        (:func:`cache.ring_view`) where every layer reading it has a window too.
       rope_pairs: rotate only the first ``rope_pairs`` of the H/2 feature pairs (the highest frequencies, each at
         the frequency it has in a whole rotation); the rest carry no position. Gemma 4's full-attention layers
         ("proportional" rotary, ``partial_rotary_factor`` = 2 rope_pairs / H). None = every pair.

@@ -79,16 +79,18 @@ class Slots:
     """The key slots 0..S-1 the queries read. ``read(p)`` gives the keys (bilinear: the key side's inputs
     (B, S, E)) and values of slots 0..p-1, finished as the scores use them, laid out as ``layout`` (FRESH
     (B, S, K, H) or CACHED (B, K, S, H)); ``index`` (1, S) the slots' mask indices; ``start`` (B,) each row's first
-    new position when the slots are a decode cache, else None; ``absorbed`` a latent cache's own reading."""
+    new position when the slots are a decode cache, else None; ``absorbed`` a latent cache's own reading; ``ring``
+    when the slots are a window-only cache's (:func:`cache.ring_view`): not in position order, ``index`` (B, S)."""
 
     read: Callable[[int], tuple[Array, Array]]
     layout: str
     length: int
-    index: Int[Array, "1 S"]
+    index: Int[Array, "#B S"]
     start: Int[Array, " B"] | None
     kv_heads: int
     value_dim: int
     absorbed: Absorbed | None = None
+    ring: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,8 +204,11 @@ def attend_absorbed(a: Inputs, p: int) -> Float[Array, "B T N U"]:
 
 def reads_prefix(a: Inputs) -> bool:
     """The prefix rule: a decode cache read in blocks (``causal_block``), with no dropout (a branch cannot hold
-    its random draws) and nobody collecting the whole (T, S) weights."""
-    return bool(a.how.causal_block and a.slots.start is not None and not a.rules.dropout_rate and not a.how.collecting)
+    its random draws), nobody collecting the whole (T, S) weights, and slots in position order (not a ring)."""
+    s = a.slots
+    return bool(
+        a.how.causal_block and s.start is not None and not s.ring and not a.rules.dropout_rate and not a.how.collecting
+    )
 
 
 def over_filled(a: Inputs, attend_p: Callable[[Inputs, int], Array]) -> Array:

@@ -37,7 +37,7 @@ from jaxtyping import Float, Int
 from qkvjax import axes
 from qkvjax.attention import core, kernels
 from qkvjax.attention.base import AttentionModule, Call
-from qkvjax.attention.cache import FRESH, KV, linen_cache, prefix, write
+from qkvjax.attention.cache import FRESH, KV, linen_cache, prefix, slot_positions, update
 from qkvjax.attention.config import AttentionConfig
 from qkvjax.attention.schemes import Scheme
 
@@ -51,14 +51,15 @@ class Positions:
     q: Int[Array, "#B T"]
     k: Int[Array, "#B S"]
     index_q: Int[Array, "#B T"]
-    index_k: Int[Array, "1 S"]
+    index_k: Int[Array, "#B S"]
 
 
-def positions(call: Call, start: Array | None, length: int) -> Positions:
+def positions(call: Call, start: Array | None, length: int, slots: Array | None = None) -> Positions:
     """Fresh keys (``start`` None) sit at the query positions (or 0..S-1 for cross-attention) and are masked
     causally by index, as flax's ``make_causal_mask``; a cache's row b has its queries at start_b + t and its
-    ``length`` slots at 0..S-1. A new key's position is ``q`` (a cache) or ``k`` (fresh)."""
-    t, slots = call.shape[1], jnp.arange(length)[None]
+    ``length`` slots at 0..S-1, or at ``slots`` (B, S) (a ring's, :func:`cache.slot_positions`). A new key's
+    position is ``q`` (a cache) or ``k`` (fresh)."""
+    t, slots = call.shape[1], jnp.arange(length)[None] if slots is None else slots
     if start is None:
         q = jnp.arange(t)[None] if call.positions is None else call.positions
         return Positions(q, q if call.self_attention else slots, jnp.arange(t)[None], slots)
@@ -104,10 +105,10 @@ def run(module: AttentionModule, call: Call, stages: Stages):
         start = None if cache is None else cache.start
         new = positions(call, start, x_kv.shape[1])
         fresh = KV.fresh(stages.finish_new(fresh.tensors, new.k if start is None else new.q))
-    side = fresh if cache is None else write(cache, fresh.tensors, t)  # 3. cache
+    side = fresh if cache is None else update(cache, fresh.tensors, t)  # 3. cache
     if store is not None and cache is not None:
         store(side, t)
-    pos = positions(call, side.start, side.length)
+    pos = positions(call, side.start, side.length, slot_positions(side) if side.ring else None)
     inputs = kernels.Inputs(  # 4. scores and mixing
         stages.queries(queries, x_q, pos), stages.slots(side, pos), rules(module, call, side, pos, stages), how(module)
     )
@@ -119,8 +120,8 @@ def run(module: AttentionModule, call: Call, stages: Stages):
 
 def rules(module: AttentionModule, call: Call, side: KV, pos: Positions, stages: Stages) -> kernels.Rules:
     """What a query may see: the caller's mask, the causal triangle by index (a cache row's view is always causal
-    by position), the sliding window, each query's own slot for Reformer's self-mask; attention dropout when not
-    deterministic."""
+    by position), the sliding window, a ring's empty slots; each query's own slot for Reformer's self-mask;
+    attention dropout when not deterministic."""
     cfg = module.config
     causal = call.causal or side.is_cache
     window = cfg.sliding_window or 0
@@ -128,6 +129,7 @@ def rules(module: AttentionModule, call: Call, side: KV, pos: Positions, stages:
         call.mask,
         core.causal_mask(pos.index_q, pos.index_k) if causal else None,
         core.window_mask(pos.index_q, pos.index_k, window) if window else None,
+        (pos.index_k >= 0)[:, None, None, :] if side.ring else None,  # (B, 1, 1, S): slots that hold a token
     )
     self_mask = None
     if stages.mask_self and call.self_attention:
@@ -248,7 +250,9 @@ class Tied(Stages):
             k = prefix(side.tensors[scheme.group_of("k")], n, side.layout)
             return (k if scheme.keys_finished_at_write else self.finish_keys(k, pos.k[:, :n], side.seq_axis)), v
 
-        return kernels.Slots(read, side.layout, side.length, pos.index_k, side.start, cfg.kv_heads, cfg.value_dim)
+        return kernels.Slots(
+            read, side.layout, side.length, pos.index_k, side.start, cfg.kv_heads, cfg.value_dim, ring=bool(side.ring)
+        )
 
 
 class Attention(AttentionModule):

@@ -16,7 +16,7 @@ from jax import Array
 
 from qkvjax import axes
 from qkvjax.attention import KV, Attention, AttentionConfig, LayerAttention, attention_module, core, stack_cost
-from qkvjax.attention.cache import cache_shapes
+from qkvjax.attention.cache import CACHED, cache_shapes, settle
 from qkvjax.attention.costs import causal_keys_seen, keys_seen
 from qkvjax.attention.layers import expand, producers
 from qkvjax.models.family import Family, Mlp, dense_init, norm
@@ -203,21 +203,43 @@ class DecodeCache:
     D) for a bilinear key side; ``"latent"`` (B, S, R) and ``"k_rope"`` (B, S, H_r) for a latent scheme).
     ``lengths`` (B,) int32: the tokens each row holds; row b's next token goes to position ``lengths[b]``, so rows
     with prompts of different lengths decode together.
+    ``rings`` (static): per entry, W > 0 where it is a ring of each row's last W tokens
+    (:func:`qkvjax.attention.cache.ring_view`), else 0: a sliding-window layer whose window, and that of every
+    layer reading its K/V, is at most W < the cache's length keeps W slots, so its memory stays W tokens however
+    long a row runs.
     """
 
     kv: tuple[dict[str, Array], ...]
     lengths: Array
+    rings: tuple[int, ...] = flax.struct.field(pytree_node=False, default=())
 
     @classmethod
     def empty(cls, config: ModelConfig, batch: int, max_len: int | None = None) -> DecodeCache:
-        """Zeros for ``batch`` rows of ``max_len`` (default the model's) positions, from the config alone."""
+        """Zeros for ``batch`` rows of ``max_len`` (default the model's) positions, from the config alone; an
+        entry whose readers (itself and the layers reading its K/V) all have a window, the widest W < ``max_len``,
+        is a ring of W slots instead."""
         s = config.max_len if max_len is None else max_len
-        entries = []
-        for i in producers(config.layer_attention):
-            att = config.layer_attention[i].config
-            shapes = cache_shapes(att, config.d_model, s)
+        layers = config.layer_attention
+        entries, rings = [], []
+        for i in producers(layers):
+            att = layers[i].config
+            windows = [r.config.sliding_window for j, r in enumerate(layers) if j == i or r.kv_from == i]
+            ring = max(windows) if None not in windows and max(windows) < s else 0
+            shapes = cache_shapes(att, config.d_model, ring or s)
             entries.append({name: jnp.zeros((batch, *shape), jnp.dtype(att.dtype)) for name, shape in shapes.items()})
-        return cls(tuple(entries), jnp.zeros((batch,), jnp.int32))
+            rings.append(ring)
+        return cls(tuple(entries), jnp.zeros((batch,), jnp.int32), tuple(rings))
+
+    def entries(self) -> list[KV]:
+        """Each entry as the layer that produces it reads it: a cache at the rows' lengths, a ring where it is one."""
+        rings = self.rings or (0,) * len(self.kv)
+        return [KV(tensors, self.lengths, CACHED, ring) for tensors, ring in zip(self.kv, rings, strict=True)]
+
+    def advanced(self, used: list[KV], valid: Array | int) -> DecodeCache:
+        """After a call: what each layer's cache keeps of the K/V it read (:func:`qkvjax.attention.cache.settle`:
+        a ring keeps each row's last W of the ``valid`` new positions), the lengths advanced by ``valid``."""
+        valid = jnp.broadcast_to(jnp.asarray(valid, jnp.int32), self.lengths.shape)
+        return DecodeCache(tuple(settle(kv, valid) for kv in used), self.lengths + valid, self.rings)
 
     @property
     def nbytes(self) -> int:
@@ -285,10 +307,10 @@ class DecoderLM(nn.Module):
             policy = None if cfg.remat == "full" else jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims
             block = nn.remat(Block, policy=policy)
         made: dict[int, KV] = {}
-        entries = iter(cache.kv) if cache is not None else None
+        entries = iter(cache.entries()) if cache is not None else None
         new_entries = []
         for i, layer in enumerate(cfg.layer_attention):
-            own = None if cache is None or not layer.produces_kv else KV.cached(next(entries), cache.lengths)
+            own = None if cache is None or not layer.produces_kv else next(entries)
             flags = {  # a layer reading another's K/V reads them as the donor wrote them (no decode variables)
                 "deterministic": deterministic,
                 "decode": decode and layer.produces_kv,
@@ -299,7 +321,7 @@ class DecoderLM(nn.Module):
             if layer.produces_kv:
                 made[i] = used
                 if cache is not None:
-                    new_entries.append(used.tensors)
+                    new_entries.append(used)
         if cfg.family.final_norm:
             x = _layer_norm(cfg, "ln_final")(x)
         if cfg.tie_embeddings:
@@ -309,8 +331,7 @@ class DecoderLM(nn.Module):
             logits = unembed(x, self.param("w_unembed", init, (cfg.d_model, cfg.vocab_size), cfg.param_dtype), cfg)
         if cache is None:
             return logits
-        advance = tokens.shape[1] if num_valid is None else num_valid
-        return logits, DecodeCache(tuple(new_entries), cache.lengths + advance)
+        return logits, cache.advanced(new_entries, tokens.shape[1] if num_valid is None else num_valid)
 
     def _decode_positions(self, shape) -> Array:
         """Absolute positions of the new tokens under ``decode=True``, counted in the model's own ``cache``."""
