@@ -64,7 +64,7 @@ SMOKE_LEVERS = {"baseline": ("", None), "batch_4": ("", 4)}
 # most wanted first; "/xla": XLA's attention instead of cuDNN's; "+rope": MLA's decoupled rotary part
 SPEED_ROWS = ("separate", "flax", "shared_kv", "gqa", "shared_qk", "mla", "mla+rope", "separate/xla")
 SMOKE_SPEED_ROWS = ("separate", "flax", "mla+rope")
-SMOKE_VARIANTS = ("separate", "mla+rope", "cla2")  # each module class and a K/V hand-over
+SMOKE_VARIANTS = ("separate", "mla+rope", "cla2", "window")  # each module class, a K/V hand-over, a ring
 CORRECTNESS_VARIANTS = {  # name: config overrides on the small LM
     "separate": {},
     "shared_qk": {"model.attention.scheme": "shared_qk"},
@@ -77,6 +77,8 @@ CORRECTNESS_VARIANTS = {  # name: config overrides on the small LM
     "mla": {"model.attention.scheme": "mla"},
     "mla+rope": {"model.attention.scheme": "mla", "model.attention.rope": "true"},
     "cla2": {"model.layers": "separate, [kv_from=-1]"},  # CLA2: layer 1 reads layer 0's K/V
+    # a sliding window of 7 on layer 0: the window kernel in training, a ring of 7 slots that turns when decoding
+    "window": {"model.layers": "[sliding_window=7], []"},
 }
 BOUNDS = {"float32": 1e-3, "bfloat16": 1e-2}  # |out - ref| / |ref| a precision must stay under
 

@@ -33,7 +33,7 @@ def test_gpu_check_smoke_runs_every_section(tmp_path):
         assert row["float32"]["out"] < 1e-5 and row["float32"]["grads"] < 1e-5, name
         assert row["bfloat16"]["out"] < 1e-2 and row["bfloat16"]["grads"] < 1e-2, name
         assert row["decode"] < 1e-5, name
-    assert {"separate", "mla+rope", "cla2"} <= set(out["correctness"]["cases"])
+    assert {"separate", "mla+rope", "cla2", "window"} <= set(out["correctness"]["cases"])
     assert out["speed"]["rows"]["separate"]["tokens_per_s"] > 0 and out["torch"]["tokens_per_s"] > 0
     train = out["train"]
     assert train["killed_while_running"] and train["checkpoints_left_at_kill"]

@@ -1,6 +1,7 @@
 """Sliding-window attention (``AttentionConfig.sliding_window``): the ``window`` kernel equals full attention under
-the window's mask for every scheme family, a windowed layer decodes token by token as its full forward, per-layer
-windows come from a pattern, and bad windows are refused in one line.
+the window's mask for every scheme family, windowed layers of every family decode from rings of their last W
+tokens as their full forward computes, per-layer windows come from a pattern, and bad windows are refused in one
+line.
 
 Sizes are distinct so a swapped axis fails: B=2, T=11, D=15, N=3, H=4 (MLA: R=7), W=3, causal blocks of 2.
 """
@@ -45,35 +46,6 @@ def test_a_window_is_full_attention_under_the_window_mask(scheme, monkeypatch):
     assert not np.allclose(got, module(full).apply(params, x, causal=True), atol=1e-3)
 
 
-def test_a_windowed_stack_decodes_token_by_token_as_its_full_forward():
-    """Layers alternate a window of 3 and the whole context (a pattern); prompts of 5 and 2 tokens, then one
-    token at a time: every position's logits equal the full forward's."""
-    att = AttentionConfig(num_heads=N, head_dim=H, num_kv_heads=1, rope=True, causal_block=2)
-    cfg = ModelConfig(
-        attention=att, vocab_size=13, d_model=D, num_layers=2, max_len=2 * T, learned_positions=False,
-        layers=f"[sliding_window={W}], []",
-    )  # fmt: skip
-    assert [layer.config.sliding_window for layer in cfg.layer_attention] == [W, None]
-    model = DecoderLM(cfg)
-    tokens = jax.random.randint(jax.random.PRNGKey(2), (B, T), 1, 13)
-    params = jax.jit(model.init)(jax.random.PRNGKey(3), tokens)
-    want = jax.jit(model.apply)(params, tokens)
-    prompt = np.array([5, 2])
-    prefill = jax.jit(lambda x, c, n: model.apply(params, x, cache=c, num_valid=n))
-    one = jax.jit(lambda x, c: model.apply(params, x, cache=c))  # compiled once, every step the same shapes
-    logits, cache = prefill(tokens[:, :5], DecodeCache.empty(cfg, B), jnp.asarray(prompt))
-    got = [[logits[b, i] for i in range(prompt[b])] for b in range(B)]
-    pos = prompt.copy()
-    while pos.min() < T:
-        step = jnp.asarray([tokens[b, min(pos[b], T - 1)] for b in range(B)])[:, None]
-        logits, cache = one(step, cache)
-        for b in range(B):
-            if pos[b] < T:
-                got[b].append(logits[b, 0])
-        pos += 1
-    np.testing.assert_allclose(np.stack([np.stack(g) for g in got]), want, rtol=1e-4, atol=1e-4)
-
-
 def _decode_in_calls(model, params, cache, tokens, calls) -> np.ndarray:
     """Logits of every position of ``tokens`` (B, T) decoded with ``cache`` in calls of ragged lengths: each of
     ``calls`` gives the tokens per row for one call (right-padded to the longest, ``num_valid``), then one token
@@ -96,41 +68,36 @@ def _decode_in_calls(model, params, cache, tokens, calls) -> np.ndarray:
     return np.stack([np.stack(g) for g in got]), cache
 
 
-@pytest.mark.parametrize(
-    ("scheme", "layers", "rings"),
-    [
-        ("separate", f"[sliding_window={W}], []", (W, 0)),
-        ("shared_kv", f"[sliding_window={W}], []", (W, 0)),  # K = V: raw in the ring, rotated by slot position
-        ("shared_qk", f"[sliding_window={W}], []", (W, 0)),
-        ("reformer_qk", f"[sliding_window={W}], []", (W, 0)),
-        ("bilinear", f"[sliding_window={W}], []", (W, 0)),  # the ring holds the key side's inputs
-        ("mla", f"[sliding_window={W}], []", (W, 0)),  # the latent and the shared rotary key, absorbed
-        ("mla_per_head", f"[sliding_window={W}], []", (W, 0)),
-        ("separate", f"[sliding_window={W}], [kv_from=-1, sliding_window=2], []", (W, 0)),  # a reader within W
-        ("separate", f"[sliding_window={W}], [kv_from=-1], [sliding_window=2]", (0, 2)),  # a reader of it all
-    ],
+# every scheme family windowed in one stack (one compile): a GQA layer and a reader of its K/V with a narrower
+# window (a ring of the wider), K = V (raw in the ring, rotated by slot position on read), QK-tied, Reformer's,
+# bilinear (the ring holds the key side's inputs), MLA with a shared rotary key and with one per head (latent and
+# rotary keys, read by the absorbed kernel), then a layer whose reader has no window (no ring) and a last window
+ZOO = (
+    f"[sliding_window={W}, kv=1], [kv_from=-1, sliding_window=2], shared_kv[sliding_window={W}], "
+    f"shared_qk[sliding_window={W}], reformer_qk[sliding_window={W}], bilinear[sliding_window={W}, rope=false], "
+    f"mla[sliding_window={W}, kv_rank=7], mla[sliding_window={W}, kv_rank=7, rope_key_per_head=true], "
+    f"[sliding_window={W}], [kv_from=-1], [sliding_window=2]"
 )
-def test_a_windowed_layer_caches_a_ring_of_its_window_and_decodes_as_the_full_forward(scheme, layers, rings):
+
+
+def test_windowed_layers_cache_rings_of_their_windows_and_decode_as_the_full_forward():
     """DecodeCache.empty gives a layer whose readers all have windows a ring of the widest (W slots, not
-    max_len); prompts of 5 and 2 tokens, a ragged call of 3 and 4 more (longer than W: it reads the ring and its
-    own tokens), then one token at a time past several turns of the ring: every position's logits equal the full
-    forward's, and the ring's entry keeps W slots throughout."""
-    extra = {"mla_per_head": {"rope_key_per_head": True}, "separate": {"num_kv_heads": 1}}.get(scheme, {})  # GQA
-    att = config("mla" if scheme == "mla_per_head" else scheme, **extra)
-    n_layers = len(layers.split("], ["))
-    cfg = ModelConfig(
-        attention=att, vocab_size=13, d_model=D, num_layers=n_layers, max_len=2 * T, learned_positions=False,
-        layers=layers,
-    )  # fmt: skip
+    max_len), and none to one read by a layer without a window; prompts of 4 and 2 tokens, a ragged call of 3 and 4
+    more (longer than W: it reads the ring and its own tokens), then one token at a time past several turns of the
+    ring: every position's logits equal the full forward's, and each entry keeps its slots throughout."""
+    att = AttentionConfig(num_heads=N, head_dim=H, rope=True, causal_block=2)
+    cfg = ModelConfig(attention=att, vocab_size=13, d_model=D, num_layers=11, max_len=2 * T, learned_positions=False,
+                      layers=ZOO)  # fmt: skip
     model = DecoderLM(cfg)
     tokens = jax.random.randint(jax.random.PRNGKey(4), (B, T), 1, 13)
     params = jax.jit(model.init)(jax.random.PRNGKey(5), tokens)
     want = jax.jit(model.apply)(params, tokens)
     cache = DecodeCache.empty(cfg, B)
+    rings = (W,) * 7 + (0, 2)
     assert cache.rings == rings
-    slots = [max(x.shape[1:-1]) if x.ndim == 3 else x.shape[2] for x in (next(iter(e.values())) for e in cache.kv)]
+    slots = [x.shape[1] if x.ndim == 3 else x.shape[2] for x in (next(iter(e.values())) for e in cache.kv)]
     assert slots == [r or 2 * T for r in rings]
-    got, cache = _decode_in_calls(model, params, cache, np.asarray(tokens), [[5, 2], [3, 4]])
+    got, cache = _decode_in_calls(model, params, cache, np.asarray(tokens), [[4, 2], [3, 4]])
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
     assert cache.rings == rings and [int(x) for x in cache.lengths] == [T, T]
     assert jax.tree.map(jnp.shape, cache.kv) == jax.tree.map(jnp.shape, DecodeCache.empty(cfg, B).kv)
