@@ -17,7 +17,7 @@ KV heads: ``shared_kv``'s cache). Stages, in this order (``--stages`` picks; eac
 
   lr-small   every variant at the smallest size at each rate of ``--lr-grid`` (LR_GRID), with the seeds of
              ``--sweep-seeds`` (seed 0; 0,1 picks each rate on the mean of two seeds); a rate at the grid's edge
-             that wins is followed by the next factor of 2 beyond it (twice at most)
+             that wins is followed by the next factor of 2 beyond it (``--max-extensions`` times at most, 2)
   lr-middle  the same at the middle size
   small      the other seeds at the smallest size, each variant at its own best rate (seed 0 is the sweep's run)
   middle     the same at the middle size
@@ -164,9 +164,10 @@ class Sweep:
             done = set(self.sweep_losses(size, variant))
             if rates <= done:  # the grid is finished: extend past an edge that wins
                 best = self.best_lr(size, variant)
-                if best == min(done) and math.log2(min(grid) / best) < MAX_EXTENSIONS:
+                limit = self.args.max_extensions
+                if best == min(done) and math.log2(min(grid) / best) < limit:
                     rates.add(best / 2)
-                elif best == max(done) and math.log2(best / max(grid)) < MAX_EXTENSIONS:
+                elif best == max(done) and math.log2(best / max(grid)) < limit:
                     rates.add(best * 2)
             runs = [self.run(stage, "primary", size, variant, lr, seed)
                     for seed in self.args.sweep_seeds for lr in sorted(rates - done)]  # fmt: skip
@@ -501,6 +502,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr-grid", type=csv_list(float), default=list(LR_GRID), help="the sweeps' rates (default: "
                    + ",".join(f"{x:g}" for x in LR_GRID) + ")")  # fmt: skip
     p.add_argument("--sweep-seeds", type=csv_list(int), default=[0], help="seeds a rate is judged on (default: 0)")
+    p.add_argument("--max-extensions", type=int, default=MAX_EXTENSIONS,
+                   help=f"factors of 2 a winning edge may be extended by (default: {MAX_EXTENSIONS})")  # fmt: skip
     p.add_argument("--minor-seeds", type=_positive(int), default=None,
                    help="seeds for the variants outside the five main ones (default: all of --seeds)")  # fmt: skip
     p.add_argument("--layers", type=_positive(int), default=NUM_LAYERS, help=f"default: {NUM_LAYERS}")
@@ -533,6 +536,8 @@ def check_args(args) -> None:
         raise ValueError(f"--seeds={args.seeds}; allowed: distinct integers >= 0")
     if not args.sweep_seeds or not set(args.sweep_seeds) <= set(args.seeds):
         raise ValueError(f"--sweep-seeds={args.sweep_seeds}; allowed: some of --seeds {args.seeds}")
+    if args.max_extensions < 0:
+        raise ValueError(f"--max-extensions={args.max_extensions}; allowed: an integer >= 0")
     if not args.lr_grid or min(args.lr_grid) <= 0 or len(set(args.lr_grid)) != len(args.lr_grid):
         raise ValueError(f"--lr-grid={args.lr_grid}; allowed: distinct rates > 0")
 

@@ -213,7 +213,8 @@ def summary_markdown(rows: list[dict], curves: list[dict] = ()) -> str:
     if sweep:
         seeds = sorted({n for by_lr in means.values() for _, n in by_lr.values()})
         lines += [f"## Learning-rate sweeps (final validation loss, nats/byte, the mean over the sweep seeds: "
-                  f"{'/'.join(map(str, seeds))} per cell; best in bold)", ""]  # fmt: skip
+                  f"{'/'.join(map(str, seeds))} per cell; best in bold, marked 'edge' where it is the lowest or "
+                  "highest rate tried: a winner the sweep does not bracket)", ""]  # fmt: skip
         rates = sorted({lr for v in sweep.values() for lr in v})
         lines += ["| corpus | d | variant | " + " | ".join(f"{lr:g}" for lr in rates) + " |",
                   "|---|---|---|" + "---|" * len(rates)]  # fmt: skip
@@ -224,7 +225,8 @@ def summary_markdown(rows: list[dict], curves: list[dict] = ()) -> str:
                     cols.append("")
                 else:
                     v = f"{by_lr[lr]:.3f}"
-                    cols.append(f"**{v}**" if math.isclose(lr, best[corpus, size, variant]) else v)
+                    edge = " edge" if lr in (min(by_lr), max(by_lr)) else ""
+                    cols.append(f"**{v}**{edge}" if math.isclose(lr, best[corpus, size, variant]) else v)
             lines.append(f"| {corpus} | {size} | {variant} | " + " | ".join(cols) + " |")
         lines.append("")
     by_size = sorted({(c, s) for c, s, _ in cells})

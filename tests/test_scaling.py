@@ -420,3 +420,8 @@ def test_the_report_picks_rates_on_the_sweep_seeds_mean_and_counts_their_runs_as
     assert float(cells["docs", 48, "separate"][1]["final_val_loss"]) == 2.15
     e = scaling_report.paired(cells, "docs", 48, "shared_kv")
     assert e["n"] == 4 and e["delta"] == pytest.approx(0.1)
+    # 8e-3 wins and is the highest rate tried: the sweep does not bracket it, and the table says so; with 1.6e-2
+    # tried and worse, the same winner is bracketed
+    assert "| docs | 48 | separate | 2.150 | **2.100** edge |" in scaling_report.summary_markdown(rows)
+    rows += [row("lr-small", "separate", 0.016, s, 2.4) for s in (0, 1)]
+    assert "| docs | 48 | separate | 2.150 | **2.100** | 2.400 |" in scaling_report.summary_markdown(rows)
