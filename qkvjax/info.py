@@ -15,6 +15,7 @@ from qkvjax.attention import stack_cost
 from qkvjax.config import to_dict
 from qkvjax.evaluate import resolve_step
 from qkvjax.models.encoder import EncoderConfig, model_of, parameter_count
+from qkvjax.models.lm import kv_cache_bytes_per_row
 from qkvjax.train import checkpoint
 from qkvjax.workdir import exported_steps, load_config, params_only, path, read_metrics
 
@@ -73,6 +74,7 @@ def describe(workdir: str) -> dict:
         "layers": m.layers,
         "attention_by_layer": layers,
         "kv_cache_bytes_per_token": sum(x["kv_cache_bytes_per_token"] for x in layers),
+        "kv_cache_bytes_per_row": None if isinstance(m, EncoderConfig) else kv_cache_bytes_per_row(m),
         "checkpoints": checkpoints,
         "parameters": {"total": parameter_count(config.model), "by_component": breakdown},
         "last_train_metrics": last_train,
@@ -87,8 +89,10 @@ def format_description(info: dict) -> str:
         lines.append(f"  step {c['step']:>8}  {c['time']}  {c['bytes'] / 2**20:10.2f} MiB")
     pattern = f"  layers {info['layers']!r}" if info["layers"] else ""
     lines[0] += pattern
+    row = info.get("kv_cache_bytes_per_row")
+    at_max_len = "" if row is None else f", {row:,} per row at max_len (a windowed layer keeps its last W)"
     lines.append(f"attention per layer (FLOPs forward per token at seq_len; KV bytes per token), "
-                 f"KV cache {info['kv_cache_bytes_per_token']:,} bytes per token in all:")  # fmt: skip
+                 f"KV cache {info['kv_cache_bytes_per_token']:,} bytes per token in all{at_max_len}:")  # fmt: skip
     for x in info["attention_by_layer"]:
         reads = f"  K/V of layer {x['kv_from']}" if x["kv_from"] is not None else ""
         lines.append(

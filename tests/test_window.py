@@ -15,7 +15,7 @@ import pytest
 
 from qkvjax import AttentionConfig, DecoderLM, ModelConfig
 from qkvjax.attention import attention_module, core, kernels
-from qkvjax.models.lm import DecodeCache
+from qkvjax.models.lm import DecodeCache, kv_cache_bytes_per_row
 
 B, T, D, N, H, W = 2, 11, 15, 3, 4, 3
 
@@ -111,6 +111,8 @@ def test_a_ring_saves_what_the_window_leaves_out():
     ring = DecodeCache.empty(cfg, B)
     every = DecodeCache.empty(dataclasses.replace(cfg, attention=dataclasses.replace(att, sliding_window=None)), B)
     assert ring.rings == (W, W) and every.rings == (0, 0) and ring.nbytes * T == every.nbytes * W
+    per_token = 2 * N * H * 4  # K and V, float32, per layer
+    assert kv_cache_bytes_per_row(cfg) == ring.nbytes // B == 2 * W * per_token  # what info reports, from shapes
 
 
 @pytest.mark.parametrize("bad", [0, -2, 2.5, True])

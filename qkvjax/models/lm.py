@@ -361,6 +361,13 @@ def param_count(config: ModelConfig) -> int:
     return total
 
 
+def kv_cache_bytes_per_row(config: ModelConfig) -> int:
+    """Bytes the decode cache holds per row at the model's ``max_len``, as :meth:`DecodeCache.empty` lays it out
+    (a sliding-window layer's ring holds W tokens, not ``max_len``); shapes only, nothing allocated."""
+    shapes = jax.eval_shape(lambda: DecodeCache.empty(config, 1))
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes.kv))
+
+
 def kv_cache_bytes_per_token(config: ModelConfig) -> int:
     """Bytes the decode cache holds per token (per row), over all layers."""
     return sum(c.kv_cache_bytes_per_token for c in stack_cost(config.layer_attention, config.d_model, 1))
