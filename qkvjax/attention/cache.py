@@ -102,6 +102,8 @@ def update(cache: KV, new: dict[str, Array], t: int) -> KV:
     """The cache a call reads after its ``t`` new tokens (fresh tensors ``new``): :func:`write` into a cache of
     every position, or :func:`ring_view` of a ring (``cache.ring``, as
     :meth:`qkvjax.models.lm.DecodeCache.entries` marks a sliding-window layer's)."""
+    if set(new) != set(cache.tensors):
+        raise ValueError(f"the cache holds {sorted(cache.tensors)} but this layer makes {sorted(new)}")
     return ring_view(cache, new, t) if cache.ring else write(cache, new, t)
 
 
@@ -111,8 +113,6 @@ def ring_view(cache: KV, new: dict[str, Array], t: int) -> KV:
     replaces, start_b - W, is outside the window of every query from start_b on, so the view is the ring. More
     tokens are appended after the ring, unwritten (W + t slots): a later new token would replace a slot that an
     earlier one still sees; :func:`settle` keeps each row's last W positions of that view."""
-    if set(new) != set(cache.tensors):
-        raise ValueError(f"the cache holds {sorted(cache.tensors)} but this layer makes {sorted(new)}")
     w = cache.ring
     if cache.length != w:
         raise ValueError(f"a ring of W={w} slots has {cache.length}; allowed: W slots, as DecodeCache.empty makes")
@@ -162,8 +162,6 @@ def settle(kv: KV, valid: Array | None = None) -> dict[str, Array]:
 def write(cache: KV, new: dict[str, Array], t: int) -> KV:
     """``cache`` with ``new`` (fresh tensors: (B, T, K, H), or (B, T, D) / (B, T, R) for the per-token ones)
     written at each row's start; the positions of the ``t`` new tokens, per row, are start_b .. start_b + t - 1."""
-    if set(new) != set(cache.tensors):
-        raise ValueError(f"the cache holds {sorted(cache.tensors)} but this layer makes {sorted(new)}")
     length, start = cache.length, cache.start
     if not isinstance(start, jax.core.Tracer) and int(jnp.max(start)) + t > length:  # under jit the caller checks
         raise ValueError(

@@ -108,7 +108,7 @@ def run(module: AttentionModule, call: Call, stages: Stages):
     side = fresh if cache is None else update(cache, fresh.tensors, t)  # 3. cache
     if store is not None and cache is not None:
         store(side, t)
-    pos = positions(call, side.start, side.length, slot_positions(side) if side.ring else None)
+    pos = positions(call, side.start, side.length, slot_positions(side))
     inputs = kernels.Inputs(  # 4. scores and mixing
         stages.queries(queries, x_q, pos), stages.slots(side, pos), rules(module, call, side, pos, stages), how(module)
     )
