@@ -34,7 +34,7 @@ import numpy as np
 from qkvjax.attention import AttentionConfig
 from qkvjax.hf.folder import Tensors
 from qkvjax.hf.layouts.base import COMMON_READ, Layout, linear, plain_family, refuse, unembed
-from qkvjax.hf.layouts.llama import mlp_params, mlp_tensors, rope_base
+from qkvjax.hf.layouts.llama import block_params, mlp_tensors, rope_base
 from qkvjax.models.family import Family
 from qkvjax.models.lm import ModelConfig
 
@@ -103,13 +103,7 @@ def params(t: Tensors, cfg: ModelConfig) -> dict:
         a["kv_norm_scale"] = t.take(pre + "kv_a_layernorm.weight")
         a["w_k_up"], a["w_v_up"] = _split_heads(linear(t, pre + "kv_b_proj"), n, (h, u))
         a["w_o"] = linear(t, pre + "o_proj").reshape(n, u, cfg.d_model)
-        block = f"layers.{i}."
-        out[f"block_{i}"] = {
-            "attention": a,
-            "ln_attention": {"scale": t.take(block + "input_layernorm.weight")},
-            "ln_mlp": {"scale": t.take(block + "post_attention_layernorm.weight")},
-            "mlp": mlp_params(t, block, cfg.family.mlp_bias),
-        }
+        out[f"block_{i}"] = block_params(t, f"layers.{i}.", a, cfg.family.mlp_bias)
     return out | unembed(t, cfg, "embed_tokens.weight")
 
 

@@ -113,6 +113,17 @@ def mlp_params(t: Tensors, p: str, bias: bool) -> dict:
     return mlp
 
 
+def block_params(t: Tensors, p: str, attention: dict, mlp_bias: bool) -> dict:
+    """A pre-norm block under ``p`` (``layers.{i}.``): the attention's parameters as given, its two RMSNorms and
+    the SwiGLU MLP."""
+    return {
+        "attention": attention,
+        "ln_attention": {"scale": t.take(p + "input_layernorm.weight")},
+        "ln_mlp": {"scale": t.take(p + "post_attention_layernorm.weight")},
+        "mlp": mlp_params(t, p, mlp_bias),
+    }
+
+
 def mlp_tensors(mlp: dict, p: str, bias: bool) -> dict:
     """:func:`mlp_params` inverted: ``w_gate``, ``w_in``, ``w_out`` (and biases) as ``nn.Linear`` weights."""
     out = {}
@@ -139,12 +150,7 @@ def params(t: Tensors, cfg: ModelConfig) -> dict:
             a["b_o"] = t.take(p + "self_attn.o_proj.bias")
         if att.qk_norm:  # Qwen3, OLMo2-style per-head norms
             a |= {f"{r}_norm_scale": t.take(f"{p}self_attn.{r}_norm.weight") for r in "qk"}
-        out[f"block_{i}"] = {
-            "attention": a,
-            "ln_attention": {"scale": t.take(p + "input_layernorm.weight")},
-            "ln_mlp": {"scale": t.take(p + "post_attention_layernorm.weight")},
-            "mlp": mlp_params(t, p, cfg.family.mlp_bias),
-        }
+        out[f"block_{i}"] = block_params(t, p, a, cfg.family.mlp_bias)
     return out | unembed(t, cfg, "embed_tokens.weight")
 
 
