@@ -31,7 +31,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import importlib.metadata
+import itertools
 import json
 import os
 import platform
@@ -50,7 +52,7 @@ if __package__ in (None, ""):  # run as a script: make the repository and this f
 
 SECTIONS = ("machine", "correctness", "speed", "torch", "train", "sample", "levers")
 # Seconds each section may run before it is killed (a GPU visit has 10 minutes a call); --smoke: 120 each.
-LIMITS = {"machine": 60, "correctness": 120, "speed": 240, "torch": 120, "train": 150, "sample": 120, "levers": 300}
+LIMITS = {"machine": 60, "correctness": 120, "speed": 240, "torch": 120, "train": 150, "sample": 240, "levers": 300}
 # The levers section: `separate`'s speed row again, each in a process of its own under these XLA_FLAGS (a flag
 # must be set before XLA starts) or batch, beside the baseline measured the same way in the same section. On the
 # CPU (--smoke) only flags the CPU takes, so the code path runs.
@@ -552,11 +554,14 @@ def section_sample(args) -> dict:
     import jax
     import numpy as np
 
+    from qkvjax.config import apply_overrides
     from qkvjax.models.lm import DecoderLM, kv_cache_bytes_per_token
     from qkvjax.sample import generate_batch
 
     bandwidth = _read(args.work, "machine", "copy", "bytes_per_s")
     cfg = _speed_config(args, "separate")
+    if args.smoke:  # key prefixes of 4, 8, 16 and all 32 slots: the smoke run decodes in two stretches
+        cfg = apply_overrides(cfg, {"model.attention.causal_block": "4"})
     model = DecoderLM(cfg.model)
     rng = np.random.default_rng(0)
     params = jax.jit(model.init)(jax.random.PRNGKey(0), np.zeros((1, 8), np.int32))["params"]
@@ -564,20 +569,26 @@ def section_sample(args) -> dict:
     prompt_len, new = (8, 16) if args.smoke else (32, 128)
     rows = {}
     result = {"param_bytes": param_bytes, "prompt_len": prompt_len, "new_tokens": new, "rows": rows}
-    for batch in (1, 8) if args.smoke else (1, 64):
-        prompts = [rng.integers(0, cfg.model.vocab_size, prompt_len) for _ in range(batch)]
-        _, stats = generate_batch(model, params, prompts, new, seed=2)  # its tokens/s leave the compiles out
+    # at each batch: the one program whose layers pick their key prefix per token with a lax.switch (the default,
+    # as on the first visits), then the stretches whose programs each read a prefix fixed when traced
+    for batch, fixed in itertools.product((1, 8) if args.smoke else (1, 64), (False, True)):
+        if not fixed:  # the same prompts both ways
+            prompts = [rng.integers(0, cfg.model.vocab_size, prompt_len) for _ in range(batch)]
+        # its tokens/s leave the compiles out
+        tokens, stats = generate_batch(model, params, prompts, new, seed=2, fixed_prefixes=fixed)
         mean_filled = prompt_len + new / 2
         bytes_per_step = param_bytes + batch * mean_filled * kv_cache_bytes_per_token(cfg.model)
         floor = batch * bandwidth / bytes_per_step if bandwidth else None
-        rows[str(batch)] = {
+        name = f"{batch}/stretches" if fixed else str(batch)
+        rows[name] = {
             "tokens_per_s": stats["tokens_per_s"],
             "bytes_per_step": bytes_per_step,
             "floor_tokens_per_s": floor,
             "fraction_of_floor": stats["tokens_per_s"] / floor if floor else None,
             "prefill_and_compile_s": stats["prefill_and_compile_s"],
+            "tokens_sha256": hashlib.sha256(np.asarray(tokens).tobytes()).hexdigest()[:16],  # both ways agree?
         }
-        print(f"sample b{batch}: {stats['tokens_per_s']:,.0f} tok/s (floor {floor or 0:,.0f})", flush=True)
+        print(f"sample b{name}: {stats['tokens_per_s']:,.0f} tok/s (floor {floor or 0:,.0f})", flush=True)
         _save(args, result)  # a row kept if the next one runs out of time
     return result
 
@@ -779,6 +790,11 @@ def table(m: dict) -> str:
         for b, r in m["sample"]["rows"].items():
             frac = f"{100 * r['fraction_of_floor']:.0f}% of floor" if r.get("fraction_of_floor") else ""
             lines.append(f"sample b{b}: {r['tokens_per_s']:,.0f} tok/s {frac}")
+            base = m["sample"]["rows"].get(b.removesuffix("/stretches"))
+            if b.endswith("/stretches") and base:  # the same tokens both ways, and the speed against one program
+                same = r.get("tokens_sha256") == base.get("tokens_sha256")
+                lines.append(f"sample b{b}: x{r['tokens_per_s'] / base['tokens_per_s']:.2f} the one program with a "
+                             f"switch per layer; same tokens: {same}")  # fmt: skip
     for name, r in m.get("levers", {}).get("rows", {}).items():
         if "error" in r:
             lines.append(f"lever {name}: ERROR {r['error']}")

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from qkvjax.attention import core
 from qkvjax.models.lm import DecodeCache, DecoderLM
 
 
@@ -66,6 +67,23 @@ def check_request(model: DecoderLM, prompts: list[np.ndarray], num_tokens: int, 
             )
 
 
+def stretches(config, first: int, steps: int) -> list[tuple[int, int, int]]:
+    """The decode steps 0..steps-1 cut into stretches ``(j0, j1, limit)``: step j leaves at most first + j + 1
+    tokens in a row (``first``: the longest prompt), and a stretch ends where some layer's key prefix
+    (:func:`qkvjax.attention.core.prefix_lengths` of its ``causal_block``) grows, so that each stretch runs as
+    one program whose every layer reads a prefix fixed at trace time (``DecodeCache.up_to(limit)``) instead of
+    choosing one per layer and step at run time, which a GPU decides on the host."""
+    bounds = sorted(
+        {b for layer in config.layer_attention for b in core.prefix_lengths(config.max_len, layer.config.causal_block)}
+    )
+    out, j = [], 0
+    while j < steps:
+        limit = next(b for b in bounds if b >= first + j + 1)
+        out.append((j, min(steps, limit - first), limit))
+        j = out[-1][1]
+    return out
+
+
 def generate_batch(
     model: DecoderLM,
     params,
@@ -77,6 +95,7 @@ def generate_batch(
     seed: int = 0,
     on_token: Callable[[int], None] | None = None,
     vocab_limit: int | None = None,
+    fixed_prefixes: bool = False,
 ) -> tuple[np.ndarray, dict]:
     """Continues each prompt (1-D int tokens, lengths may differ) by ``num_tokens``, all rows in one batch.
 
@@ -84,8 +103,12 @@ def generate_batch(
     (:class:`~qkvjax.models.lm.DecodeCache` keeps a length per row), so a row decodes as it would alone. With
     ``on_token`` (one prompt only) every token is streamed as it is made, one jitted call per token; otherwise
     all tokens are made on the device in one call (``lax.scan``), with no host round trip per token.
-    ``vocab_limit``: only ids below it are drawn (text that is bytes needs ids < 256). Returns the new tokens
-    (B, num_tokens) and timing statistics.
+    ``vocab_limit``: only ids below it are drawn (text that is bytes needs ids < 256). The tokens are made in
+    one program whose layers pick the key prefix they read at run time (a ``lax.switch`` per layer and token),
+    or with ``fixed_prefixes`` in :func:`stretches`, one program each whose layers read a prefix fixed when it
+    is traced: no branch, which a GPU decides on the host, but one compile per stretch (on this project's CPU
+    it loses: ``benchmarks/levers/decode_stretches.py``). Returns the new tokens (B, num_tokens) and timing
+    statistics.
     """
     prompts = [np.asarray(p, np.int32) for p in prompts]
     check_request(model, prompts, num_tokens, temperature, top_k)
@@ -121,31 +144,39 @@ def generate_batch(
 
     base = jax.random.PRNGKey(seed)
     keys = jax.vmap(lambda i: jax.random.fold_in(base, i))(jnp.arange(1, num_tokens)) if num_tokens > 1 else None
+    plan = stretches(model.config, int(lengths.max()), num_tokens - 1)
+    plan = plan if fixed_prefixes else [(0, num_tokens - 1, 0)][: len(plan)]  # limit 0: no promise
     start = time.perf_counter()
-    cache = DecodeCache.empty(model.config, b)
+    cache = DecodeCache.empty(model.config, b).up_to(int(lengths.max()) if fixed_prefixes else 0)
     token, cache = prefill(params, cache, jnp.asarray(padded), jnp.asarray(lengths), jax.random.fold_in(base, 0))
     out = [np.asarray(token)]
-    if num_tokens > 1:  # compile before the clock starts
-        compiled = (step if on_token else decode_all).lower(params, cache, token, keys[0] if on_token else keys)
-        run = compiled.compile()
+    # compile before the clock starts: one program per stretch (the scan's length and key prefix are static)
+    if on_token:
+        runs = {lim: step.lower(params, cache.up_to(lim), token, keys[0]).compile() for _, _, lim in plan}
+    else:
+        runs = {lim: decode_all.lower(params, cache.up_to(lim), token, keys[j0:j1]).compile() for j0, j1, lim in plan}
     first = time.perf_counter()
     if on_token:
         on_token(int(out[-1][0]))
-        for i in range(1, num_tokens):
-            token, cache = run(params, cache, token, keys[i - 1])
-            out.append(np.asarray(token))  # the host needs each token to stream it
-            on_token(int(out[-1][0]))
+        for j0, j1, lim in plan:
+            cache = cache.up_to(lim)
+            for i in range(j0, j1):
+                token, cache = runs[lim](params, cache, token, keys[i])
+                out.append(np.asarray(token))  # the host needs each token to stream it
+                on_token(int(out[-1][0]))
         tokens = np.stack(out, axis=1)
-    elif num_tokens > 1:
-        rest, cache = run(params, cache, token, keys)
-        tokens = np.concatenate([out[0][:, None], np.asarray(rest)], axis=1)
     else:
-        tokens = out[0][:, None]
+        parts = [out[0][:, None]]
+        for j0, j1, lim in plan:
+            rest, cache = runs[lim](params, cache.up_to(lim), token, keys[j0:j1])
+            token = rest[:, -1]
+            parts.append(rest)
+        tokens = np.concatenate([np.asarray(x) for x in parts], axis=1)
     end = time.perf_counter()
     stats = {
         "prompt_tokens": [int(n) for n in lengths],
         "new_tokens": num_tokens,
-        "prefill_and_compile_s": first - start,  # the prompts' forward pass and both compiles
+        "prefill_and_compile_s": first - start,  # the prompts' forward pass and the compiles
         "tokens_per_s": b * (num_tokens - 1) / (end - first) if num_tokens > 1 else float("nan"),
         "cache_bytes": cache.nbytes,
     }

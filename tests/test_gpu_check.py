@@ -38,7 +38,9 @@ def test_gpu_check_smoke_runs_every_section(tmp_path):
     train = out["train"]
     assert train["killed_while_running"] and train["checkpoints_left_at_kill"]
     assert train["losses_identical"] and train["params_identical"]  # the CPU is deterministic: bit for bit
-    assert set(out["sample"]["rows"]) == {"1", "8"}
+    sample = out["sample"]["rows"]
+    assert set(sample) == {"1", "1/stretches", "8", "8/stretches"}
+    assert all(sample[b]["tokens_sha256"] == sample[f"{b}/stretches"]["tokens_sha256"] for b in ("1", "8"))
     levers = out["levers"]["rows"]
     assert set(levers) == {"baseline", "batch_4"} and levers["baseline"]["x_baseline"] == 1.0
     assert levers["batch_4"]["batch"] == 4 and levers["batch_4"]["tokens_per_s"] > 0

@@ -16,7 +16,7 @@ from qkvjax import SCHEMES, AttentionConfig, DecoderLM, ModelConfig
 from qkvjax.convert import convert
 from qkvjax.evaluate import evaluate
 from qkvjax.models.lm import param_count
-from qkvjax.sample import generate
+from qkvjax.sample import generate, stretches
 from tests.helpers import REPO, exported_params, flat, metrics, run_in_new_process, run_in_process, train_args
 
 pytestmark = pytest.mark.xdist_group("restore")  # one worker builds the module's fixture once
@@ -64,7 +64,8 @@ def test_a_checkpoint_from_8_devices_evaluates_on_1(run, tmp_path):
 
 
 def _lm(scheme, kv=None, rope=False):
-    att = AttentionConfig(num_heads=2, head_dim=6, num_kv_heads=kv, scheme=scheme, rope=rope)
+    # causal_block 2: decoding reads key prefixes of 2, 4, 8 or all 13 slots, so generation runs in stretches
+    att = AttentionConfig(num_heads=2, head_dim=6, num_kv_heads=kv, scheme=scheme, rope=rope, causal_block=2)
     return ModelConfig(attention=att, vocab_size=256, d_model=10, num_layers=2, mlp_dim=14, max_len=13)
 
 
@@ -76,7 +77,12 @@ def test_greedy_sampling_with_cache_equals_recomputing_the_full_forward(scheme, 
     model = DecoderLM(_lm(scheme, kv, rope))
     params = model.init(jax.random.PRNGKey(3), jnp.zeros((1, 13), jnp.int32))["params"]
     prompt = np.array([72, 101, 121], np.int32)
+    # after the 3-token prompt, step j leaves 4 + j tokens: prefixes 4 (step 0), 8 (1-4) and 13 (5-8)
+    assert stretches(model.config, 3, 9) == [(0, 1, 4), (1, 5, 8), (5, 9, 13)]
     cached, stats = generate(model, params, prompt, 9, temperature=0.0)
+    stretched, _ = generate(model, params, prompt, 9, temperature=0.0, fixed_prefixes=True)
+    streamed, _ = generate(model, params, prompt, 9, temperature=0.0, fixed_prefixes=True, on_token=lambda t: None)
+    assert streamed.tolist() == stretched.tolist() == cached.tolist()
     # Without a cache: the whole (zero-padded, causal so the padding is never seen) sequence each time.
     forward = jax.jit(lambda tokens: model.apply({"params": params}, tokens))
     tokens = list(prompt)

@@ -251,8 +251,9 @@ class Tied(Stages):
             return (k if scheme.keys_finished_at_write else self.finish_keys(k, pos.k[:, :n], side.seq_axis)), v
 
         return kernels.Slots(
-            read, side.layout, side.length, pos.index_k, side.start, cfg.kv_heads, cfg.value_dim, ring=bool(side.ring)
-        )
+            read, side.layout, side.length, pos.index_k, side.start, cfg.kv_heads, cfg.value_dim,
+            ring=bool(side.ring), limit=side.limit,
+        )  # fmt: skip
 
 
 class Attention(AttentionModule):
