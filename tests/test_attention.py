@@ -699,8 +699,24 @@ def test_decoding_reads_only_the_filled_prefix_and_rows_stay_exact(scheme, kv, r
         kv = KV(cache.tensors, starts, limit=limit)
         return Attention(on).apply({"params": params}, new, cache=kv)[0]
 
-    assert str(jax.make_jaxpr(limited, static_argnums=0)(5, starts)).count("cond[") == 0
+    assert str(jax.make_jaxpr(lambda: limited(5, starts))()).count("cond[") == 0  # starts closed over: concrete
     np.testing.assert_allclose(limited(5, starts), y, rtol=2e-6, atol=2e-6)  # 5 slots -> prefix of all 7
     low = jnp.array([1, 2, 0], jnp.int32)  # at most 3 slots filled after the call: the 4-slot prefix
     np.testing.assert_allclose(limited(3, low), step(cache, new, low)[0], rtol=2e-6, atol=2e-6)
     assert np.isnan(np.asarray(limited(3, starts))).all()  # row 1 holds 5 tokens after the call, past 4
+
+
+def test_a_write_past_the_cache_is_refused_naming_the_index_and_length():
+    from qkvjax.attention.costs import cache_shapes
+    from qkvjax.attention.module import KV
+
+    cfg = config("separate")
+    x = inputs(31, B, S, D)
+    params = init_params(cfg, x)
+    empty = {n: jnp.zeros((B, *s)) for n, s in cache_shapes(cfg, D, S).items()}
+    starts = jnp.array([0, S - 1, 2], jnp.int32)  # row 1 has one slot left; two new tokens overflow it
+    call = lambda: Attention(cfg).apply({"params": params}, x[:, :2], cache=KV(empty, starts))  # noqa: E731
+    with pytest.raises(ValueError, match=rf"2 more position\(s\) at cache index {S - 1} overflows the cache of {S} "):
+        call()
+    with pytest.raises(ValueError, match="overflows"):  # also when a traced function closes over the start
+        jax.make_jaxpr(call)()

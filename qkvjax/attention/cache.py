@@ -13,6 +13,7 @@ import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import Array
 
 from qkvjax.attention import core
@@ -171,9 +172,11 @@ def write(cache: KV, new: dict[str, Array], t: int) -> KV:
     """``cache`` with ``new`` (fresh tensors: (B, T, K, H), or (B, T, D) / (B, T, R) for the per-token ones)
     written at each row's start; the positions of the ``t`` new tokens, per row, are start_b .. start_b + t - 1."""
     length, start = cache.length, cache.start
-    if not isinstance(start, jax.core.Tracer) and int(jnp.max(start)) + t > length:  # under jit the caller checks
+    # a concrete start is checked on the host (also one a traced function closes over); under jit the caller checks
+    last = None if isinstance(start, jax.core.Tracer) else int(np.max(np.asarray(start)))
+    if last is not None and last + t > length:
         raise ValueError(
-            f"decoding {t} more position(s) at cache index {int(jnp.max(start))} overflows the cache of {length} "
+            f"decoding {t} more position(s) at cache index {last} overflows the cache of {length} "
             "positions (its length is the input length of the init call with decode=True, or the cache's S)"
         )
     tensors = {name: core.write_rows(cache.tensors[name], new[name], start) for name in cache.tensors}
