@@ -144,8 +144,9 @@ def generate_batch(
 
     base = jax.random.PRNGKey(seed)
     keys = jax.vmap(lambda i: jax.random.fold_in(base, i))(jnp.arange(1, num_tokens)) if num_tokens > 1 else None
-    plan = stretches(model.config, int(lengths.max()), num_tokens - 1)
-    plan = plan if fixed_prefixes else [(0, num_tokens - 1, 0)][: len(plan)]  # limit 0: no promise
+    plan = stretches(model.config, int(lengths.max()), num_tokens - 1)  # empty for one token
+    if not fixed_prefixes and plan:
+        plan = [(0, num_tokens - 1, 0)]  # one program, limit 0: no promise
     start = time.perf_counter()
     cache = DecodeCache.empty(model.config, b).up_to(int(lengths.max()) if fixed_prefixes else 0)
     token, cache = prefill(params, cache, jnp.asarray(padded), jnp.asarray(lengths), jax.random.fold_in(base, 0))

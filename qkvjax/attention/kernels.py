@@ -220,8 +220,8 @@ def over_filled(a: Inputs, attend_p: Callable[[Inputs, int], Array]) -> Array:
     if not reads_prefix(a):
         return attend_p(a, a.slots.length)
     filled = jax.numpy.max(a.slots.start) + a.queries.t
-    sizes = core.prefix_lengths(a.slots.length, a.how.causal_block)
     if a.slots.limit:
+        sizes = core.prefix_lengths(a.slots.length, a.how.causal_block)
         p = next((size for size in sizes if size >= a.slots.limit), a.slots.length)
         return jax.numpy.where(filled <= p, attend_p(a, p), jax.numpy.nan)  # keys past p would be dropped
     return core.within_prefix(lambda p: attend_p(a, p), filled, a.slots.length, a.how.causal_block)
