@@ -13,11 +13,23 @@ import pytest
 
 from tests.helpers import REPO
 
-pytest.importorskip("torch", reason="the torch section needs the optional bench extra (CI installs it)")
+
+@pytest.mark.parametrize("flag", ["--rows", "--variants", "--sections"])
+def test_an_unknown_row_variant_or_section_is_refused_before_any_section_runs(tmp_path, flag):
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/gpu_check.py", "--smoke", "--out", str(tmp_path), flag, "mla,mla_rope"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]  # one line
+    assert f"{flag} ['mla_rope']" in proc.stderr or f"{flag} ['mla', 'mla_rope']" in proc.stderr
+    assert "allowed:" in proc.stderr
+    assert not (tmp_path / "gpu_check.log").exists() or "=====" not in (tmp_path / "gpu_check.log").read_text()
 
 
 @pytest.mark.slow  # 130-250 s (seven sections, each in its own interpreter): run before a GPU visit, pytest -m slow
 def test_gpu_check_smoke_runs_every_section(tmp_path):
+    pytest.importorskip("torch", reason="the torch section needs the optional bench extra (CI installs it)")
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     proc = subprocess.run(
         [sys.executable, "benchmarks/gpu_check.py", "--smoke", "--out", str(tmp_path)],
