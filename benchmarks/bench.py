@@ -65,7 +65,9 @@ class FlaxAttention(nn.Module):
 def prepare_train(model, config: Config) -> dict:
     """Compiles the train step (timed), runs one warm-up step; returns a zero-argument timed-step runner."""
     tx = make_optimizer(config.train)
-    state = create_state(model, config, tx, None)
+    start = time.perf_counter()
+    state = jax.block_until_ready(create_state(model, config, tx, None))
+    init_s = time.perf_counter() - start
     b, t = config.train.batch_size, config.seq_len
     tokens = jax.random.randint(jax.random.PRNGKey(1), (b, t + 1), 0, config.model.vocab_size)
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
@@ -74,8 +76,10 @@ def prepare_train(model, config: Config) -> dict:
     compiled = step_fn.lower(state, batch).compile()
     compile_s = time.perf_counter() - start
     memory = compiled.memory_analysis()
+    start = time.perf_counter()
     holder = {"state": compiled(state, batch)[0]}
     jax.block_until_ready(holder["state"])
+    warmup_s = time.perf_counter() - start
 
     def one_step() -> float:
         start = time.perf_counter()
@@ -91,7 +95,8 @@ def prepare_train(model, config: Config) -> dict:
             + memory.output_size_in_bytes
             - memory.alias_size_in_bytes
         )
-    return {"step": one_step, "tokens": b * t, "compile_s": compile_s, "xla_memory_bytes": mem_bytes,
+    return {"step": one_step, "tokens": b * t, "compile_s": compile_s, "init_s": init_s, "warmup_s": warmup_s,
+            "xla_memory_bytes": mem_bytes,
             "last_loss": lambda: float(holder["metrics"]["loss"])}  # fmt: skip
 
 

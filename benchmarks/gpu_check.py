@@ -25,6 +25,7 @@ Sections:
                the filled cache once per token at the measured copy bandwidth.
   levers       ``separate``'s train step again under each of ``LEVERS`` (XLA flags, a larger batch), each in a
                process of its own, against a baseline measured the same way in the same section.
+  decode_levers  the sample section's rows again under each of ``DECODE_LEVERS`` (XLA flags), likewise.
 """
 
 from __future__ import annotations
@@ -50,11 +51,14 @@ REPO = Path(__file__).resolve().parents[1]
 if __package__ in (None, ""):  # run as a script: make the repository and this folder importable
     sys.path[:0] = [str(REPO), str(Path(__file__).resolve().parent)]
 
-SECTIONS = ("machine", "correctness", "speed", "torch", "train", "sample", "levers")
+SECTIONS = ("machine", "correctness", "speed", "torch", "train", "sample", "levers", "decode_levers")
 # Seconds each section may run before it is killed (a GPU visit has 10 minutes a call); --smoke: 120 each.
 # seconds per section; correctness: ~15 s a variant on an H200 (compiles), 12 variants (the third visit's 120 s
 # reached eight)
-LIMITS = {"machine": 60, "correctness": 240, "speed": 240, "torch": 120, "train": 150, "sample": 240, "levers": 300}
+LIMITS = {
+    "machine": 60, "correctness": 240, "speed": 300, "torch": 120, "train": 150, "sample": 240, "levers": 300,
+    "decode_levers": 300,
+}  # fmt: skip
 # The levers section: `separate`'s speed row again, each in a process of its own under these XLA_FLAGS (a flag
 # must be set before XLA starts) or batch, beside the baseline measured the same way in the same section. On the
 # CPU (--smoke) only flags the CPU takes, so the code path runs.
@@ -65,6 +69,13 @@ LEVERS = {
     "batch_64": ("", 64),
 }
 SMOKE_LEVERS = {"baseline": ("", None), "batch_4": ("", 4)}
+# The decode_levers section: the sample section's one-program rows again, each in a process of its own under these
+# XLA_FLAGS. The third visit decoded at 6% (batch 1) of the bytes floor, 140 us a layer, and one H200 ran a third
+# slower than another: time on the host, which runs a while loop's condition (the scan over tokens) and each
+# conditional (a layer's key prefix) unless they are in the CUDA graph; "+" adds to XLA's default command types.
+DECODE_LEVERS = {"baseline": "", "graphs_while_cond": "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"}
+SAMPLE_ROWS = ("1", "64", "1/stretches", "64/stretches")  # batch, and /stretches: a prefix fixed per stretch
+SMOKE_SAMPLE_ROWS = ("1", "8", "1/stretches", "8/stretches")
 # most wanted first; "/xla": XLA's attention instead of cuDNN's; "+rope": MLA's decoupled rotary part
 SPEED_ROWS = ("separate", "flax", "shared_kv", "gqa", "shared_qk", "mla", "mla+rope", "separate/xla")
 SMOKE_SPEED_ROWS = ("separate", "flax", "mla+rope")
@@ -405,6 +416,8 @@ def section_speed(args) -> dict:
             "train_flops_per_token": flops,
             "mfu": tps * flops / peak if peak else None,
             "compile_s": runner["compile_s"],
+            "init_s": runner["init_s"],  # the state's init (jitted) and the warm-up step: where row_s goes
+            "warmup_s": runner["warmup_s"],
             "xla_memory_bytes": runner["xla_memory_bytes"],
             "loss": runner["last_loss"](),
             "row_s": time.perf_counter() - row_start,  # building, compiling and timing this row
@@ -574,15 +587,18 @@ def section_sample(args) -> dict:
     result = {"param_bytes": param_bytes, "prompt_len": prompt_len, "new_tokens": new, "rows": rows}
     # at each batch: the one program whose layers pick their key prefix per token with a lax.switch (the default,
     # as on the first visits), then the stretches whose programs each read a prefix fixed when traced
+    wanted = args.sample_rows.split(",") if args.sample_rows else ("1", "8") if args.smoke else ("1", "64")
     for batch, fixed in itertools.product((1, 8) if args.smoke else (1, 64), (False, True)):
+        name = f"{batch}/stretches" if fixed else str(batch)
         if not fixed:  # the same prompts both ways
             prompts = [rng.integers(0, cfg.model.vocab_size, prompt_len) for _ in range(batch)]
+        if name not in wanted:
+            continue
         # its tokens/s leave the compiles out
         tokens, stats = generate_batch(model, params, prompts, new, seed=2, fixed_prefixes=fixed)
         mean_filled = prompt_len + new / 2
         bytes_per_step = param_bytes + batch * mean_filled * kv_cache_bytes_per_token(cfg.model)
         floor = batch * bandwidth / bytes_per_step if bandwidth else None
-        name = f"{batch}/stretches" if fixed else str(batch)
         rows[name] = {
             "tokens_per_s": stats["tokens_per_s"],
             "bytes_per_step": bytes_per_step,
@@ -602,24 +618,60 @@ def section_levers(args) -> dict:
     rows = {}
     result = {"rows": rows}
     for name, (flags, batch) in (SMOKE_LEVERS if args.smoke else LEVERS).items():
-        work = Path(tempfile.mkdtemp(prefix=f"gpu_check_lever_{name}_"))
-        env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + flags).strip())
-        cmd = [sys.executable, __file__, "--section", "speed", "--rows", "separate", "--out", str(work), "--work",
-               str(work), "--batch-size", str(batch or args.batch_size), "--steps", str(args.steps)]  # fmt: skip
-        proc = subprocess.run(cmd + (["--smoke"] if args.smoke else []), env=env, capture_output=True, text=True)
-        if proc.returncode:
-            rows[name] = {"flags": flags, "batch": batch, "error": proc.stderr.strip().splitlines()[-1][:300]}
+        out = _child(args, "speed", flags, ["--rows", "separate", "--batch-size", str(batch or args.batch_size)])
+        if "error" in out:
+            rows[name] = {"flags": flags, "batch": batch, "error": out["error"]}
         else:
-            row = json.loads((work / "speed.json").read_text())["rows"]["separate"]
+            row = out["rows"]["separate"]
             rows[name] = {"flags": flags, "batch": row["batch"]} | {
                 k: row[k] for k in ("tokens_per_s", "step_s", "step_s_q1", "step_s_q3", "compile_s", "xla_memory_bytes")
             }
             base = rows.get("baseline", {}).get("tokens_per_s")
             rows[name]["x_baseline"] = row["tokens_per_s"] / base if base else None
             print(f"lever {name}: {row['tokens_per_s']:,.0f} tok/s", flush=True)
-        shutil.rmtree(work, ignore_errors=True)
         _save(args, result)
     return result
+
+
+def section_decode_levers(args) -> dict:
+    """The sample section's one-program rows (batch 1 and 64) under each of :data:`DECODE_LEVERS`, each in its
+    own process; tokens/s, the fraction of the bytes floor, the ratio to the baseline measured here, and whether
+    the tokens are the baseline's."""
+    rows = {}
+    result = {"rows": rows}
+    batches = "1,8" if args.smoke else "1,64"
+    for name, flags in DECODE_LEVERS.items():
+        out = _child(args, "sample", flags, ["--sample-rows", batches])
+        if "error" in out:
+            rows[name] = {"flags": flags, "error": out["error"]}
+        else:
+            keep = ("tokens_per_s", "fraction_of_floor", "prefill_and_compile_s", "tokens_sha256")
+            rows[name] = {"flags": flags, "batches": {b: {k: r[k] for k in keep} for b, r in out["rows"].items()}}
+            base = rows.get("baseline", {}).get("batches", {})
+            for b, r in rows[name]["batches"].items():
+                r["x_baseline"] = r["tokens_per_s"] / base[b]["tokens_per_s"] if b in base else None
+                r["same_tokens"] = r["tokens_sha256"] == base[b]["tokens_sha256"] if b in base else None
+                print(f"decode lever {name} b{b}: {r['tokens_per_s']:,.0f} tok/s", flush=True)
+        _save(args, result)
+    return result
+
+
+def _child(args, section: str, flags: str, extra: list[str]) -> dict:
+    """``section`` run again in a process of its own with ``flags`` added to XLA_FLAGS (XLA reads them once, at
+    start), reading this run's machine ceilings: its json, or {"error": its last line of output}."""
+    work = Path(tempfile.mkdtemp(prefix=f"gpu_check_{section}_"))
+    try:
+        if Path(args.work, "machine.json").exists():
+            shutil.copy(Path(args.work, "machine.json"), work)
+        env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + flags).strip())
+        cmd = [sys.executable, __file__, "--section", section, "--out", str(work), "--work", str(work),
+               "--batch-size", str(args.batch_size), "--steps", str(args.steps)] + extra  # fmt: skip
+        proc = subprocess.run(cmd + (["--smoke"] if args.smoke else []), env=env, capture_output=True, text=True)
+        if proc.returncode:
+            return {"error": (proc.stderr.strip().splitlines() or ["(no output)"])[-1][:300]}
+        return json.loads((work / f"{section}.json").read_text())
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def _read(work: str, section: str, *keys):
@@ -654,7 +706,11 @@ def drive(args) -> int:
     unknown = [s for s in chosen if s not in SECTIONS]
     if unknown:
         sys.exit(f"--sections {unknown}; allowed: {list(SECTIONS)}")
-    lists = (("--rows", args.rows, SPEED_ROWS), ("--variants", args.variants, CORRECTNESS_VARIANTS))
+    lists = (
+        ("--rows", args.rows, SPEED_ROWS),
+        ("--variants", args.variants, CORRECTNESS_VARIANTS),
+        ("--sample-rows", args.sample_rows, SMOKE_SAMPLE_ROWS if args.smoke else SAMPLE_ROWS),
+    )
     for flag, given, allowed in lists:
         unknown = [x for x in (given.split(",") if given else []) if x not in allowed]
         if unknown:  # before any section starts, not after minutes of others
@@ -681,6 +737,7 @@ def drive(args) -> int:
                "--batch-size", str(args.batch_size), "--steps", str(args.steps)]  # fmt: skip
         cmd += ["--rows", args.rows] if args.rows else []
         cmd += ["--variants", args.variants] if args.variants else []
+        cmd += ["--sample-rows", args.sample_rows] if args.sample_rows else []
         cmd += (["--smoke"] if args.smoke else []) + (["--corpus", args.corpus] if args.corpus else [])
         limit = min(left, LIMITS[name] if not args.smoke else 120)
         start = time.perf_counter()
@@ -811,6 +868,13 @@ def table(m: dict) -> str:
         iqr = 50 * (r["step_s_q3"] - r["step_s_q1"]) / r["step_s"]
         ratio = f"x{r['x_baseline']:.3f}" if r.get("x_baseline") else ""
         lines.append(f"lever {name} (batch {r['batch']}): {r['tokens_per_s']:,.0f} tok/s ±{iqr:.1f}% {ratio}")
+    for name, r in m.get("decode_levers", {}).get("rows", {}).items():
+        if "error" in r:
+            lines.append(f"decode lever {name}: ERROR {r['error']}")
+            continue
+        for b, x in r["batches"].items():
+            ratio = f"x{x['x_baseline']:.2f}, same tokens: {x['same_tokens']}" if x.get("x_baseline") else ""
+            lines.append(f"decode lever {name} b{b}: {x['tokens_per_s']:,.0f} tok/s {ratio}")
     lines.append("status: " + ", ".join(f"{k} {v['rc']} ({v['seconds']} s)" for k, v in m["status"].items()))
     return "\n".join(lines)
 
@@ -828,6 +892,9 @@ def main(argv=None) -> int:
     p.add_argument("--rows", default=None, help=f"speed rows, comma-separated, of {','.join(SPEED_ROWS)}")
     p.add_argument(
         "--variants", default=None, help=f"correctness rows, comma-separated, of {','.join(CORRECTNESS_VARIANTS)}"
+    )
+    p.add_argument(
+        "--sample-rows", default=None, help=f"sample rows, comma-separated, of {','.join(SAMPLE_ROWS)} (default 1,64)"
     )
     p.add_argument("--budget-s", type=float, default=540, help="seconds for all sections; those left over are skipped")
     args = p.parse_args(argv)

@@ -14,7 +14,7 @@ import pytest
 from tests.helpers import REPO
 
 
-@pytest.mark.parametrize("flag", ["--rows", "--variants", "--sections"])
+@pytest.mark.parametrize("flag", ["--rows", "--variants", "--sections", "--sample-rows"])
 def test_an_unknown_row_variant_or_section_is_refused_before_any_section_runs(tmp_path, flag):
     proc = subprocess.run(
         [sys.executable, "benchmarks/gpu_check.py", "--smoke", "--out", str(tmp_path), flag, "mla,mla_rope"],
@@ -37,7 +37,16 @@ def test_gpu_check_smoke_runs_every_section(tmp_path):
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + (tmp_path / "gpu_check.log").read_text()[-3000:]
     out = json.loads((tmp_path / "gpu_check.json").read_text())
-    assert set(out["status"]) == {"machine", "correctness", "speed", "torch", "train", "sample", "levers"}
+    assert set(out["status"]) == {
+        "machine",
+        "correctness",
+        "speed",
+        "torch",
+        "train",
+        "sample",
+        "levers",
+        "decode_levers",
+    }
     assert all(s["rc"] == 0 for s in out["status"].values())
     assert sorted(os.listdir(tmp_path)) == ["gpu_check.json", "gpu_check.log"]  # section files merged, removed
     # float32 on the CPU against the float64 host reference: far under the bound, and bf16 under its own
@@ -51,9 +60,29 @@ def test_gpu_check_smoke_runs_every_section(tmp_path):
     assert train["killed_while_running"] and train["checkpoints_left_at_kill"]
     assert train["losses_identical"] and train["params_identical"]  # the CPU is deterministic: bit for bit
     sample = out["sample"]["rows"]
-    assert set(sample) == {"1", "1/stretches", "8", "8/stretches"}
-    assert all(sample[b]["tokens_sha256"] == sample[f"{b}/stretches"]["tokens_sha256"] for b in ("1", "8"))
+    assert set(sample) == {"1", "8"}  # the default rows; the stretches are asked for by name
+    decode = out["decode_levers"]["rows"]
+    assert set(decode) == {"baseline", "graphs_while_cond"}  # a GPU flag XLA parses on the CPU too
+    for name, row in decode.items():
+        assert set(row["batches"]) == {"1", "8"}, name
+        assert all(r["tokens_per_s"] > 0 and r["same_tokens"] for r in row["batches"].values()), name
+        assert all(r["tokens_sha256"] == sample[b]["tokens_sha256"] for b, r in row["batches"].items()), name
     levers = out["levers"]["rows"]
     assert set(levers) == {"baseline", "batch_4"} and levers["baseline"]["x_baseline"] == 1.0
     assert levers["batch_4"]["batch"] == 4 and levers["batch_4"]["tokens_per_s"] > 0
     assert "status: machine 0" in proc.stdout  # the table, printed last
+
+
+@pytest.mark.slow  # ~40 s: the sample section alone, one program against stretches on the same prompts
+def test_gpu_check_smoke_samples_the_same_tokens_in_stretches(tmp_path):
+    rows = "1,1/stretches,8,8/stretches"
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/gpu_check.py", "--smoke", "--out", str(tmp_path), "--sections", "sample",
+         "--sample-rows", rows],
+        cwd=REPO, env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    sample = json.loads((tmp_path / "gpu_check.json").read_text())["sample"]["rows"]
+    assert set(sample) == set(rows.split(","))
+    assert all(sample[b]["tokens_sha256"] == sample[f"{b}/stretches"]["tokens_sha256"] for b in ("1", "8"))
