@@ -25,7 +25,9 @@ Sections:
                the filled cache once per token at the measured copy bandwidth.
   levers       ``separate``'s train step again under each of ``LEVERS`` (XLA flags, a larger batch), each in a
                process of its own, against a baseline measured the same way in the same section.
-  decode_levers  the sample section's rows again under each of ``DECODE_LEVERS`` (XLA flags), likewise.
+  decode_levers  the sample section's rows again under each of ``DECODE_LEVERS`` (XLA flags), likewise; the
+               baseline's process also traces batch 1 once (``jax.profiler``) and keeps a summary of the trace:
+               each device's kernels per decode step and the busiest of them.
 """
 
 from __future__ import annotations
@@ -609,7 +611,44 @@ def section_sample(args) -> dict:
         }
         print(f"sample b{name}: {stats['tokens_per_s']:,.0f} tok/s (floor {floor or 0:,.0f})", flush=True)
         _save(args, result)  # a row kept if the next one runs out of time
+    if args.profile:  # batch 1 once more under the profiler, apart from the timed rows (tracing slows them)
+        trace = Path(tempfile.mkdtemp(prefix="gpu_check_trace_"))
+        try:
+            with jax.profiler.trace(str(trace)):
+                generate_batch(model, params, [rng.integers(0, cfg.model.vocab_size, prompt_len)], new, seed=2)
+            result["profile"] = {"decode_steps": new - 1} | _profile_summary(trace)
+        finally:
+            shutil.rmtree(trace, ignore_errors=True)
     return result
+
+
+def _profile_summary(trace: Path, top: int = 25) -> dict:
+    """What a ``jax.profiler`` trace holds, small enough to carry back: per plane (the host, each device) its
+    busiest lines (threads, streams) with their events and busy time, and the ``top`` event names by total time
+    with their counts (a device's kernels: how many a decode step launches, and which take the time)."""
+    from jax.profiler import ProfileData
+
+    files = sorted(trace.glob("**/*.xplane.pb"))
+    if not files:
+        return {"error": f"no .xplane.pb under {trace}"}
+    planes = {}
+    for plane in ProfileData.from_file(str(files[-1])).planes:
+        lines, names = [], {}
+        for line in plane.lines:
+            busy, count = 0.0, 0
+            for e in line.events:
+                busy, count = busy + e.duration_ns, count + 1
+                total, n = names.get(e.name, (0.0, 0))
+                names[e.name] = (total + e.duration_ns, n + 1)
+            lines.append({"line": line.name, "events": count, "busy_ms": busy / 1e6})
+        if not lines:
+            continue
+        ranked = sorted(names.items(), key=lambda kv: -kv[1][0])[:top]
+        planes[plane.name] = {
+            "lines": sorted(lines, key=lambda x: -x["busy_ms"])[:8],
+            "top_events": [{"name": k[:120], "count": n, "total_ms": t / 1e6} for k, (t, n) in ranked],
+        }
+    return {"planes": planes}
 
 
 def section_levers(args) -> dict:
@@ -640,13 +679,15 @@ def section_decode_levers(args) -> dict:
     rows = {}
     result = {"rows": rows}
     batches = "1,8" if args.smoke else "1,64"
-    for name, flags in DECODE_LEVERS.items():
-        out = _child(args, "sample", flags, ["--sample-rows", batches])
+    for name, flags in DECODE_LEVERS.items():  # the baseline's process also traces batch 1 once, untimed
+        out = _child(args, "sample", flags, ["--sample-rows", batches] + (["--profile"] if name == "baseline" else []))
         if "error" in out:
             rows[name] = {"flags": flags, "error": out["error"]}
         else:
             keep = ("tokens_per_s", "fraction_of_floor", "prefill_and_compile_s", "tokens_sha256")
             rows[name] = {"flags": flags, "batches": {b: {k: r[k] for k in keep} for b, r in out["rows"].items()}}
+            if "profile" in out:
+                result["baseline_profile"] = out["profile"]
             base = rows.get("baseline", {}).get("batches", {})
             for b, r in rows[name]["batches"].items():
                 r["x_baseline"] = r["tokens_per_s"] / base[b]["tokens_per_s"] if b in base else None
@@ -875,6 +916,14 @@ def table(m: dict) -> str:
         for b, x in r["batches"].items():
             ratio = f"x{x['x_baseline']:.2f}, same tokens: {x['same_tokens']}" if x.get("x_baseline") else ""
             lines.append(f"decode lever {name} b{b}: {x['tokens_per_s']:,.0f} tok/s {ratio}")
+    prof = m.get("decode_levers", {}).get("baseline_profile", {})
+    for plane, p in prof.get("planes", {}).items():  # a device's kernels per decode step, and the busiest
+        if not plane.startswith("/device:"):  # the host's: Python frames and compiles, in the json only
+            continue
+        steps = prof["decode_steps"]
+        events = sum(x["events"] for x in p["lines"])
+        busiest = ", ".join(f"{e['name'][:40]} {e['total_ms'] / steps:.3f} ms" for e in p["top_events"][:4])
+        lines.append(f"profile {plane}: {events / steps:.0f} events a decode step; per step: {busiest}")
     lines.append("status: " + ", ".join(f"{k} {v['rc']} ({v['seconds']} s)" for k, v in m["status"].items()))
     return "\n".join(lines)
 
@@ -896,6 +945,7 @@ def main(argv=None) -> int:
     p.add_argument(
         "--sample-rows", default=None, help=f"sample rows, comma-separated, of {','.join(SAMPLE_ROWS)} (default 1,64)"
     )
+    p.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)  # the sample section traces batch 1
     p.add_argument("--budget-s", type=float, default=540, help="seconds for all sections; those left over are skipped")
     args = p.parse_args(argv)
     args.t0 = time.perf_counter()

@@ -632,16 +632,18 @@ def test_a_mask_broadcast_over_heads_or_queries_equals_the_full_mask_with_gqa(im
     np.testing.assert_allclose(y, Attention(cfg).apply({"params": params}, xq, xkv, mask=jnp.asarray(full)), atol=1e-6)
 
 
-# Decoding reads the cache only as far as the longest row is filled (core.within_prefix).
-# Each scheme once (GQA with one K/V head and rotary where it allows them), and a relative bias.
+# Decoding reads the cache only as far as the longest row is filled (core.within_prefix). The branch is the same
+# for every scheme; what differs is how a prefix of the cache is read, one case each: keys finished when written
+# (separate: GQA, rotary), finished on read (K = V), shared Q/K with unit keys and the self mask (Reformer), the
+# bilinear key side's inputs, and a relative bias (indexed by position).
 PREFIX_CASES = [
-    next(
-        (s, kv, rope)
-        for kv, rope in ((1, True), (1, False), (None, True), (None, False))
-        if (s, kv, rope) in DECODE_CASES
-    )
-    for s in dict.fromkeys(s for s, _, _ in DECODE_CASES)
-] + [("shared_qkv", None, False)]
+    ("separate", 1, True),
+    ("shared_kv", 1, True),
+    ("reformer_qk", None, True),
+    ("bilinear", 1, False),
+    ("shared_qkv", None, False),
+]
+assert all(case in DECODE_CASES for case in PREFIX_CASES[:-1])
 
 
 @pytest.mark.parametrize("scheme,kv,rope", PREFIX_CASES)

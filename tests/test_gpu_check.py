@@ -67,6 +67,8 @@ def test_gpu_check_smoke_runs_every_section(tmp_path):
         assert set(row["batches"]) == {"1", "8"}, name
         assert all(r["tokens_per_s"] > 0 and r["same_tokens"] for r in row["batches"].values()), name
         assert all(r["tokens_sha256"] == sample[b]["tokens_sha256"] for b, r in row["batches"].items()), name
+    profile = out["decode_levers"]["baseline_profile"]  # batch 1 traced: the host's plane at least, on a CPU
+    assert profile["decode_steps"] == 15 and profile["planes"]["/host:CPU"]["top_events"], profile.keys()
     levers = out["levers"]["rows"]
     assert set(levers) == {"baseline", "batch_4"} and levers["baseline"]["x_baseline"] == 1.0
     assert levers["batch_4"]["batch"] == 4 and levers["batch_4"]["tokens_per_s"] > 0

@@ -1,7 +1,7 @@
-"""README.md's Hugging Face section runs as written: the MiniLM block (after its install line, which the test checks
-instead of running: this venv already holds the extras, and reinstalling into it from a temporary clone would move
-the editable install), then the tiny-Llama round trip (its uptraining cut to 20 steps, as the README's marker says),
-in one shell, in a fresh clone."""
+"""README.md's Hugging Face section runs as written, each block in one shell in a fresh clone: the MiniLM block
+(after its install line, which the test checks instead of running: this venv already holds the extras, and
+reinstalling into it from a temporary clone would move the editable install); the tiny-Llama round trip (its
+uptraining cut to 20 steps, as the README's marker says) and the engines block, both marked slow."""
 
 import json
 import os
@@ -33,13 +33,11 @@ def test_the_install_line_installs_the_hf_extra_and_cpu_torch_at_the_pinned_vers
     assert f"torch=={pinned}" in install and "--index-url https://download.pytorch.org/whl/cpu" in install
 
 
-def test_hugging_face_section_runs_as_written(tmp_path, corpus):
+def test_the_minilm_block_runs_as_written(tmp_path, corpus):
     pytest.importorskip("transformers", reason="the hf extra (transformers, the MiniLM wheel) runs this section")
-    pytest.importorskip("torch", reason="the bench extra (torch) makes the tiny Llama")
     clone = fresh_clone(tmp_path, Path(sys.prefix), Path(corpus).parents[2])
-    commands = block("hf-minilm")[1:] + [c.replace("num_steps=200", "num_steps=20") for c in block("hf-llama")]
-    assert any("num_steps=20 " in c for c in commands)  # the uptraining, cut as the README's marker says
-    assert commands[0].startswith("source .venv/bin/activate") and len(commands) == 5 + 8
+    commands = block("hf-minilm")[1:]
+    assert commands[0].startswith("source .venv/bin/activate") and len(commands) == 5
     rows = run_commands(commands, clone, env={**os.environ, "XLA_FLAGS": xla_flags(1)})
     failed = [r for r in rows if r["returncode"]]
     assert not failed, f"{failed[0]['command']}\n{failed[0]['stdout'][-2000:]}\n{failed[0]['stderr'][-2000:]}"
@@ -47,7 +45,22 @@ def test_hugging_face_section_runs_as_written(tmp_path, corpus):
     runs = clone / "runs"
     assert (runs / "minilm" / "params" / "0").is_dir() and (runs / "minilm_mla" / "config.json").is_file()
     assert json.loads((runs / "hf_minilm_kv" / "config.json").read_text())["model_type"] == "bert"
-    assert json.loads((runs / "hf_llama_kv" / "config.json").read_text())["model_type"] == "llama"
+
+
+@pytest.mark.slow  # ~50 s: eight processes; tests/test_hf.py runs the same CLI path in CI (import, sample, uptrain,
+# export of a tiny Llama against transformers); run it with `pytest -m slow tests/test_readme_hf.py`
+def test_the_tiny_llama_block_runs_as_written(tmp_path, corpus):
+    pytest.importorskip("transformers", reason="the hf extra makes the tiny Llama")
+    pytest.importorskip("torch", reason="the bench extra (torch) makes the tiny Llama")
+    clone = fresh_clone(tmp_path, Path(sys.prefix), Path(corpus).parents[2])
+    llama = [c.replace("num_steps=200", "num_steps=20") for c in block("hf-llama")]
+    assert any("num_steps=20 " in c for c in llama)  # the uptraining, cut as the README's marker says
+    commands = ["source .venv/bin/activate", *llama]
+    assert len(commands) == 1 + 8
+    rows = run_commands(commands, clone, env={**os.environ, "XLA_FLAGS": xla_flags(1)})
+    failed = [r for r in rows if r["returncode"]]
+    assert not failed, f"{failed[0]['command']}\n{failed[0]['stdout'][-2000:]}\n{failed[0]['stderr'][-2000:]}"
+    assert json.loads((clone / "runs" / "hf_llama_kv" / "config.json").read_text())["model_type"] == "llama"
     out = {r["command"].split()[1]: r["stdout"] for r in rows if r["command"].startswith("qkvjax ")}
     assert json.loads(out["eval"][out["eval"].index("{") :])["loss"] > 0
     assert "ROMEO:" in out["sample"]
