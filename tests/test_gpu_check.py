@@ -27,6 +27,28 @@ def test_an_unknown_row_variant_or_section_is_refused_before_any_section_runs(tm
     assert not (tmp_path / "gpu_check.log").exists() or "=====" not in (tmp_path / "gpu_check.log").read_text()
 
 
+def test_gpu_check_smoke_runs_the_measuring_sections_in_ci(tmp_path):
+    # The sections whose code a visit most needs, in CI (~45 s): the ceilings, MLA with rotary against float64 (its
+    # cuDNN padding and absorbed decode), a train step, sampling. The rest is the slow test below.
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/gpu_check.py", "--smoke", "--out", str(tmp_path), "--sections",
+         "machine,correctness,speed,sample", "--variants", "mla+rope", "--rows", "separate"],
+        cwd=REPO, env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, capture_output=True, text=True,
+        timeout=400,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + (tmp_path / "gpu_check.log").read_text()[-3000:]
+    out = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert all(s["rc"] == 0 for s in out["status"].values()) and len(out["status"]) == 4
+    assert out["machine"]["matmul"]["flops_per_s"] > 0 and out["machine"]["copy"]["bytes_per_s"] > 0
+    row = out["correctness"]["cases"]["mla+rope"]
+    assert list(out["correctness"]["cases"]) == ["mla+rope"]
+    assert row["float32"]["out"] < 1e-5 and row["bfloat16"]["grads"] < 1e-2 and row["decode"] < 1e-5
+    speed = out["speed"]["rows"]["separate"]
+    assert speed["tokens_per_s"] > 0 and speed["init_s"] > 0 and speed["warmup_s"] > 0 and speed["mfu"] > 0
+    assert set(out["sample"]["rows"]) == {"1", "8"}
+    assert all(0 < r["fraction_of_floor"] for r in out["sample"]["rows"].values())
+
+
 @pytest.mark.slow  # 130-250 s (seven sections, each in its own interpreter): run before a GPU visit, pytest -m slow
 def test_gpu_check_smoke_runs_every_section(tmp_path):
     pytest.importorskip("torch", reason="the torch section needs the optional bench extra (CI installs it)")
