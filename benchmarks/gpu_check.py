@@ -920,10 +920,10 @@ def table(m: dict) -> str:
     for plane, p in prof.get("planes", {}).items():  # a device's kernels per decode step, and the busiest
         if not plane.startswith("/device:"):  # the host's: Python frames and compiles, in the json only
             continue
-        steps = prof["decode_steps"]
-        events = sum(x["events"] for x in p["lines"])
-        busiest = ", ".join(f"{e['name'][:40]} {e['total_ms'] / steps:.3f} ms" for e in p["top_events"][:4])
-        lines.append(f"profile {plane}: {events / steps:.0f} events a decode step; per step: {busiest}")
+        steps = prof["decode_steps"]  # a device's lines (its streams, XLA's op and module lines) each count apart
+        busiest = ", ".join(f"{x['line'][:30]} {x['events'] / steps:.0f}" for x in p["lines"][:3])
+        top = ", ".join(f"{e['name'][:40]} {e['total_ms'] / steps:.3f} ms" for e in p["top_events"][:4])
+        lines.append(f"profile {plane}: events a decode step, busiest lines: {busiest}; per step: {top}")
     lines.append("status: " + ", ".join(f"{k} {v['rc']} ({v['seconds']} s)" for k, v in m["status"].items()))
     return "\n".join(lines)
 
