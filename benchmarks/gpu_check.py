@@ -59,7 +59,7 @@ SECTIONS = ("machine", "correctness", "speed", "torch", "train", "sample", "leve
 # reached eight)
 LIMITS = {
     "machine": 60, "correctness": 240, "speed": 300, "torch": 120, "train": 150, "sample": 240, "levers": 300,
-    "decode_levers": 300,
+    "decode_levers": 360,
 }  # fmt: skip
 # The levers section: `separate`'s speed row again, each in a process of its own under these XLA_FLAGS (a flag
 # must be set before XLA starts) or batch, beside the baseline measured the same way in the same section. On the
@@ -75,7 +75,12 @@ SMOKE_LEVERS = {"baseline": ("", None), "batch_4": ("", 4)}
 # XLA_FLAGS. The third visit decoded at 6% (batch 1) of the bytes floor, 140 us a layer, and one H200 ran a third
 # slower than another: time on the host, which runs a while loop's condition (the scan over tokens) and each
 # conditional (a layer's key prefix) unless they are in the CUDA graph; "+" adds to XLA's default command types.
-DECODE_LEVERS = {"baseline": "", "graphs_while_cond": "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"}
+# name: (XLA flags, generate_batch's scan_unroll, batch 1 only: an unrolled loop compiles for longer)
+DECODE_LEVERS = {
+    "baseline": ("", 1, False),
+    "graphs_while_cond": ("--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL", 1, False),
+    "unroll_8": ("", 8, True),  # a loop iteration, and its condition read on the host, per 8 tokens
+}
 SAMPLE_ROWS = ("1", "64", "1/stretches", "64/stretches")  # batch, and /stretches: a prefix fixed per stretch
 SMOKE_SAMPLE_ROWS = ("1", "8", "1/stretches", "8/stretches")
 # most wanted first; "/xla": XLA's attention instead of cuDNN's; "+rope": MLA's decoupled rotary part
@@ -597,7 +602,9 @@ def section_sample(args) -> dict:
         if name not in wanted:
             continue
         # its tokens/s leave the compiles out
-        tokens, stats = generate_batch(model, params, prompts, new, seed=2, fixed_prefixes=fixed)
+        tokens, stats = generate_batch(
+            model, params, prompts, new, seed=2, fixed_prefixes=fixed, scan_unroll=args.scan_unroll
+        )
         mean_filled = prompt_len + new / 2
         bytes_per_step = param_bytes + batch * mean_filled * kv_cache_bytes_per_token(cfg.model)
         floor = batch * bandwidth / bytes_per_step if bandwidth else None
@@ -679,8 +686,9 @@ def section_decode_levers(args) -> dict:
     rows = {}
     result = {"rows": rows}
     batches = "1,8" if args.smoke else "1,64"
-    for name, flags in DECODE_LEVERS.items():  # the baseline's process also traces batch 1 once, untimed
-        out = _child(args, "sample", flags, ["--sample-rows", batches] + (["--profile"] if name == "baseline" else []))
+    for name, (flags, unroll, first_only) in DECODE_LEVERS.items():  # the baseline's also traces batch 1, untimed
+        extra = ["--sample-rows", batches.split(",")[0] if first_only else batches, "--scan-unroll", str(unroll)]
+        out = _child(args, "sample", flags, extra + (["--profile"] if name == "baseline" else []))
         if "error" in out:
             rows[name] = {"flags": flags, "error": out["error"]}
         else:
@@ -946,6 +954,7 @@ def main(argv=None) -> int:
         "--sample-rows", default=None, help=f"sample rows, comma-separated, of {','.join(SAMPLE_ROWS)} (default 1,64)"
     )
     p.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)  # the sample section traces batch 1
+    p.add_argument("--scan-unroll", type=int, default=1, help=argparse.SUPPRESS)  # the sample section's loop
     p.add_argument("--budget-s", type=float, default=540, help="seconds for all sections; those left over are skipped")
     args = p.parse_args(argv)
     args.t0 = time.perf_counter()

@@ -96,6 +96,7 @@ def generate_batch(
     on_token: Callable[[int], None] | None = None,
     vocab_limit: int | None = None,
     fixed_prefixes: bool = False,
+    scan_unroll: int = 1,
 ) -> tuple[np.ndarray, dict]:
     """Continues each prompt (1-D int tokens, lengths may differ) by ``num_tokens``, all rows in one batch.
 
@@ -107,11 +108,14 @@ def generate_batch(
     one program whose layers pick the key prefix they read at run time (a ``lax.switch`` per layer and token),
     or with ``fixed_prefixes`` in :func:`stretches`, one program each whose layers read a prefix fixed when it
     is traced: no branch, which a GPU decides on the host, but one compile per stretch (on this project's CPU
-    it loses: ``benchmarks/levers/decode_stretches.py``). Returns the new tokens (B, num_tokens) and timing
-    statistics.
+    it loses: ``benchmarks/levers/decode_stretches.py``). ``scan_unroll``: decode steps per iteration of the
+    on-device loop (``lax.scan``'s ``unroll``): fewer loop iterations, whose condition a GPU reads on the host, for
+    a longer compile. Returns the new tokens (B, num_tokens) and timing statistics.
     """
     prompts = [np.asarray(p, np.int32) for p in prompts]
     check_request(model, prompts, num_tokens, temperature, top_k)
+    if isinstance(scan_unroll, bool) or not isinstance(scan_unroll, int) or scan_unroll < 1:
+        raise ValueError(f"scan_unroll={scan_unroll!r}; allowed: an int >= 1 (decode steps per loop iteration)")
     if on_token is not None and len(prompts) > 1:
         raise ValueError("on_token streams one prompt; pass one prompt, or no on_token for several")
     b = len(prompts)
@@ -139,7 +143,7 @@ def generate_batch(
             token, cache = one(params, cache, token, key)
             return (token, cache), token
 
-        (_, cache), tokens = jax.lax.scan(body, (token, cache), keys)
+        (_, cache), tokens = jax.lax.scan(body, (token, cache), keys, unroll=min(scan_unroll, max(len(keys), 1)))
         return tokens.T, cache  # (num_tokens - 1, B) -> (B, num_tokens - 1)
 
     base = jax.random.PRNGKey(seed)

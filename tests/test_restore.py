@@ -88,6 +88,12 @@ def test_greedy_sampling_with_cache_equals_recomputing_the_full_forward(scheme, 
         stream = None if scheme == "separate" else (lambda t: None)  # on the device in one call each, or streamed
         stretched, _ = generate(model, params, prompt, 9, temperature=0.0, fixed_prefixes=True, on_token=stream)
         assert stretched.tolist() == cached.tolist()
+    if scheme == "separate":  # the on-device loop unrolled: 8 steps as 3 iterations of 3, the last one partial
+        unrolled, _ = generate(model, params, prompt, 9, temperature=0.0, scan_unroll=3)
+        assert unrolled.tolist() == cached.tolist()
+        for bad in (0, 2.0, True):
+            with pytest.raises(ValueError, match=rf"scan_unroll={bad!r}; allowed: an int >= 1"):
+                generate(model, params, prompt, 9, scan_unroll=bad)
     # Without a cache: the whole (zero-padded, causal so the padding is never seen) sequence each time.
     forward = jax.jit(lambda tokens: model.apply({"params": params}, tokens))
     tokens = list(prompt)
