@@ -72,7 +72,7 @@ def stretches(config, first: int, steps: int) -> list[tuple[int, int, int]]:
     tokens in a row (``first``: the longest prompt), and a stretch ends where some layer's key prefix
     (:func:`qkvjax.attention.core.prefix_lengths` of its ``causal_block``) grows, so that each stretch runs as
     one program whose every layer reads a prefix fixed at trace time (``DecodeCache.up_to(limit)``) instead of
-    choosing one per layer and step at run time, which a GPU decides on the host."""
+    choosing one per layer and step at run time."""
     bounds = sorted(
         {b for layer in config.layer_attention for b in core.prefix_lengths(config.max_len, layer.config.causal_block)}
     )
@@ -107,10 +107,10 @@ def generate_batch(
     ``vocab_limit``: only ids below it are drawn (text that is bytes needs ids < 256). The tokens are made in
     one program whose layers pick the key prefix they read at run time (a ``lax.switch`` per layer and token),
     or with ``fixed_prefixes`` in :func:`stretches`, one program each whose layers read a prefix fixed when it
-    is traced: no branch, which a GPU decides on the host, but one compile per stretch (on this project's CPU
-    it loses: ``benchmarks/levers/decode_stretches.py``). ``scan_unroll``: decode steps per iteration of the
-    on-device loop (``lax.scan``'s ``unroll``): fewer loop iterations, whose condition a GPU reads on the host, for
-    a longer compile. Returns the new tokens (B, num_tokens) and timing statistics.
+    is traced: no branch, but one compile per stretch (measured slower, x0.89-0.94, on this project's CPU and on
+    an H200: ``benchmarks/levers/decode_stretches.py``, benchmarks/README.md). ``scan_unroll``: decode steps per
+    iteration of the on-device loop (``lax.scan``'s ``unroll``): fewer loop iterations, whose condition a GPU reads
+    on the host, for a longer compile. Returns the new tokens (B, num_tokens) and timing statistics.
     """
     prompts = [np.asarray(p, np.int32) for p in prompts]
     check_request(model, prompts, num_tokens, temperature, top_k)
@@ -143,7 +143,7 @@ def generate_batch(
             token, cache = one(params, cache, token, key)
             return (token, cache), token
 
-        (_, cache), tokens = jax.lax.scan(body, (token, cache), keys, unroll=min(scan_unroll, max(len(keys), 1)))
+        (_, cache), tokens = jax.lax.scan(body, (token, cache), keys, unroll=min(scan_unroll, len(keys)))
         return tokens.T, cache  # (num_tokens - 1, B) -> (B, num_tokens - 1)
 
     base = jax.random.PRNGKey(seed)

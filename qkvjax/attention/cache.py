@@ -45,7 +45,7 @@ class KV:
 
     ``limit`` L > 0 (static) is the caller's promise that no row of a cache holds more than L positions after
     the call: decoding then reads the shortest key prefix that covers L, chosen at trace time, instead of
-    choosing among prefixes at run time (a ``lax.switch`` per layer, which a GPU decides on the host each step).
+    choosing among prefixes at run time (a ``lax.switch`` per layer and step).
     A call that breaks the promise returns NaN rather than dropping keys. 0: no promise.
     """
 
