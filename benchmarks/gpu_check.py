@@ -36,7 +36,6 @@ import argparse
 import contextlib
 import hashlib
 import importlib.metadata
-import itertools
 import json
 import os
 import platform
@@ -81,8 +80,8 @@ DECODE_LEVERS = {
     "graphs_while_cond": ("--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL", 1, False),
     "unroll_8": ("", 8, True),  # a loop iteration, and its condition read on the host, per 8 tokens
 }
-SAMPLE_ROWS = ("1", "64", "1/stretches", "64/stretches")  # batch, and /stretches: a prefix fixed per stretch
-SMOKE_SAMPLE_ROWS = ("1", "8", "1/stretches", "8/stretches")
+SAMPLE_ROWS = ("1", "64")  # batch sizes
+SMOKE_SAMPLE_ROWS = ("1", "8")
 # most wanted first; "/xla": XLA's attention instead of cuDNN's; "+rope": MLA's decoupled rotary part
 SPEED_ROWS = ("separate", "flax", "shared_kv", "gqa", "shared_qk", "mla", "mla+rope", "separate/xla")
 SMOKE_SPEED_ROWS = ("separate", "flax", "mla+rope")
@@ -583,7 +582,7 @@ def section_sample(args) -> dict:
 
     bandwidth = _read(args.work, "machine", "copy", "bytes_per_s")
     cfg = _speed_config(args, "separate")
-    if args.smoke:  # key prefixes of 4, 8, 16 and all 32 slots: the smoke run decodes in two stretches
+    if args.smoke:  # key prefixes of 4, 8, 16 and all 32 slots: the smoke run's rows cross from one to the next
         cfg = apply_overrides(cfg, {"model.attention.causal_block": "4"})
     model = DecoderLM(cfg.model)
     rng = np.random.default_rng(0)
@@ -592,19 +591,12 @@ def section_sample(args) -> dict:
     prompt_len, new = (8, 16) if args.smoke else (32, 128)
     rows = {}
     result = {"param_bytes": param_bytes, "prompt_len": prompt_len, "new_tokens": new, "rows": rows}
-    # at each batch: the one program whose layers pick their key prefix per token with a lax.switch (the default,
-    # as on the first visits), then the stretches whose programs each read a prefix fixed when traced
-    wanted = args.sample_rows.split(",") if args.sample_rows else ("1", "8") if args.smoke else ("1", "64")
-    for batch, fixed in itertools.product((1, 8) if args.smoke else (1, 64), (False, True)):
-        name = f"{batch}/stretches" if fixed else str(batch)
-        if not fixed:  # the same prompts both ways
-            prompts = [rng.integers(0, cfg.model.vocab_size, prompt_len) for _ in range(batch)]
-        if name not in wanted:
-            continue
-        # its tokens/s leave the compiles out
-        tokens, stats = generate_batch(
-            model, params, prompts, new, seed=2, fixed_prefixes=fixed, scan_unroll=args.scan_unroll
-        )
+    # one program whose layers pick their key prefix per token with a lax.switch, as on every visit
+    wanted = args.sample_rows.split(",") if args.sample_rows else SMOKE_SAMPLE_ROWS if args.smoke else SAMPLE_ROWS
+    for name in wanted:
+        batch = int(name)
+        prompts = [rng.integers(0, cfg.model.vocab_size, prompt_len) for _ in range(batch)]
+        tokens, stats = generate_batch(model, params, prompts, new, seed=2, scan_unroll=args.scan_unroll)  # no compiles
         mean_filled = prompt_len + new / 2
         bytes_per_step = param_bytes + batch * mean_filled * kv_cache_bytes_per_token(cfg.model)
         floor = batch * bandwidth / bytes_per_step if bandwidth else None
@@ -614,7 +606,7 @@ def section_sample(args) -> dict:
             "floor_tokens_per_s": floor,
             "fraction_of_floor": stats["tokens_per_s"] / floor if floor else None,
             "prefill_and_compile_s": stats["prefill_and_compile_s"],
-            "tokens_sha256": hashlib.sha256(np.asarray(tokens).tobytes()).hexdigest()[:16],  # both ways agree?
+            "tokens_sha256": hashlib.sha256(np.asarray(tokens).tobytes()).hexdigest()[:16],  # agree across runs?
         }
         print(f"sample b{name}: {stats['tokens_per_s']:,.0f} tok/s (floor {floor or 0:,.0f})", flush=True)
         _save(args, result)  # a row kept if the next one runs out of time
@@ -905,11 +897,6 @@ def table(m: dict) -> str:
         for b, r in m["sample"]["rows"].items():
             frac = f"{100 * r['fraction_of_floor']:.0f}% of floor" if r.get("fraction_of_floor") else ""
             lines.append(f"sample b{b}: {r['tokens_per_s']:,.0f} tok/s {frac}")
-            base = m["sample"]["rows"].get(b.removesuffix("/stretches"))
-            if b.endswith("/stretches") and base:  # the same tokens both ways, and the speed against one program
-                same = r.get("tokens_sha256") == base.get("tokens_sha256")
-                lines.append(f"sample b{b}: x{r['tokens_per_s'] / base['tokens_per_s']:.2f} the one program with a "
-                             f"switch per layer; same tokens: {same}")  # fmt: skip
     for name, r in m.get("levers", {}).get("rows", {}).items():
         if "error" in r:
             lines.append(f"lever {name}: ERROR {r['error']}")

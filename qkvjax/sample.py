@@ -11,7 +11,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qkvjax.attention import core
 from qkvjax.models.lm import DecodeCache, DecoderLM
 
 
@@ -67,23 +66,6 @@ def check_request(model: DecoderLM, prompts: list[np.ndarray], num_tokens: int, 
             )
 
 
-def stretches(config, first: int, steps: int) -> list[tuple[int, int, int]]:
-    """The decode steps 0..steps-1 cut into stretches ``(j0, j1, limit)``: step j leaves at most first + j + 1
-    tokens in a row (``first``: the longest prompt), and a stretch ends where some layer's key prefix
-    (:func:`qkvjax.attention.core.prefix_lengths` of its ``causal_block``) grows, so that each stretch runs as
-    one program whose every layer reads a prefix fixed at trace time (``DecodeCache.up_to(limit)``) instead of
-    choosing one per layer and step at run time."""
-    bounds = sorted(
-        {b for layer in config.layer_attention for b in core.prefix_lengths(config.max_len, layer.config.causal_block)}
-    )
-    out, j = [], 0
-    while j < steps:
-        limit = next(b for b in bounds if b >= first + j + 1)
-        out.append((j, min(steps, limit - first), limit))
-        j = out[-1][1]
-    return out
-
-
 def generate_batch(
     model: DecoderLM,
     params,
@@ -95,7 +77,6 @@ def generate_batch(
     seed: int = 0,
     on_token: Callable[[int], None] | None = None,
     vocab_limit: int | None = None,
-    fixed_prefixes: bool = False,
     scan_unroll: int = 1,
 ) -> tuple[np.ndarray, dict]:
     """Continues each prompt (1-D int tokens, lengths may differ) by ``num_tokens``, all rows in one batch.
@@ -105,12 +86,12 @@ def generate_batch(
     ``on_token`` (one prompt only) every token is streamed as it is made, one jitted call per token; otherwise
     all tokens are made on the device in one call (``lax.scan``), with no host round trip per token.
     ``vocab_limit``: only ids below it are drawn (text that is bytes needs ids < 256). The tokens are made in
-    one program whose layers pick the key prefix they read at run time (a ``lax.switch`` per layer and token),
-    or with ``fixed_prefixes`` in :func:`stretches`, one program each whose layers read a prefix fixed when it
-    is traced: no branch, but one compile per stretch (measured slower, x0.89-0.94, on this project's CPU and on
-    an H200: ``benchmarks/levers/decode_stretches.py``, benchmarks/README.md). ``scan_unroll``: decode steps per
-    iteration of the on-device loop (``lax.scan``'s ``unroll``): fewer loop iterations, whose condition a GPU reads
-    on the host, for a longer compile. Returns the new tokens (B, num_tokens) and timing statistics.
+    one program whose layers pick the key prefix they read at run time (a ``lax.switch`` per layer and token;
+    programs with the prefix fixed per stretch of steps, no branch, were measured slower, x0.89-0.94, on this
+    project's CPU and on an H200, and were removed: benchmarks/README.md, "GPU: the third visit").
+    ``scan_unroll``: decode steps per iteration of the on-device loop (``lax.scan``'s ``unroll``): fewer loop
+    iterations, whose condition a GPU reads on the host, for a longer compile. Returns the new tokens
+    (B, num_tokens) and timing statistics.
     """
     prompts = [np.asarray(p, np.int32) for p in prompts]
     check_request(model, prompts, num_tokens, temperature, top_k)
@@ -148,35 +129,26 @@ def generate_batch(
 
     base = jax.random.PRNGKey(seed)
     keys = jax.vmap(lambda i: jax.random.fold_in(base, i))(jnp.arange(1, num_tokens)) if num_tokens > 1 else None
-    plan = stretches(model.config, int(lengths.max()), num_tokens - 1)  # empty for one token
-    if not fixed_prefixes and plan:
-        plan = [(0, num_tokens - 1, 0)]  # one program, limit 0: no promise
     start = time.perf_counter()
-    cache = DecodeCache.empty(model.config, b).up_to(int(lengths.max()) if fixed_prefixes else 0)
+    cache = DecodeCache.empty(model.config, b)
     token, cache = prefill(params, cache, jnp.asarray(padded), jnp.asarray(lengths), jax.random.fold_in(base, 0))
     out = [np.asarray(token)]
-    # compile before the clock starts: one program per stretch (the scan's length and key prefix are static)
-    if on_token:
-        runs = {lim: step.lower(params, cache.up_to(lim), token, keys[0]).compile() for _, _, lim in plan}
-    else:
-        runs = {lim: decode_all.lower(params, cache.up_to(lim), token, keys[j0:j1]).compile() for j0, j1, lim in plan}
+    run = None  # compiled before the clock starts (the scan's length is static)
+    if num_tokens > 1:
+        run = (step if on_token else decode_all).lower(params, cache, token, keys[0] if on_token else keys).compile()
     first = time.perf_counter()
     if on_token:
         on_token(int(out[-1][0]))
-        for j0, j1, lim in plan:
-            cache = cache.up_to(lim)
-            for i in range(j0, j1):
-                token, cache = runs[lim](params, cache, token, keys[i])
-                out.append(np.asarray(token))  # the host needs each token to stream it
-                on_token(int(out[-1][0]))
+        for i in range(num_tokens - 1):
+            token, cache = run(params, cache, token, keys[i])
+            out.append(np.asarray(token))  # the host needs each token to stream it
+            on_token(int(out[-1][0]))
         tokens = np.stack(out, axis=1)
+    elif run is not None:
+        rest, cache = run(params, cache, token, keys)
+        tokens = np.concatenate([out[0][:, None], np.asarray(rest)], axis=1)
     else:
-        parts = [out[0][:, None]]
-        for j0, j1, lim in plan:
-            rest, cache = runs[lim](params, cache.up_to(lim), token, keys[j0:j1])
-            token = rest[:, -1]
-            parts.append(rest)
-        tokens = np.concatenate([np.asarray(x) for x in parts], axis=1)
+        tokens = out[0][:, None]
     end = time.perf_counter()
     stats = {
         "prompt_tokens": [int(n) for n in lengths],

@@ -695,18 +695,6 @@ def test_decoding_reads_only_the_filled_prefix_and_rows_stay_exact(scheme, kv, r
 
     assert branches(on) == 1 and branches(off) == 0
 
-    # A promised limit (KV.limit, DecodeCache.up_to): the prefix fixed at trace time, no branch, the same rows;
-    # a call past the promise gives NaN, never a softmax that silently lost keys.
-    def limited(limit, starts):
-        kv = KV(cache.tensors, starts, limit=limit)
-        return Attention(on).apply({"params": params}, new, cache=kv)[0]
-
-    assert str(jax.make_jaxpr(lambda: limited(5, starts))()).count("cond[") == 0  # starts closed over: concrete
-    np.testing.assert_allclose(limited(5, starts), y, rtol=2e-6, atol=2e-6)  # 5 slots -> prefix of all 7
-    low = jnp.array([1, 2, 0], jnp.int32)  # at most 3 slots filled after the call: the 4-slot prefix
-    np.testing.assert_allclose(limited(3, low), step(cache, new, low)[0], rtol=2e-6, atol=2e-6)
-    assert np.isnan(np.asarray(limited(3, starts))).all()  # row 1 holds 5 tokens after the call, past 4
-
 
 def test_a_write_past_the_cache_is_refused_naming_the_index_and_length():
     from qkvjax.attention.costs import cache_shapes

@@ -16,7 +16,7 @@ from qkvjax import AttentionConfig, DecoderLM, ModelConfig
 from qkvjax.convert import convert
 from qkvjax.evaluate import evaluate
 from qkvjax.models.lm import param_count
-from qkvjax.sample import generate, stretches
+from qkvjax.sample import generate
 from tests.helpers import REPO, exported_params, flat, metrics, run_in_new_process, run_in_process, train_args
 
 pytestmark = pytest.mark.xdist_group("restore")  # one worker builds the module's fixture once
@@ -72,22 +72,19 @@ def _lm(scheme, kv=None, rope=False, causal_block=64):
 # forward in test_attention (every scheme, ragged rows) and test_window (a model of every family). Here: GQA with
 # rotary, a cache of the key side's inputs (bilinear), Reformer's self-mask with rotary, MLA's absorbed reading.
 SAMPLE_CASES = [("separate", 1, True), ("bilinear", None, False), ("reformer_qk", None, True), ("mla", None, False)]
-# the prefix and the absorbed kernel, reading key prefixes of 2, 4, 8 or all 13 slots: also in stretches
-STRETCHED = (("separate", 1, True), ("mla", None, False))
+# the prefix and the absorbed kernel, reading key prefixes of 2, 4, 8 or all 13 slots as the rows grow
+PREFIXES = (("separate", 1, True), ("mla", None, False))
 
 
 @pytest.mark.parametrize("scheme,kv,rope", SAMPLE_CASES)
 def test_greedy_sampling_with_cache_equals_recomputing_the_full_forward(scheme, kv, rope):
-    model = DecoderLM(_lm(scheme, kv, rope, causal_block=2 if (scheme, kv, rope) in STRETCHED else 64))
+    model = DecoderLM(_lm(scheme, kv, rope, causal_block=2 if (scheme, kv, rope) in PREFIXES else 64))
     params = model.init(jax.random.PRNGKey(3), jnp.zeros((1, 13), jnp.int32))["params"]
     prompt = np.array([72, 101, 121], np.int32)
     cached, stats = generate(model, params, prompt, 9, temperature=0.0)
-    if (scheme, kv, rope) in STRETCHED:
-        # after the 3-token prompt, step j leaves 4 + j tokens: prefixes 4 (step 0), 8 (1-4) and 13 (5-8)
-        assert stretches(model.config, 3, 9) == [(0, 1, 4), (1, 5, 8), (5, 9, 13)]
-        stream = None if scheme == "separate" else (lambda t: None)  # on the device in one call each, or streamed
-        stretched, _ = generate(model, params, prompt, 9, temperature=0.0, fixed_prefixes=True, on_token=stream)
-        assert stretched.tolist() == cached.tolist()
+    if scheme == "mla":  # streamed, one call per token: the same tokens as the one on-device loop
+        streamed, _ = generate(model, params, prompt, 9, temperature=0.0, on_token=lambda t: None)
+        assert streamed.tolist() == cached.tolist()
     if scheme == "separate":  # the on-device loop unrolled: 8 steps as 3 iterations of 3, the last one partial
         unrolled, _ = generate(model, params, prompt, 9, temperature=0.0, scan_unroll=3)
         assert unrolled.tolist() == cached.tolist()

@@ -42,26 +42,18 @@ class KV:
     ``ring`` W > 0 marks a window-only cache as a call reads it (:func:`update`): its first W slots are a ring in
     which slot j holds the one position congruent to j mod W of the row's last W, and the slots after them, if
     any, this call's fresh tokens; :func:`slot_positions` says which position each slot holds.
-
-    ``limit`` L > 0 (static) is the caller's promise that no row of a cache holds more than L positions after
-    the call: decoding then reads the shortest key prefix that covers L, chosen at trace time, instead of
-    choosing among prefixes at run time (a ``lax.switch`` per layer and step).
-    A call that breaks the promise returns NaN rather than dropping keys. 0: no promise.
     """
 
     tensors: dict[str, Array]
     start: Array | None = None
     layout: str | None = flax.struct.field(pytree_node=False, default=None)
     ring: int = flax.struct.field(pytree_node=False, default=0)
-    limit: int = flax.struct.field(pytree_node=False, default=0)
 
     def __post_init__(self):
         if self.layout is None:  # KV(tensors) or KV(tensors, start): the layout follows from the start
             object.__setattr__(self, "layout", FRESH if self.start is None else CACHED)
         if self.layout not in (FRESH, CACHED):
             raise ValueError(f"KV.layout={self.layout!r}; allowed: {FRESH!r} (fresh) or {CACHED!r} (cached)")
-        if not isinstance(self.limit, int) or self.limit < 0:
-            raise ValueError(f"KV.limit={self.limit!r}; allowed: an int >= 0 (0: no promise)")
 
     @classmethod
     def fresh(cls, tensors: dict[str, Array]) -> KV:
@@ -133,7 +125,7 @@ def ring_view(cache: KV, new: dict[str, Array], t: int) -> KV:
             name: jnp.concatenate([x, laid[name].astype(x.dtype)], axis=2 if x.ndim == 4 else 1)
             for name, x in cache.tensors.items()
         }
-    return KV(tensors, cache.start, CACHED, ring=w, limit=cache.limit)
+    return KV(tensors, cache.start, CACHED, ring=w)
 
 
 def slot_positions(kv: KV) -> Array:
@@ -180,7 +172,7 @@ def write(cache: KV, new: dict[str, Array], t: int) -> KV:
             "positions (its length is the input length of the init call with decode=True, or the cache's S)"
         )
     tensors = {name: core.write_rows(cache.tensors[name], new[name], start) for name in cache.tensors}
-    return KV(tensors, start, CACHED, limit=cache.limit)
+    return KV(tensors, start, CACHED)
 
 
 def prefix(tensor: Array, p: int, layout: str) -> Array:

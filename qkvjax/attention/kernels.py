@@ -80,8 +80,7 @@ class Slots:
     (B, S, E)) and values of slots 0..p-1, finished as the scores use them, laid out as ``layout`` (FRESH
     (B, S, K, H) or CACHED (B, K, S, H)); ``index`` (1, S) the slots' mask indices; ``start`` (B,) each row's first
     new position when the slots are a decode cache, else None; ``absorbed`` a latent cache's own reading; ``ring``
-    when the slots are a window-only cache's (:func:`cache.ring_view`): not in position order, ``index`` (B, S);
-    ``limit`` the cache's promise that no row holds more positions after the call (:class:`cache.KV`; 0: none)."""
+    when the slots are a window-only cache's (:func:`cache.ring_view`): not in position order, ``index`` (B, S)."""
 
     read: Callable[[int], tuple[Array, Array]]
     layout: str
@@ -92,7 +91,6 @@ class Slots:
     value_dim: int
     absorbed: Absorbed | None = None
     ring: bool = False
-    limit: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,15 +213,10 @@ def reads_prefix(a: Inputs) -> bool:
 
 def over_filled(a: Inputs, attend_p: Callable[[Inputs, int], Array]) -> Array:
     """``attend_p(a, p)`` over the shortest prefix of slots that holds every row's queries, when
-    :func:`reads_prefix`; else over all S. With the slots' ``limit`` the prefix is the shortest that covers it,
-    fixed at trace time (no branch), and a call past the limit gives NaN."""
+    :func:`reads_prefix`; else over all S."""
     if not reads_prefix(a):
         return attend_p(a, a.slots.length)
     filled = jax.numpy.max(a.slots.start) + a.queries.t
-    if a.slots.limit:
-        sizes = core.prefix_lengths(a.slots.length, a.how.causal_block)
-        p = next((size for size in sizes if size >= a.slots.limit), a.slots.length)
-        return jax.numpy.where(filled <= p, attend_p(a, p), jax.numpy.nan)  # keys past p would be dropped
     return core.within_prefix(lambda p: attend_p(a, p), filled, a.slots.length, a.how.causal_block)
 
 

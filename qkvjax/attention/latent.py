@@ -129,8 +129,7 @@ class Latent(Stages):
         if side.is_cache:
             absorbed = kernels.Absorbed(side.tensors["latent"], k_rope, p.w_k_up, p.w_v_up)
         return kernels.Slots(
-            read, FRESH, side.length, pos.index_k, side.start, cfg.kv_heads, cfg.value_dim, absorbed, bool(side.ring),
-            side.limit,
+            read, FRESH, side.length, pos.index_k, side.start, cfg.kv_heads, cfg.value_dim, absorbed, bool(side.ring)
         )  # fmt: skip
 
     def _rotary(self, x: Array, pos: Array) -> Array:

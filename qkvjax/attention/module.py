@@ -252,7 +252,7 @@ class Tied(Stages):
 
         return kernels.Slots(
             read, side.layout, side.length, pos.index_k, side.start, cfg.kv_heads, cfg.value_dim,
-            ring=bool(side.ring), limit=side.limit,
+            ring=bool(side.ring),
         )  # fmt: skip
 
 

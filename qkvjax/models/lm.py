@@ -207,15 +207,11 @@ class DecodeCache:
     (:func:`qkvjax.attention.cache.ring_view`), else 0: a sliding-window layer whose window, and that of every
     layer reading its K/V, is at most W < the cache's length keeps W slots, so its memory stays W tokens however
     long a row runs.
-    ``limit`` (static): the caller's promise that no row holds more than this many tokens after any call the
-    cache goes through (:meth:`up_to`; 0: none), so decoding reads a key prefix fixed at trace time rather than
-    one picked per layer at run time (:class:`qkvjax.attention.cache.KV`); a call past it returns NaN.
     """
 
     kv: tuple[dict[str, Array], ...]
     lengths: Array
     rings: tuple[int, ...] = flax.struct.field(pytree_node=False, default=())
-    limit: int = flax.struct.field(pytree_node=False, default=0)
 
     @classmethod
     def empty(cls, config: ModelConfig, batch: int, max_len: int | None = None) -> DecodeCache:
@@ -237,22 +233,13 @@ class DecodeCache:
     def entries(self) -> list[KV]:
         """Each entry as the layer that produces it reads it: a cache at the rows' lengths, a ring where it is one."""
         rings = self.rings or (0,) * len(self.kv)
-        return [
-            KV(tensors, self.lengths, CACHED, ring, self.limit) for tensors, ring in zip(self.kv, rings, strict=True)
-        ]
-
-    def up_to(self, limit: int) -> DecodeCache:
-        """This cache with the promise that no row holds more than ``limit`` tokens after the calls it goes
-        through (0: none). :func:`qkvjax.sample.generate_batch` decodes in stretches, each under its own limit."""
-        if not isinstance(limit, int) or limit < 0:
-            raise ValueError(f"limit={limit!r}; allowed: an int >= 0 (0: no promise)")
-        return dataclasses.replace(self, limit=limit)
+        return [KV(tensors, self.lengths, CACHED, ring) for tensors, ring in zip(self.kv, rings, strict=True)]
 
     def advanced(self, used: list[KV], valid: Array | int) -> DecodeCache:
         """After a call: what each layer's cache keeps of the K/V it read (:func:`qkvjax.attention.cache.settle`:
         a ring keeps each row's last W of the ``valid`` new positions), the lengths advanced by ``valid``."""
         valid = jnp.broadcast_to(jnp.asarray(valid, jnp.int32), self.lengths.shape)
-        return DecodeCache(tuple(settle(kv, valid) for kv in used), self.lengths + valid, self.rings, self.limit)
+        return DecodeCache(tuple(settle(kv, valid) for kv in used), self.lengths + valid, self.rings)
 
     @property
     def nbytes(self) -> int:
