@@ -14,6 +14,7 @@ import math
 import os
 import shutil
 import signal
+import sys
 import tempfile
 import time
 
@@ -56,6 +57,23 @@ from qkvjax.workdir import (  # noqa: F401
 from qkvjax.workdir import path as workdir_path
 
 
+def summary_writer_class():
+    """tensorboardX's ``SummaryWriter``, imported without PyTorch. Its writer module tries ``import torch`` (only to
+    accept torch tensors as values) wherever torch is installed: 2-3 s and a few hundred MB per training process
+    here, and on a GPU machine PyTorch's CUDA libraries loaded beside JAX's. A ``None`` in ``sys.modules`` makes that
+    import raise ImportError, which tensorboardX catches; the entry is removed at once, so the caller's own ``import
+    torch`` still works, and nothing changes where torch is already imported."""
+    if "tensorboardX" not in sys.modules and "torch" not in sys.modules:
+        sys.modules["torch"] = None  # type: ignore[assignment]
+        try:
+            import tensorboardX  # noqa: F401  (the module, imported once with torch kept out)
+        finally:
+            del sys.modules["torch"]
+    from tensorboardX import SummaryWriter
+
+    return SummaryWriter
+
+
 class MetricsWriter:
     """metrics.jsonl (every record, full precision) and TensorBoard, on process 0 only.
 
@@ -84,7 +102,7 @@ class MetricsWriter:
             write_text(self.path, "".join(self.lines))
         if not tensorboard:
             return
-        from tensorboardX import SummaryWriter  # only when events are wanted
+        SummaryWriter = summary_writer_class()  # only when events are wanted
 
         # One TensorBoard run per workdir: each (re)start writes its own events file, named by the step it starts
         # from, and a resume marks the steps after its checkpoint as purged (TensorBoard's SessionLog.START), so

@@ -2,9 +2,15 @@
 the file and the line, and resume, info and compare go on; damage before the last line is refused in one line
 naming both."""
 
+import importlib.util
+import os
 import shutil
+import subprocess
+import sys
 
-from tests.helpers import metrics, run_in_process, train_args
+import pytest
+
+from tests.helpers import REPO, metrics, run_in_process, train_args
 
 STRICT_DTYPE_PROMOTION = False  # optax
 
@@ -86,21 +92,28 @@ def test_a_run_shorter_than_its_warmup_says_so(tmp_path, small_text, data_dir, c
     assert "train.warmup_steps=10 >= train.num_steps=3: the learning rate never reaches" in out
 
 
-def test_without_tensorboard_no_events_are_written_and_tensorboardx_is_not_imported(tmp_path, small_text, data_dir):
-    import subprocess
-    import sys
-
-    from tests.helpers import REPO
-
+@pytest.mark.parametrize("tensorboard", [False, True])
+def test_tensorboardx_is_imported_only_for_events_and_never_brings_torch(tmp_path, small_text, data_dir, tensorboard):
+    # Without events tensorboardX is not imported at all; with them, its writer's `import torch` (2-3 s, and
+    # PyTorch's CUDA libraries on a GPU machine) is kept out of the training process, where torch is installed.
+    if tensorboard and importlib.util.find_spec("torch") is None:
+        pytest.skip("torch is not installed here: nothing for tensorboardX to import (CI installs it, .[hf])")
     w = tmp_path / "w"
-    args = train_args(w, small_text, data_dir, **{**SETTINGS, "train.num_steps": 2, "train.tensorboard": "false"})
+    settings = {**SETTINGS, "train.num_steps": 2, "train.tensorboard": str(tensorboard).lower()}
     code = (
         "import sys; from qkvjax.cli import main; rc = main(sys.argv[1:]); "
-        "print('TBX', 'tensorboardX' in sys.modules); sys.exit(rc)"
+        "print('TBX', 'tensorboardX' in sys.modules, 'TORCH', 'torch' in sys.modules); "
+        + ("import torch; print('TORCH_AFTER', torch.ones(1).item()); " if tensorboard else "")
+        + "sys.exit(rc)"
     )
-    env = {k: v for k, v in __import__("os").environ.items() if k != "XLA_FLAGS"}
-    proc = subprocess.run([sys.executable, "-c", code, *args], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=300)  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.run([sys.executable, "-c", code, *train_args(w, small_text, data_dir, **settings)], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "TBX False" in proc.stdout
-    assert not (w / "tensorboard").exists() and [r["step"] for r in metrics(w)] == [1, 2]
+    assert f"TBX {tensorboard} TORCH False" in proc.stdout
+    assert [r["step"] for r in metrics(w)] == [1, 2]
+    if tensorboard:  # the events are written, and the caller's own `import torch` afterwards still works
+        assert "TORCH_AFTER 1.0" in proc.stdout
+        assert any(name.startswith("events.out.tfevents") for name in os.listdir(w / "tensorboard"))
+    else:
+        assert not (w / "tensorboard").exists()
