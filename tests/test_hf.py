@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -281,14 +282,13 @@ def test_import_decodes_with_the_cache_as_transformers_scores_the_whole_sequence
     model = DecoderLM(config)
     prompt = np.array([4, 2])
     cache = DecodeCache.empty(config, 2)  # max_len 17: room for row 0 to run on
-    logits, cache = model.apply(
-        {"params": params}, jnp.asarray(tokens[:, :4]), cache=cache, num_valid=jnp.asarray(prompt)
-    )
+    call = jax.jit(lambda cache, x, valid=None: model.apply({"params": params}, x, cache=cache, num_valid=valid))
+    logits, cache = call(cache, jnp.asarray(tokens[:, :4]), jnp.asarray(prompt))
     got = [[np.asarray(logits[b, i]) for i in range(prompt[b])] for b in range(2)]
     pos = prompt.copy()
     while pos.min() < T:
         step = np.array([tokens[b, min(pos[b], T - 1)] for b in range(2)])[:, None]
-        logits, cache = model.apply({"params": params}, jnp.asarray(step), cache=cache)
+        logits, cache = call(cache, jnp.asarray(step))  # one program for every step
         for b in range(2):
             if pos[b] < T:
                 got[b].append(np.asarray(logits[b, 0]))

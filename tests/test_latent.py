@@ -244,13 +244,13 @@ def test_svd_conversion_is_exact_at_full_rank_and_reports_its_error():
     # a model: every layer converted, the config says mla at that rank, the errors are reported per layer
     model_cfg = ModelConfig(sep, vocab_size=13, d_model=D, num_layers=2, mlp_dim=7, max_len=T)
     tokens = jax.random.randint(jax.random.key(12), (B, T), 0, 13)
-    params = DecoderLM(model_cfg).init(jax.random.key(13), tokens)["params"]
+    params = jax.jit(DecoderLM(model_cfg).init)(jax.random.key(13), tokens)["params"]
     errors: list[float] = []
     new_cfg, new_params = convert(model_cfg, params, to="mla", rank=full, errors=errors)
     assert new_cfg.attention.scheme == "mla" and new_cfg.attention.kv_rank == full and len(errors) == 2
     np.testing.assert_allclose(
-        DecoderLM(new_cfg).apply({"params": new_params}, tokens),
-        DecoderLM(model_cfg).apply({"params": params}, tokens),
+        jax.jit(DecoderLM(new_cfg).apply)({"params": new_params}, tokens),
+        jax.jit(DecoderLM(model_cfg).apply)({"params": params}, tokens),
         rtol=1e-4,
         atol=1e-4,
     )
@@ -386,7 +386,7 @@ def test_a_rotary_model_converts_to_partial_rope_mla(layout):
     # a model: converted, it decodes from its (latent, per-head rotary key) cache as its full forward computes
     model_cfg = ModelConfig(rope, vocab_size=13, d_model=D, num_layers=2, mlp_dim=7, max_len=T, learned_positions=False)
     tokens = jax.random.randint(jax.random.key(19), (B, T), 0, 13)
-    params = DecoderLM(model_cfg).init(jax.random.key(20), tokens)["params"]
+    params = jax.jit(DecoderLM(model_cfg).init)(jax.random.key(20), tokens)["params"]
     new_cfg, new_params = convert(model_cfg, params, to="mla", rank=3, rope_dim=hr)
     lm = DecoderLM(new_cfg)
     cache = DecodeCache.empty(new_cfg, B)
@@ -397,7 +397,7 @@ def test_a_rotary_model_converts_to_partial_rope_mla(layout):
     for i in range(2, T):
         logits, cache = apply(tokens[:, i : i + 1], cache)
         steps.append(logits)
-    full_logits = lm.apply({"params": new_params}, tokens)
+    full_logits = jax.jit(lm.apply)({"params": new_params}, tokens)
     np.testing.assert_allclose(jnp.concatenate(steps, 1), full_logits, rtol=1e-4, atol=1e-4)
     for bad, match in ((None, r"rope=True: a rank-R latent cannot carry rotated keys whole; keep rope_dim"),
                        (3, r"rope_dim=3; allowed: an even number from 2 to H - 2 = 4"),
@@ -433,6 +433,6 @@ def test_a_latent_norm_added_by_convert_has_the_latents_expected_rms_as_its_gain
     np.testing.assert_allclose(normed, LatentAttention(latent_config(plain, 5)).apply({"params": bare}, scaled,
                                causal=True), rtol=2e-4, atol=2e-5)  # fmt: skip
     model_cfg = ModelConfig(plain, vocab_size=13, d_model=D, num_layers=1, mlp_dim=7, max_len=T)
-    params = DecoderLM(model_cfg).init(jax.random.key(26), jnp.zeros((1, T), jnp.int32))["params"]
+    params = jax.jit(DecoderLM(model_cfg).init)(jax.random.key(26), jnp.zeros((1, T), jnp.int32))["params"]
     with pytest.raises(ValueError, match=r"^latent_norm=True goes with --to mla --rank R"):
         convert(model_cfg, params, num_kv_heads=1, latent_norm=True)

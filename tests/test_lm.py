@@ -53,9 +53,10 @@ def test_causal_lm_ignores_future_tokens():
     cfg = lm("shared_qkv")
     model = DecoderLM(cfg)
     tokens = jax.random.randint(jax.random.key(2), (B, T), 0, V)
-    params = model.init(jax.random.key(0), tokens)["params"]
-    a = model.apply({"params": params}, tokens)
-    b = model.apply({"params": params}, tokens.at[:, 4].set((tokens[:, 4] + 1) % V))
+    params = jax.jit(model.init)(jax.random.key(0), tokens)["params"]
+    forward = jax.jit(model.apply)  # one compile for both
+    a = forward({"params": params}, tokens)
+    b = forward({"params": params}, tokens.at[:, 4].set((tokens[:, 4] + 1) % V))
     np.testing.assert_array_equal(a[:, :4], b[:, :4])
     assert not np.allclose(a[:, 4:], b[:, 4:])
 
@@ -111,7 +112,7 @@ def test_decoding_on_a_mesh_equals_one_device_with_the_prefix_branches():
     )
     model, rows = DecoderLM(cfg), 4
     tokens = jax.random.randint(jax.random.key(5), (rows, T), 0, 16)
-    boxed = model.init(jax.random.key(6), tokens)["params"]
+    boxed = jax.jit(model.init)(jax.random.key(6), tokens)["params"]
     params = nn.meta.unbox(boxed)
     mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
     sharded = jax.device_put(params, nn.meta.unbox(shardings_for(boxed, mesh)))
@@ -123,7 +124,8 @@ def test_decoding_on_a_mesh_equals_one_device_with_the_prefix_branches():
 
     lengths = jnp.array([3, 1, 5, 2], jnp.int32)  # ragged rows: the branch follows the longest (5 + 1 -> 7 slots)
     plain = DecodeCache.empty(cfg, rows)
-    _, plain = model.apply({"params": params}, tokens[:, :5], cache=plain, num_valid=lengths)
+    prefill = jax.jit(lambda p, cache: model.apply({"params": p}, tokens[:, :5], cache=cache, num_valid=lengths))
+    _, plain = prefill(params, plain)
     spread = jax.device_put(plain, by_row)
     assert len(spread.kv[0]["kv"].sharding.device_set) == 8
     want, _ = step(params, plain, tokens[:, 5:6])
@@ -141,8 +143,8 @@ def test_the_training_loss_is_the_float64_cross_entropy_of_the_model_logits():
     model = DecoderLM(cfg)
     tokens = jax.random.randint(jax.random.key(3), (B, T + 1), 0, V)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    params = nn.meta.unbox(model.init(jax.random.key(0), inputs)["params"])
-    logits = np.asarray(model.apply({"params": params}, inputs), np.float64)  # (B, T, V)
+    params = nn.meta.unbox(jax.jit(model.init)(jax.random.key(0), inputs)["params"])
+    logits = np.asarray(jax.jit(model.apply)({"params": params}, inputs), np.float64)  # (B, T, V)
     top = logits.max(-1, keepdims=True)
     log_z = np.log(np.exp(logits - top).sum(-1)) + top[..., 0]
     picked = np.take_along_axis(logits, np.asarray(targets)[..., None], -1)[..., 0]

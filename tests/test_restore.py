@@ -79,7 +79,7 @@ PREFIXES = (("separate", 1, True), ("mla", None, False))
 @pytest.mark.parametrize("scheme,kv,rope", SAMPLE_CASES)
 def test_greedy_sampling_with_cache_equals_recomputing_the_full_forward(scheme, kv, rope):
     model = DecoderLM(_lm(scheme, kv, rope, causal_block=2 if (scheme, kv, rope) in PREFIXES else 64))
-    params = model.init(jax.random.PRNGKey(3), jnp.zeros((1, 13), jnp.int32))["params"]
+    params = jax.jit(model.init)(jax.random.PRNGKey(3), jnp.zeros((1, 13), jnp.int32))["params"]  # one compile
     prompt = np.array([72, 101, 121], np.int32)
     cached, stats = generate(model, params, prompt, 9, temperature=0.0)
     if scheme == "mla":  # streamed, one call per token: the same tokens as the one on-device loop
@@ -140,7 +140,8 @@ def test_python_load_gives_the_trained_model_ready_to_apply(run):
     assert loaded.keys() == trained.keys()
     for name, value in trained.items():
         np.testing.assert_array_equal(loaded[name], value, err_msg=name)
-    fresh = flat(nn.meta.unbox(model.init(jax.random.PRNGKey(config.seed), jnp.zeros((1, 5), jnp.int32))["params"]))
+    fresh = jax.jit(model.init)(jax.random.PRNGKey(config.seed), jnp.zeros((1, 5), jnp.int32))["params"]
+    fresh = flat(nn.meta.unbox(fresh))
     assert any(not np.array_equal(fresh[k], trained[k]) for k in trained)  # training moved them
 
 

@@ -118,7 +118,8 @@ def test_cross_layer_reader_is_exact_on_the_same_input_when_its_kv_lie_in_the_do
     assert 0.1 < errors[0][2] and 0.1 < errors[0][3]  # random weights: far from one another
     assert kv_cache_bytes_per_token(new_config) * 2 == kv_cache_bytes_per_token(config)
     tokens = jnp.zeros((1, 3), jnp.int32)
-    want = jax.tree.map(np.shape, nn.meta.unbox(DecoderLM(new_config).init(jax.random.key(0), tokens)["params"]))
+    want = jax.eval_shape(DecoderLM(new_config).init, jax.random.key(0), tokens)["params"]  # shapes only
+    want = jax.tree.map(np.shape, nn.meta.unbox(want))
     assert jax.tree.map(np.shape, new_params) == want
     with pytest.raises(ValueError, match="--cla 3; allowed: an integer >= 2 dividing the 2 layers"):
         convert(config, params, cross_layer=3)

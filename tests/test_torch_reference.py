@@ -33,7 +33,8 @@ def test_same_parameters_and_logits_as_qkvjax(kv_heads):
     config = apply_overrides(load_config_file(TINY), overrides)
     model = DecoderLM(config.model)
     tokens = np.random.default_rng(0).integers(0, 256, (3, 11)).astype(np.int32)
-    params = jax.tree.map(np.asarray, jax.device_get(model.init(jax.random.key(1), jnp.asarray(tokens))["params"]))
+    params = jax.jit(model.init)(jax.random.key(1), jnp.asarray(tokens))["params"]
+    params = jax.tree.map(np.asarray, jax.device_get(params))
     params = nn.meta.unbox(params)
     ref = torch_reference.TorchLM(config.model)
     assert sum(p.numel() for p in ref.parameters()) == param_count(config.model)
