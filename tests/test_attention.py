@@ -657,7 +657,8 @@ def test_decoding_reads_only_the_filled_prefix_and_rows_stay_exact(scheme, kv, r
     assert core.prefix_lengths(S, 2) == [2, 4, S]  # slots 0..1, 0..3 or all 7
     x = inputs(30, B, S, D)
     params = init_params(on, x)
-    full = Attention(on).apply({"params": params}, x, causal=True)
+    causal = jax.jit(lambda x: Attention(on).apply({"params": params}, x, causal=True))  # the full forward
+    full = causal(x)
 
     def empty():
         return KV({n: jnp.zeros((B, *s)) for n, s in cache_shapes(on, D, S).items()}, jnp.zeros((B,), jnp.int32))
@@ -680,12 +681,12 @@ def test_decoding_reads_only_the_filled_prefix_and_rows_stay_exact(scheme, kv, r
     _, cache = step(empty(), x[:, :5], jnp.zeros((B,), jnp.int32))
     new = x[:, 6:7]
     y, _ = step(cache, new, starts)
-    y_off, _ = Attention(off).apply({"params": params}, new, cache=KV(cache.tensors, starts))
+    y_off, _ = jax.jit(lambda c: Attention(off).apply({"params": params}, new, cache=c))(KV(cache.tensors, starts))
     np.testing.assert_allclose(y, y_off, rtol=2e-6, atol=2e-6)  # the same softmax as the whole cache
     for b in range(B):
         n = int(starts[b])
         seq = jnp.concatenate([x[b : b + 1, :n], new[b : b + 1]], axis=1)
-        want = Attention(on).apply({"params": params}, seq, causal=True)[0, -1]
+        want = causal(seq)[0, -1]
         np.testing.assert_allclose(y[b, 0], want, rtol=2e-5, atol=2e-5)
 
     # The program: one branch per prefix with blocks on, none without.
