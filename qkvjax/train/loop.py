@@ -63,14 +63,14 @@ def summary_writer_class():
     here, and on a GPU machine PyTorch's CUDA libraries loaded beside JAX's. A ``None`` in ``sys.modules`` makes that
     import raise ImportError, which tensorboardX catches; the entry is removed at once, so the caller's own ``import
     torch`` still works, and nothing changes where torch is already imported."""
-    if "tensorboardX" not in sys.modules and "torch" not in sys.modules:
+    keep_out = "tensorboardX" not in sys.modules and "torch" not in sys.modules
+    if keep_out:
         sys.modules["torch"] = None  # type: ignore[assignment]
-        try:
-            import tensorboardX  # noqa: F401  (the module, imported once with torch kept out)
-        finally:
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        if keep_out:
             del sys.modules["torch"]
-    from tensorboardX import SummaryWriter
-
     return SummaryWriter
 
 
