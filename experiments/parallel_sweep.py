@@ -8,7 +8,8 @@ Everything after ``--`` goes to every worker as it is (``--out`` and ``--claims`
 a time, each in rounds: every worker starts from a copy of ``--out``'s ``runs.csv``, ``curves.csv`` and
 ``protocol.json`` in a scratch folder of its own, takes the stage's next run that no other worker has claimed
 (``scaling.py --claims``: one claim file per run, created exclusively), and trains until the stage has nothing
-left for it; then each worker's new rows and curves are appended to ``--out`` (fsynced, as the sweep does). A
+left for it; each finished run's row and curve are appended to ``--out`` (fsynced, as the sweep does) within
+seconds of its end, so a parent killed mid-round (a session's stop) loses only the runs still training. A
 stage whose plan depends on finished runs (a rate sweep extending past a winning edge, the seeded stage at the
 rates the sweep picked) gets another round until a round adds nothing. At the deadline the workers are killed:
 finished runs are already in ``--out``; a killed run left its checkpoint in the scratch folder, and reruns from it
@@ -18,6 +19,8 @@ if the scratch folder is still there, else from the start.
 from __future__ import annotations
 
 import argparse
+import csv
+import io
 import os
 import shutil
 import signal
@@ -42,15 +45,19 @@ from experiments.scaling import (
 )
 
 SCALING = Path(__file__).resolve().parent / "scaling.py"
+POLL_S = 10.0  # seconds between merges of the workers' finished rows into --out
 COPIED = ("runs.csv", "curves.csv", PROTOCOL_FILE, "probe.json")  # probe.json: the plan's speeds, measured once
 
 
 def merge(out: Path, worker: Path) -> int:
     """Appends the rows (and their curves) that ``worker`` finished and ``out`` lacks; returns how many."""
     have = {r["run"] for r in read_csv(out / "runs.csv")}
-    new = [r for r in read_csv(worker / "runs.csv") if r["run"] not in have]
+    text = (worker / "runs.csv").read_text() if (worker / "runs.csv").exists() else ""
+    complete = text[: text.rfind("\n") + 1]  # a row the worker is still writing is taken on a later call
+    new = [r for r in csv.DictReader(io.StringIO(complete)) if r["run"] not in have]
     if not new:
         return 0
+    print(f"parallel_sweep: merged {', '.join(r['run'] for r in new)} from {worker.name}", flush=True)
     names = {r["run"] for r in new}
     curve = [c for c in read_csv(worker / "curves.csv") if c["run"] in names]
     append_rows(out / "curves.csv", CURVE_COLUMNS, curve)  # the curves first: a row names a finished curve
@@ -74,19 +81,23 @@ def run_round(args, stage: str, passed: list[str], deadline: float) -> int:
         cmd = [sys.executable, str(SCALING), *passed, "--out", str(folder), "--stages", stage, "--claims", str(claims)]
         log = open(folder / "worker.log", "a")
         procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True), log))
+    added = 0
+    # Finished runs are merged every POLL_S, not only at the round's end: a parent killed mid-round (a session's
+    # stop) then loses only the runs still training.
+    next_merge = time.monotonic() + POLL_S
     try:
-        for proc, _ in procs:
-            try:
-                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                break
+        while any(p.poll() is None for p, _ in procs) and time.monotonic() < deadline:
+            time.sleep(0.5)
+            if time.monotonic() >= next_merge:
+                added += sum(merge(out, scratch / f"w{i}") for i in range(args.workers))
+                next_merge += POLL_S
     finally:
         for proc, log in procs:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
             log.close()
-    added = sum(merge(out, scratch / f"w{i}") for i in range(args.workers))
+    added += sum(merge(out, scratch / f"w{i}") for i in range(args.workers))
     failed = [i for i, (p, _) in enumerate(procs) if p.returncode not in (0, -signal.SIGKILL)]
     for i in failed:
         tail = (scratch / f"w{i}" / "worker.log").read_text().splitlines()[-15:]

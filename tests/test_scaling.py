@@ -375,6 +375,15 @@ def test_parallel_sweep_merges_each_workers_new_rows_once(tmp_path):
     assert [(c["run"], c["step"]) for c in rows.read_csv(out / "curves.csv")] == [
         (n, s) for n in "bcd" for s in ("1", "2")
     ]
+    # a row the worker is still writing (no newline yet) waits for a later merge, whole
+    rows.append_rows(w0 / "curves.csv", CURVE_COLUMNS, [{"run": "e", "step": 1, "val_loss": 2.0}])
+    full = (w0 / "runs.csv").read_text()
+    with open(w0 / "runs.csv", "a") as f:
+        f.write("lr-small,docs,48")
+    assert parallel_sweep.merge(out, w0) == 0
+    (w0 / "runs.csv").write_text(full)
+    rows.append_rows(w0 / "runs.csv", RUN_COLUMNS, [row("e")])
+    assert parallel_sweep.merge(out, w0) == 1 and rows.read_csv(out / "runs.csv")[-1]["run"] == "e"
 
 
 @pytest.mark.slow  # ~1-2 min: two workers train a real sweep (pytest -m slow)
@@ -393,6 +402,9 @@ def test_parallel_sweep_trains_every_run_once_across_workers(tmp_path, small_tex
     assert len({r["run"] for r in rows}) == 6 and all(r["device"].startswith("cpu (") for r in rows)
     trained = [(tmp_path / "scratch" / f"w{i}" / "worker.log").read_text().count("--- ") for i in (0, 1)]
     assert sum(trained) == 6  # every run trained by one worker only (which one is a race: each claims the next)
+    merged = [n for line in proc.stdout.splitlines() if line.startswith("parallel_sweep: merged ")
+              for n in line.removeprefix("parallel_sweep: merged ").rsplit(" from w", 1)[0].split(", ")]  # fmt: skip
+    assert sorted(merged) == sorted(r["run"] for r in rows)  # each row merged once, as its run finished
     again = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and "0 runs added" in again.stdout and len(_rows(out)) == 6
 
