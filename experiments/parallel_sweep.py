@@ -19,8 +19,6 @@ if the scratch folder is still there, else from the start.
 from __future__ import annotations
 
 import argparse
-import csv
-import io
 import os
 import shutil
 import signal
@@ -52,9 +50,7 @@ COPIED = ("runs.csv", "curves.csv", PROTOCOL_FILE, "probe.json")  # probe.json: 
 def merge(out: Path, worker: Path) -> int:
     """Appends the rows (and their curves) that ``worker`` finished and ``out`` lacks; returns how many."""
     have = {r["run"] for r in read_csv(out / "runs.csv")}
-    text = (worker / "runs.csv").read_text() if (worker / "runs.csv").exists() else ""
-    complete = text[: text.rfind("\n") + 1]  # a row the worker is still writing is taken on a later call
-    new = [r for r in csv.DictReader(io.StringIO(complete)) if r["run"] not in have]
+    new = [r for r in read_csv(worker / "runs.csv") if r["run"] not in have]  # whole rows: a later call takes the rest
     if not new:
         return 0
     print(f"parallel_sweep: merged {', '.join(r['run'] for r in new)} from {worker.name}", flush=True)

@@ -15,15 +15,19 @@ from __future__ import annotations
 
 import argparse
 import csv
+import io
 import os
 from pathlib import Path
 
 
 def read_csv(path: Path) -> list[dict]:
+    """The complete rows: a last line without its line end is a row another process is still appending (or one
+    a kill cut), taken once it is whole, never half."""
     if not path.exists():
         return []
     with open(path, newline="") as f:
-        return list(csv.DictReader(f))
+        text = f.read()
+    return list(csv.DictReader(io.StringIO(text[: text.rfind("\n") + 1])))
 
 
 def append_rows(path: Path, columns, rows: list[dict]) -> None:
