@@ -11,14 +11,16 @@ a time, each in rounds: every worker starts from a copy of ``--out``'s ``runs.cs
 left for it; each finished run's row and curve are appended to ``--out`` (fsynced, as the sweep does) within
 seconds of its end, so a parent killed mid-round (a session's stop) loses only the runs still training. A
 stage whose plan depends on finished runs (a rate sweep extending past a winning edge, the seeded stage at the
-rates the sweep picked) gets another round until a round adds nothing. At the deadline the workers are killed:
-finished runs are already in ``--out``; a killed run left its checkpoint in the scratch folder, and reruns from it
-if the scratch folder is still there, else from the start.
+rates the sweep picked) gets another round until a round adds nothing. At the deadline the workers get SIGTERM
+(each saves its run's checkpoint; SIGKILL after TERM_GRACE_S): finished runs are already in ``--out``; a stopped
+run's checkpoint stays in the scratch folder's one ``runs/`` (every worker's ``runs`` links to it), so whichever
+worker claims the run next resumes it, if the scratch folder is still there, else starts it again.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import signal
@@ -44,6 +46,7 @@ from experiments.scaling import (
 
 SCALING = Path(__file__).resolve().parent / "scaling.py"
 POLL_S = 10.0  # seconds between merges of the workers' finished rows into --out
+TERM_GRACE_S = 90.0  # seconds a worker gets after SIGTERM to save its checkpoint before SIGKILL
 COPIED = ("runs.csv", "curves.csv", PROTOCOL_FILE, "probe.json")  # probe.json: the plan's speeds, measured once
 
 
@@ -61,10 +64,59 @@ def merge(out: Path, worker: Path) -> int:
     return len(new)
 
 
+def _progress(run: Path) -> tuple[bool, int]:
+    """How far a run folder got: finished (``params/`` written), then its latest checkpoint step."""
+    steps = [int(c.name) for c in (run / "checkpoints").glob("*") if c.name.isdigit()]
+    return (run / "params").is_dir(), max(steps, default=-1)
+
+
+def pool_runs(scratch: Path, workers: int) -> Path:
+    """One run folder, ``scratch/runs``, that every worker's ``runs`` links to: a run stopped in one round resumes
+    from its checkpoint in whichever worker claims it next (a claim keeps two workers off one run). Worker folders
+    from the older layout (a ``runs/`` each) are folded in; where two hold the same run, the one further on stays."""
+    shared = scratch / "runs"
+    shared.mkdir(parents=True, exist_ok=True)
+    folders = {scratch / f"w{i}" for i in range(workers)} | {w for w in scratch.glob("w*") if w.is_dir()}
+    for folder in sorted(folders):
+        folder.mkdir(parents=True, exist_ok=True)
+        link = folder / "runs"
+        if link.is_symlink():
+            continue
+        if link.is_dir():
+            for run in sorted(link.iterdir()):
+                dest = shared / run.name
+                if dest.exists() and _progress(dest) >= _progress(run):
+                    continue
+                if dest.exists():
+                    shutil.rmtree(dest)
+                run.rename(dest)  # one file system: a rename, never a copy
+            shutil.rmtree(link)
+        link.symlink_to(Path("..") / "runs", target_is_directory=True)
+    return shared
+
+
+def _stop(procs) -> None:
+    """SIGTERM to each worker still running (its training loop saves a checkpoint and exits), SIGKILL after
+    TERM_GRACE_S to any that has not exited."""
+    running = [p for p, _ in procs if p.poll() is None]
+    for proc in running:
+        with contextlib.suppress(ProcessLookupError):  # exited since the poll
+            os.killpg(proc.pid, signal.SIGTERM)
+    end = time.monotonic() + TERM_GRACE_S
+    for proc in running:
+        try:
+            proc.wait(timeout=max(end - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
 def run_round(args, stage: str, passed: list[str], deadline: float) -> int:
     """One round of ``stage`` in every worker; the number of rows it added to ``--out``."""
     out, scratch = Path(args.out), Path(args.scratch)
     claims = scratch / f"claims-{stage}-{time.monotonic_ns()}"  # fresh each round: a killed run can be retaken
+    pool_runs(scratch, args.workers)
     procs = []
     for i in range(args.workers):
         folder = scratch / f"w{i}"
@@ -88,13 +140,12 @@ def run_round(args, stage: str, passed: list[str], deadline: float) -> int:
                 added += sum(merge(out, scratch / f"w{i}") for i in range(args.workers))
                 next_merge += POLL_S
     finally:
-        for proc, log in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        _stop(procs)
+        for _, log in procs:
             log.close()
     added += sum(merge(out, scratch / f"w{i}") for i in range(args.workers))
-    failed = [i for i, (p, _) in enumerate(procs) if p.returncode not in (0, -signal.SIGKILL)]
+    stopped = (0, 128 + signal.SIGTERM, -signal.SIGTERM, -signal.SIGKILL)  # done, or stopped at the deadline
+    failed = [i for i, (p, _) in enumerate(procs) if p.returncode not in stopped]
     for i in failed:
         tail = (scratch / f"w{i}" / "worker.log").read_text().splitlines()[-15:]
         print(f"worker {i} exited {procs[i][0].returncode}:\n" + "\n".join(tail), file=sys.stderr)

@@ -386,6 +386,47 @@ def test_parallel_sweep_merges_each_workers_new_rows_once(tmp_path):
     assert parallel_sweep.merge(out, w0) == 1 and rows.read_csv(out / "runs.csv")[-1]["run"] == "e"
 
 
+def test_parallel_sweep_pools_run_folders_so_any_worker_resumes_a_stopped_run(tmp_path):
+    """Each worker's runs/ becomes a link to scratch/runs; folders of the older layout are folded in, and where
+    two workers hold the same run the one further on stays (finished, then the later checkpoint)."""
+    from experiments.parallel_sweep import pool_runs
+
+    def run(worker, name, step, finished=False):
+        folder = tmp_path / worker / "runs" / name
+        (folder / "checkpoints" / str(step)).mkdir(parents=True)
+        (folder / "checkpoints" / f"{step + 7}.orbax-checkpoint-tmp-3").mkdir()  # a save cut short: not a step
+        if finished:
+            (folder / "params").mkdir()
+        (folder / "who").write_text(f"{worker}:{step}")
+
+    run("w0", "a", 630), run("w1", "a", 241), run("w0", "b", 9, finished=True), run("w1", "b", 11)
+    run("w1", "c", 5), run("w5", "d", 3)  # w5: a worker of an earlier, wider sweep
+    shared = pool_runs(tmp_path, workers=3)
+    assert shared == tmp_path / "runs"
+    assert {r.name: (r / "who").read_text() for r in shared.iterdir()} == {
+        "a": "w0:630", "b": "w0:9", "c": "w1:5", "d": "w5:3"}  # fmt: skip
+    for w in ("w0", "w1", "w2", "w5"):
+        assert (tmp_path / w / "runs").is_symlink() and (tmp_path / w / "runs").resolve() == shared.resolve()
+    assert sorted(p.name for p in (tmp_path / "w2" / "runs").iterdir()) == ["a", "b", "c", "d"]
+    assert pool_runs(tmp_path, workers=3) == shared and len(list(shared.iterdir())) == 4  # again: nothing moves
+
+
+def test_parallel_sweep_stops_workers_with_sigterm_then_sigkill(tmp_path, monkeypatch):
+    """At the deadline a worker gets SIGTERM (the training loop saves a checkpoint and exits 143); one that has
+    not exited after TERM_GRACE_S gets SIGKILL."""
+    from experiments import parallel_sweep
+
+    monkeypatch.setattr(parallel_sweep, "TERM_GRACE_S", 3.0)
+    head = "import signal, sys, time; signal.signal(signal.SIGTERM, {}); print('up', flush=True); time.sleep(60)"
+    saves, ignores = head.format("lambda *a: sys.exit(143)"), head.format("signal.SIG_IGN")
+    procs = [(subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, start_new_session=True), None)
+             for code in (saves, ignores)]  # fmt: skip
+    for proc, _ in procs:
+        assert proc.stdout.readline() == b"up\n"  # its handler is installed
+    parallel_sweep._stop(procs)
+    assert [p.returncode for p, _ in procs] == [143, -signal.SIGKILL]
+
+
 @pytest.mark.slow  # ~1-2 min: two workers train a real sweep (pytest -m slow)
 def test_parallel_sweep_trains_every_run_once_across_workers(tmp_path, small_text, data_dir):
     out = tmp_path / "sweep"
@@ -402,6 +443,7 @@ def test_parallel_sweep_trains_every_run_once_across_workers(tmp_path, small_tex
     assert len({r["run"] for r in rows}) == 6 and all(r["device"].startswith("cpu (") for r in rows)
     trained = [(tmp_path / "scratch" / f"w{i}" / "worker.log").read_text().count("--- ") for i in (0, 1)]
     assert sum(trained) == 6  # every run trained by one worker only (which one is a race: each claims the next)
+    assert sorted(r.name for r in (tmp_path / "scratch" / "runs").iterdir()) == sorted(r["run"] for r in rows)
     merged = [n for line in proc.stdout.splitlines() if line.startswith("parallel_sweep: merged ")
               for n in line.removeprefix("parallel_sweep: merged ").rsplit(" from w", 1)[0].split(", ")]  # fmt: skip
     assert sorted(merged) == sorted(r["run"] for r in rows)  # each row merged once, as its run finished
