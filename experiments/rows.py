@@ -1,5 +1,6 @@
 """Results files shared by the experiments: CSV rows appended one finished run at a time, flushed and fsynced, so a
-kill, a full disk or a power cut never leaves half a row behind a good one, and a rerun resumes from what is there.
+kill, a full disk or a power cut never leaves half a row behind a good one (a row a kill cut is skipped by the readers
+and truncated before the next append), and a rerun resumes from what is there.
 
     read_csv(path)                      the rows so far ([] when the file is absent)
     append_rows(path, columns, rows)    one finished run's rows (the header first, if the file is new; a file
@@ -30,8 +31,23 @@ def read_csv(path: Path) -> list[dict]:
     return list(csv.DictReader(io.StringIO(text[: text.rfind("\n") + 1])))
 
 
+def _drop_cut_line(path: Path) -> None:
+    """Truncates a last line without its line end: a row (or header) a kill cut while it was being appended.
+    ``append_rows`` calls it before writing: a file has one writer at a time, so the line cannot be one still being
+    written, and appending after it would glue the next row onto the half one."""
+    with open(path, "rb+") as f:
+        data = f.read()
+        whole = data.rfind(b"\n") + 1
+        if whole != len(data):
+            f.truncate(whole)
+            f.flush()
+            os.fsync(f.fileno())
+
+
 def append_rows(path: Path, columns, rows: list[dict]) -> None:
-    new = not path.exists()
+    if path.exists():
+        _drop_cut_line(path)
+    new = not path.exists() or path.stat().st_size == 0  # absent, or only a cut header
     if not new:
         with open(path, newline="") as f:
             header = next(csv.reader(f), [])
