@@ -14,7 +14,8 @@ stage whose plan depends on finished runs (a rate sweep extending past a winning
 rates the sweep picked) gets another round until a round adds nothing. At the deadline the workers get SIGTERM
 (each saves its run's checkpoint; SIGKILL after TERM_GRACE_S): finished runs are already in ``--out``; a stopped
 run's checkpoint stays in the scratch folder's one ``runs/`` (every worker's ``runs`` links to it), so whichever
-worker claims the run next resumes it, if the scratch folder is still there, else starts it again.
+worker claims the run next resumes it, if the scratch folder is still there, else starts it again. SIGTERM to the
+parent stops the workers the same way (its exit code is then 143).
 """
 
 from __future__ import annotations
@@ -112,6 +113,10 @@ def _stop(procs) -> None:
             proc.wait()
 
 
+def _exit_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)  # 143, as a shell reports a SIGTERM
+
+
 def run_round(args, stage: str, passed: list[str], deadline: float) -> int:
     """One round of ``stage`` in every worker; the number of rows it added to ``--out``."""
     out, scratch = Path(args.out), Path(args.scratch)
@@ -174,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"parallel_sweep: error: {e}", file=sys.stderr)
         return 2
     deadline = time.monotonic() + args.budget_s
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)  # so a round's `finally` stops the workers, each checkpointing
     # the plan, and protocol.json in --out (the workers copy it, so all of them check the same protocol)
     subprocess.run([sys.executable, str(SCALING), *passed, "--out", args.out, "--plan-only"], check=True)
     for _, data in filter(None, Sweep(sweep).corpora.values()):  # TFDS prepares each corpus here, once: workers

@@ -427,22 +427,42 @@ def test_parallel_sweep_stops_workers_with_sigterm_then_sigkill(tmp_path, monkey
     assert [p.returncode for p, _ in procs] == [143, -signal.SIGKILL]
 
 
-@pytest.mark.slow  # ~1-2 min: two workers train a real sweep (pytest -m slow)
+@pytest.mark.slow  # ~2 min: two workers train a real sweep, stopped by SIGTERM once, then resumed (pytest -m slow)
 def test_parallel_sweep_trains_every_run_once_across_workers(tmp_path, small_text, data_dir):
     out = tmp_path / "sweep"
     sweep_args = _sweep_command(out, small_text, data_dir)[4:]  # without the interpreter, the script and --out
     env = {**os.environ, "XLA_FLAGS": xla_flags(1), "PYTHONUNBUFFERED": "1"}
     command = [sys.executable, "experiments/parallel_sweep.py", "--out", str(out), "--workers", "2",
                "--budget-s", "400", "--scratch", str(tmp_path / "scratch"), "--", *sweep_args]  # fmt: skip
+    logs = [tmp_path / "scratch" / f"w{i}" / "worker.log" for i in (0, 1)]
+    first = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:  # SIGTERM to the parent once a worker trains: it stops the workers (each saving its run) and exits 143
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and first.poll() is None:
+            if any(p.exists() and "compiled and ran the first step" in p.read_text() for p in logs):
+                break
+            time.sleep(0.05)
+        first.send_signal(signal.SIGTERM)
+        first_output = first.communicate(timeout=120)[0]
+    finally:
+        first.kill()
+    assert first.returncode == 128 + signal.SIGTERM, first_output
+    leftover = subprocess.run(["pgrep", "-f", str(tmp_path / "scratch")], capture_output=True, text=True).stdout
+    assert not leftover, f"workers outlived their parent: {leftover}"
+    saved = sum(p.read_text().count("scaling: SIGTERM: saved checkpoint step") for p in logs)  # one a run
     proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=500)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    resumed = sum(p.read_text().count("resumed from checkpoint step") for p in logs)
+    assert resumed >= saved, (saved, resumed)  # each run stopped mid-training resumed, in whichever worker took it
     rows = _rows(out)
     assert sorted((int(r["size"]), r["variant"]) for r in rows) == [
         (s, v) for s in (8, 12, 16) for v in ("separate", "shared_kv")
     ]
     assert len({r["run"] for r in rows}) == 6 and all(r["device"].startswith("cpu (") for r in rows)
-    trained = [(tmp_path / "scratch" / f"w{i}" / "worker.log").read_text().count("--- ") for i in (0, 1)]
-    assert sum(trained) == 6  # every run trained by one worker only (which one is a race: each claims the next)
+    trained = [line.split("] ", 1)[1].split(":")[0] for p in logs for line in p.read_text().splitlines()
+               if line.startswith("--- ")]  # fmt: skip
+    assert saved >= 1 and len(trained) <= 6 + 2  # a run the SIGTERM cut is taken again, each by one worker
+    assert sorted(set(trained)) == sorted(r["run"] for r in rows)  # (which worker is a race: each claims the next)
     assert sorted(r.name for r in (tmp_path / "scratch" / "runs").iterdir()) == sorted(r["run"] for r in rows)
     merged = [n for line in proc.stdout.splitlines() if line.startswith("parallel_sweep: merged ")
               for n in line.removeprefix("parallel_sweep: merged ").rsplit(" from w", 1)[0].split(", ")]  # fmt: skip
