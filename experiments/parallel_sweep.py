@@ -124,8 +124,7 @@ def run_round(args, stage: str, passed: list[str], deadline: float) -> int:
     pool_runs(scratch, args.workers)
     procs = []
     for i in range(args.workers):
-        folder = scratch / f"w{i}"
-        folder.mkdir(parents=True, exist_ok=True)
+        folder = scratch / f"w{i}"  # made by pool_runs
         for name in COPIED:
             if (out / name).exists():
                 shutil.copyfile(out / name, folder / name)

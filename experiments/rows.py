@@ -36,12 +36,16 @@ def _drop_cut_line(path: Path) -> None:
     ``append_rows`` calls it before writing: a file has one writer at a time, so the line cannot be one still being
     written, and appending after it would glue the next row onto the half one."""
     with open(path, "rb+") as f:
-        data = f.read()
-        whole = data.rfind(b"\n") + 1
-        if whole != len(data):
-            f.truncate(whole)
-            f.flush()
-            os.fsync(f.fileno())
+        size = f.seek(0, os.SEEK_END)
+        if size == 0:
+            return
+        f.seek(size - 1)
+        if f.read(1) == b"\n":
+            return  # ends whole, the usual case: one byte read, not the file
+        f.seek(0)
+        f.truncate(f.read().rfind(b"\n") + 1)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def append_rows(path: Path, columns, rows: list[dict]) -> None:
