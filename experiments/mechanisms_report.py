@@ -4,15 +4,15 @@
 
 Each rows file is one study (its rows in the file's order; a row may sit in several, ``separate`` in all). Writes
 ``DIR/mechanisms.md``: per study a table of the final whole-split validation loss (mean ± sample std over seeds),
-the paired difference to ``separate`` with its 95% t interval and whether it is inside the seed spread (as
-``report.py``), the paired difference (with its interval) to each row's control: the row a ``# control: ROW =
-CONTROL`` line of the rows file names for it, else the study's ``# reference: NAME`` row (``shared_qk`` for
-Reformer's parts, ``separate_norms`` for K = V under Gemma's norms), and the early phase: the difference to
-``separate`` at a few early evaluations (mean over seeds), the last evaluation at which the row was still
-ahead of ``separate``, and the steps each row takes to reach the losses ``separate`` reaches at 10%, 30% and
-100% of the run. Plots per study: ``DIR/<study>_delta.png``, the difference to ``separate`` at every evaluation
-(the early steps and the whole run), and where a study's rows differ in cache, ``DIR/<study>_cache.png``, final
-loss against cache size.
+the paired difference to ``separate`` with its 95% t interval, the smallest difference its seeds could detect
+(80% power) and whether it is inside the seed spread (as ``report.py``), the paired difference (with its interval
+and detectable difference) to each row's control: the row a ``# control: ROW = CONTROL`` line of the rows file
+names for it, else the study's ``# reference: NAME`` row (``shared_qk`` for Reformer's parts, ``separate_norms``
+for K = V under Gemma's norms), and the early phase: the difference to ``separate`` at a few early evaluations
+(mean over seeds), the last evaluation at which the row was still ahead of ``separate``, and the steps each row
+takes to reach the losses ``separate`` reaches at 10%, 30% and 100% of the run. Plots per study:
+``DIR/<study>_delta.png``, the difference to ``separate`` at every evaluation (the early steps and the whole run),
+and where a study's rows differ in cache, ``DIR/<study>_cache.png``, final loss against cache size.
 """
 
 from __future__ import annotations
@@ -56,24 +56,25 @@ def delta_curve(curves, scheme: str, reference: str = "separate") -> tuple[list[
     return steps, [[a[s][t] - b[s][t] for t in steps] for s in seeds]
 
 
-def paired_stats(rows: list[dict], scheme: str, reference: str) -> tuple[float, float, float, int] | None:
-    """``scheme - reference`` in final loss, paired by seed: mean, its 95% t interval (nan with one seed), seeds."""
+def paired_stats(rows: list[dict], scheme: str, reference: str) -> tuple[float, float, float, float, int] | None:
+    """``scheme - reference`` in final loss, paired by seed: mean, its 95% t interval and the smallest difference
+    these seeds could detect (``report.detectable``; nan with one seed), seeds."""
     by = {(r["scheme"], int(r["seed"])): float(r["final_val_loss"]) for r in rows}
     diffs = [by[scheme, s] - by[reference, s] for (n, s) in by if n == scheme and (reference, s) in by]
     if not diffs:
         return None
     n, mean = len(diffs), statistics.fmean(diffs)
     half = report.t_quantile(n - 1) * statistics.stdev(diffs) / math.sqrt(n) if n > 1 else math.nan
-    return mean, mean - half, mean + half, n
+    return mean, mean - half, mean + half, report.detectable(diffs), n
 
 
 def paired(rows: list[dict], scheme: str, reference: str, digits: int = 4) -> str:
-    """``paired_stats`` as a cell: ``+0.0123 [-0.0100, +0.0346] (reference, n=3)``."""
+    """``paired_stats`` as a cell: ``+0.0123 [-0.0100, +0.0346] d 0.0400 (reference, n=3)``."""
     stats = paired_stats(rows, scheme, reference)
     if stats is None:
         return "—"
-    mean, lo, hi, n = stats
-    interval = "" if n < 2 else f" [{lo:+.{digits}f}, {hi:+.{digits}f}]"
+    mean, lo, hi, d, n = stats
+    interval = "" if n < 2 else f" [{lo:+.{digits}f}, {hi:+.{digits}f}] d {d:.{digits}f}"
     return f"{mean:+.{digits}f}{interval} ({reference}, n={n})"
 
 
@@ -109,22 +110,23 @@ def study_markdown(
     steps_all = sorted({t for seeds in curves.values() for s in seeds.values() for t in s})
     early = steps_all[1 : 1 + EARLY_EVALUATIONS]
     header = (
-        "| row | params | KV cache x separate | seeds | val loss | Δ vs separate | 95% interval | inside spread | "
-        "Δ vs its control [95%] | " + " | ".join(f"Δ sep. @{t}" for t in early) + " | last step ahead of separate |"
+        "| row | params | KV cache x separate | seeds | val loss | Δ vs separate | 95% interval | d | inside spread | "
+        "Δ vs its control [95%] d | " + " | ".join(f"Δ sep. @{t}" for t in early) + " | last step ahead of separate |"
     )
-    lines = [f"## {name}", "", header, "|" + "---|" * (9 + len(early) + 1)]
+    lines = [f"## {name}", "", header, "|" + "---|" * (10 + len(early) + 1)]
     for scheme in order:
         e = entries.get(scheme)
         if e is None:
-            lines.append(f"| {scheme} | | | 0 | not run yet |" + " |" * (5 + len(early)))
+            lines.append(f"| {scheme} | | | 0 | not run yet |" + " |" * (6 + len(early)))
             continue
         std = "" if math.isnan(e["std"]) else f" ± {e['std']:.4f}"
         if "delta" in e:
             delta = f"{e['delta']:+.4f}"
             ci = f"[{e['delta_ci'][0]:+.4f}, {e['delta_ci'][1]:+.4f}]" if "delta_ci" in e else "n/a (1 seed)"
+            d = f"{e['detectable']:.4f}" if "detectable" in e else "n/a"
             inside = ("yes" if e["inside_spread"] else "**no**") if "inside_spread" in e else "n/a"
         else:
-            delta = ci = inside = "—"
+            delta = ci = d = inside = "—"
         vs_own = paired(rows, scheme, controls[scheme]) if scheme in controls else "—"
         steps, deltas = delta_curve(curves, scheme)
         means = [statistics.fmean(col) for col in zip(*deltas, strict=True)]
@@ -134,7 +136,7 @@ def study_markdown(
         last = "—" if scheme == "separate" else (str(max(ahead)) if ahead else "never")
         lines.append(
             f"| {scheme} | {e['params']:,} | {e['kv_cache_bytes_per_token'] / full:.3g} | {len(e['seeds'])} | "
-            f"{e['mean']:.4f}{std} | {delta} | {ci} | {inside} | {vs_own} | " + " | ".join(early_cells) + f" | {last} |"
+            f"{e['mean']:.4f}{std} | {delta} | {ci} | {d} | {inside} | {vs_own} | {' | '.join(early_cells)} | {last} |"
         )
     return lines + [""]
 
@@ -238,7 +240,9 @@ def write(out: Path, studies: dict[str, tuple[list[str], dict[str, str]]]) -> Pa
         "",
         f"Protocol and command: [protocol.json](protocol.json) ({len(protocol):,} bytes). Loss: next-byte "
         "cross-entropy (nats) on the whole validation split, mean ± sample std over seeds; Δ: minus the row "
-        "`separate`, paired by seed, 95% t interval; *inside spread*: |Δ| ≤ the larger seed std of the two. "
+        "`separate`, paired by seed, 95% t interval; d: the smallest difference these seeds could detect (paired t "
+        'test at 5%, 80% power; a |Δ| under d cannot say "no difference" of an effect smaller than d); *inside '
+        "spread*: |Δ| ≤ the larger seed std of the two. "
         "The early columns are Δ vs `separate` at the first evaluations (mean over seeds); the last column the last "
         "evaluation at which the row's mean Δ was below 0.",
         "",

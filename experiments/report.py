@@ -4,8 +4,9 @@
 
 Writes ``DIR/summary.md``: per matching and scheme, the final whole-split validation loss as mean ± sample std
 over seeds, and the difference to ``separate`` of the same matching, paired by seed (same data order), with a
-95% Student-t interval; a difference is called *inside the seed spread* when it is no larger than the larger of
-the two schemes' seed standard deviations. And the PNG plots: validation loss against step and against training
+95% Student-t interval and the smallest difference the seeds could detect (``detectable``); a difference is
+called *inside the seed spread* when it is no larger than the larger of the two schemes' seed standard
+deviations. And the PNG plots: validation loss against step and against training
 wall-clock (mean line, min-max band over seeds), final loss against parameters and against KV-cache bytes per
 token.
 """
@@ -19,10 +20,10 @@ import statistics
 import sys
 from pathlib import Path
 
-from experiments.rows import read_csv
-
-if __package__ in (None, ""):
+if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from experiments.rows import read_csv
 
 MATCHING_TITLES = {
     "width": "same width (tied schemes have fewer parameters)",
@@ -93,6 +94,7 @@ def summarize(rows: list[dict]) -> list[dict]:
             if len(diffs) > 1:
                 half = t_quantile(len(diffs) - 1) * statistics.stdev(diffs) / math.sqrt(len(diffs))
                 entry["delta_ci"] = (entry["delta"] - half, entry["delta"] + half)
+                entry["detectable"] = detectable(diffs)
                 ref_losses = [float(r["final_val_loss"]) for r in ref.values()]
                 spread = max(entry["std"], statistics.stdev(ref_losses) if len(ref_losses) > 1 else 0.0)
                 entry["inside_spread"] = abs(entry["delta"]) <= spread
@@ -116,7 +118,8 @@ def summary_markdown(out: Path, entries: list[dict], n_runs: int) -> str:
         f"- machine: {protocol.get('machine', '?')}; started {protocol.get('started', '?')}; {n_runs} runs finished",
         "- loss: next-byte cross-entropy in nats on the whole validation split, mean ± sample std over seeds;",
         "  Δ: minus `separate` of the same matching (under `given`: the row named `separate`), paired by seed,",
-        "  with a 95% t interval;",
+        "  with a 95% t interval; d: the smallest difference these seeds could detect (paired t test at 5%, 80%",
+        '  power; a |Δ| under d cannot say "no difference" of an effect smaller than d);',
         "  *inside spread*: |Δ| ≤ the larger seed std of the two.",
         "- tokens/s and the wall-clock plot are as measured during the sweep, one run after another: anything else",
         "  running on the machine slows some runs and not others, so compare speed with `benchmarks/bench.py`",
@@ -130,21 +133,23 @@ def summary_markdown(out: Path, entries: list[dict], n_runs: int) -> str:
         lines += [
             f"## {matching}: {title}",
             "",
-            "| scheme | F | params | KV bytes/token | seeds | val loss | Δ vs separate | 95% interval | inside spread "
-            "| tokens/s |",
-            "|---|---:|---:|---:|---:|---|---:|---|---|---:|",
+            "| scheme | F | params | KV bytes/token | seeds | val loss | Δ vs separate | 95% interval | d | "
+            "inside spread | tokens/s |",
+            "|---|---:|---:|---:|---:|---|---:|---|---:|---|---:|",
         ]
         for e in rows:
             if "delta" in e:
                 delta = f"{e['delta']:+.4f}"
                 ci = f"[{e['delta_ci'][0]:+.4f}, {e['delta_ci'][1]:+.4f}]" if "delta_ci" in e else "n/a (1 seed)"
+                d = f"{e['detectable']:.4f}" if "detectable" in e else "n/a"
                 inside = ("yes" if e["inside_spread"] else "**no**") if "inside_spread" in e else "n/a"
             else:
-                delta, ci, inside = ("—", "—", "—") if e["scheme"] == "separate" else ("n/a", "n/a", "n/a")
+                delta, ci, d, inside = ("—",) * 4 if e["scheme"] == "separate" else ("n/a",) * 4
             std = "" if math.isnan(e["std"]) else f" ± {e['std']:.4f}"
             lines.append(
                 f"| {_label(e, heads)} | {e['mlp_dim']} | {e['params']:,} | {e['kv_cache_bytes_per_token']:,} | "
-                f"{len(e['seeds'])} | {e['mean']:.4f}{std} | {delta} | {ci} | {inside} | {e['tokens_per_s']:,.0f} |"
+                f"{len(e['seeds'])} | {e['mean']:.4f}{std} | {delta} | {ci} | {d} | {inside} | "
+                f"{e['tokens_per_s']:,.0f} |"
             )
         lines.append("")
     lines += ["Plots: " + ", ".join(f"[{p}]({p})" for p in PLOTS), ""]
