@@ -53,11 +53,12 @@ def test_tables_give_paired_differences_the_early_phase_and_rows_not_run(folder,
     assert tied[-1].strip(" |") == "20"  # the last evaluation with the row ahead of separate
     assert tied[9] == "—"  # the study's reference has no control
     # against its control, paired by seed, with a t interval: half - tied is (-0.2, -0.2), half - separate
-    # (+0.1, +0.3): mean +0.2, t(1) = 12.706 x std 0.1414 / sqrt(2) = 1.2706; detectable at 80% power:
-    # (12.706 + t_0.8(1) = 1.376) x 0.1414 / sqrt(2) = 1.4083; against the control the spread is 0, so is d
+    # (+0.1, +0.3): mean +0.2, t(1) = 12.706 x std 0.1414 / sqrt(2) = 1.2706; detectable at 80% power: the
+    # noncentrality 16.334 of two pairs (report.power_factor) x 0.1414 / sqrt(2) = 1.6334; against the control the
+    # spread is 0, so is d
     half = lines["half"].split(" | ")
     assert half[9] == "-0.2000 [-0.2000, -0.2000] d 0.0000 (tied, n=2)"
-    assert half[5:8] == ["+0.2000", "[-1.0706, +1.4706]", "1.4083"]
+    assert half[5:8] == ["+0.2000", "[-1.0706, +1.4706]", "1.6334"]
     assert "Δ vs its control [95%] d" in text and "Δ sep. @20" in text
     assert "| missing | | | 0 | not run yet |" in text
     # steps to separate's mean loss at step 10 (4.1) and at the end (2.1): separate's seed 1 needs step 20 for the
