@@ -19,6 +19,11 @@ WRITE_MODES = ("w", "a", "x", "+")
 
 
 def main() -> int:
+    if len(sys.argv) < 3 or not (sys.argv[1] == "publish" or sys.argv[1].isdigit() and int(sys.argv[1]) > 0):
+        got = sys.argv[1] if len(sys.argv) > 1 else "nothing"
+        print(f"kill_at: error: the first argument is {got!r}; allowed: a boundary number N >= 1 or 'publish', "
+              "then the qkvjax command", file=sys.stderr)  # fmt: skip
+        return 2
     publish = sys.argv[1] == "publish"
     n = 0 if publish else int(sys.argv[1])
     seen = 0
