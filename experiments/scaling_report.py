@@ -269,6 +269,7 @@ def summary_markdown(rows: list[dict], curves: list[dict] = ()) -> str:
         lines += [f"| {g['corpus']} | {g['size']} | {g['epochs']:.2f} | {g['runs']} | {g['train']:.3f} | "
                   f"{g['val']:.3f} | {g['gap']:+.3f} ± {g['gap_std']:.3f} | {g['rising']} |" for g in gen]  # fmt: skip
     lines += _trends(points)
+    lines += time_spent(rows)
     lines += ["", "## Kayyam et al. (2026) in these units", "",
               "They report K = V's per-token perplexity penalty: +3.1% at 300M parameters and +2.5% at 1.2B. As a "
               "loss, ln(1 + p) nats per token, divided by b bytes per token (b = "
@@ -288,6 +289,30 @@ def summary_markdown(rows: list[dict], curves: list[dict] = ()) -> str:
               f"Δ = 0.01 is +{math.expm1(0.01 * BYTES_PER_TOKEN[0]) * 100:.1f}% to "
               f"+{math.expm1(0.01 * BYTES_PER_TOKEN[1]) * 100:.1f}%."]  # fmt: skip
     return "\n".join(lines) + "\n"
+
+
+def time_spent(rows: list[dict]) -> list[str]:
+    """Per corpus, size and device: runs, run-hours (the rows' ``wall_s`` summed: each run's own training clock, so
+    two runs sharing a machine count twice while the wall-clock passes once), the median tokens/s, and when the
+    first and last of them finished."""
+    groups = collections.defaultdict(list)
+    for r in (r for r in rows if r.get("wall_s")):  # every row scaling.py writes has its clock
+        groups[r["corpus"], int(r["size"]), r.get("device") or "not recorded"].append(r)
+    if not groups:
+        return []
+    lines = ["", "## Time spent", "",
+             "Run-hours: the rows' `wall_s` summed, each run's training clock from its metrics log (runs that shared "
+             "a machine each count their own hours); device 'not recorded': rows written before the `device` "
+             "column.", "",
+             "| corpus | d | device | runs | run-hours | median tokens/s | finished |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for (corpus, size, device), group in sorted(groups.items()):
+        hours = sum(float(r["wall_s"]) for r in group) / 3600
+        speed = statistics.median(float(r["tokens_per_s"]) for r in group)
+        done = sorted(r["finished_at"][:16].replace("T", " ") for r in group)
+        lines.append(f"| {corpus} | {size} | {device} | {len(group)} | {hours:.1f} | {speed:,.0f} | "
+                     f"{done[0]} to {done[-1]} UTC |")  # fmt: skip
+    return lines
 
 
 def _trends(points: dict[tuple[str, str], list[tuple[float, float]]]) -> list[str]:

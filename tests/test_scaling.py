@@ -268,7 +268,9 @@ def test_the_report_sets_training_loss_beside_validation_loss():
                          "seed": str(seed), "learning_rate": "0.004", "params": "1000", "epochs": "12.9",
                          "tokens": "10000", "kv_cache_bytes_per_token": "96", "final_val_loss": str(val),
                          "best_eval_loss": str(val - 0.005 * (variant == "shared_kv")), "last_eval_loss": str(val),
-                         "run": run, "tokens_per_s": "1000"})  # fmt: skip
+                         "run": run, "tokens_per_s": "1000", "wall_s": str(600 * (seed + 1)),
+                         "finished_at": f"2026-11-2{4 + seed}T0{seed}:00:00+00:00",
+                         "device": "cpu (2 cores)" if seed == 2 else ""})  # fmt: skip
             # steps 0..1000 by 10: the last 5% (steps 950..1000, 6 points) hold train_end, the 7th from last an
             # outlier that a tail of 5% must leave out; the validation column is empty as in the real file
             curves += [{"run": run, "step": str(step), "train_loss": str(train_end if step >= 950 else 9.0),
@@ -287,6 +289,9 @@ def test_the_report_sets_training_loss_beside_validation_loss():
     assert "| shared_kv | 1,000 | 96 | 0.004 | 3 | " in summary and " | +0.100 | 10,000 | 12.90 |" in summary
     assert "| shared_kv | +0.033 [" in summary and "| shared_kv | +0.100 |" in summary
     assert re.search(r"\] d 0\.\d{3} \(3\) \|", summary), summary  # the detectable difference, then the seeds
+    # time spent per device: seeds 0-1 (600 + 1200 s per variant) unrecorded, seed 2 (1800 s each) on the CPU
+    assert "| 160 | cpu (2 cores) | 2 | 1.0 | 1,000 | 2026-11-26 02:00 to 2026-11-26 02:00 UTC |" in summary
+    assert "| 160 | not recorded | 4 | 1.0 | 1,000 | 2026-11-24 00:00 to 2026-11-25 01:00 UTC |" in summary
 
 
 def test_rates_are_chosen_on_the_mean_of_the_sweep_seeds_at_every_size(tmp_path, small_text):
