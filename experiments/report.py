@@ -6,9 +6,8 @@ Writes ``DIR/summary.md``: per matching and scheme, the final whole-split valida
 over seeds, and the difference to ``separate`` of the same matching, paired by seed (same data order), with a
 95% Student-t interval and the smallest difference the seeds could detect (``detectable``); a difference is
 called *inside the seed spread* when it is no larger than the larger of the two schemes' seed standard
-deviations. And the PNG plots: validation loss against step and against training
-wall-clock (mean line, min-max band over seeds), final loss against parameters and against KV-cache bytes per
-token.
+deviations. And the PNG plots: validation loss against step and against training wall-clock (mean line, min-max
+band over seeds), final loss against parameters and against KV-cache bytes per token.
 """
 
 from __future__ import annotations
