@@ -229,7 +229,7 @@ def plot_tradeoff(out: Path, entries: list[dict], key: str, xlabel: str, path: P
     markers = {"width": "o", "params": "s", "kv_cache": "^"}
     colors = _colors({e["scheme"] for e in entries})
     fig, ax = plt.subplots(figsize=(7.5, 5))
-    labelled = set()
+    spots = {}  # one label per scheme and position: matchings of one scheme sit close together
     n_heads = max(e["num_kv_heads"] for e in entries)  # N: the K of every full multi-head model
     for e in entries:
         err = None if math.isnan(e["std"]) else e["std"]
@@ -237,11 +237,13 @@ def plot_tradeoff(out: Path, entries: list[dict], key: str, xlabel: str, path: P
             e[key], e["mean"], yerr=err, fmt=markers.get(e["matching"], "x"), color=colors[e["scheme"]],
             ms=7, capsize=3, alpha=0.9,
         )  # fmt: skip
-        label = _label(e, n_heads)
-        spot = (e[key], label)  # one label per scheme and position: matchings of one scheme sit close together
-        if spot not in labelled:
-            labelled.add(spot)
-            ax.annotate(label, (e[key], e["mean"]), textcoords="offset points", xytext=(6, 3), fontsize=7)
+        spots.setdefault((e[key], _label(e, n_heads)), e["mean"])
+    means = [e["mean"] for e in entries]
+    gap = 0.035 * ((max(means) - min(means)) or 1.0)  # the least vertical distance between two labels
+    low = {}
+    for (x, label), y in sorted(spots.items(), key=lambda item: (item[0][0], item[1])):  # upwards in each column
+        low[x] = y = max(y, low.get(x, -math.inf) + gap)
+        ax.annotate(label, (x, y), textcoords="offset points", xytext=(8, 0), va="center", fontsize=7)
     for matching, marker in markers.items():
         if any(e["matching"] == matching for e in entries):
             ax.plot([], [], marker, color="gray", label=matching)
