@@ -120,13 +120,7 @@ def study_markdown(
             lines.append(f"| {scheme} | | | 0 | not run yet |" + " |" * (6 + len(early)))
             continue
         std = "" if math.isnan(e["std"]) else f" ± {e['std']:.4f}"
-        if "delta" in e:
-            delta = f"{e['delta']:+.4f}"
-            ci = f"[{e['delta_ci'][0]:+.4f}, {e['delta_ci'][1]:+.4f}]" if "delta_ci" in e else "n/a (1 seed)"
-            d = f"{e['detectable']:.4f}" if "detectable" in e else "n/a"
-            inside = ("yes" if e["inside_spread"] else "**no**") if "inside_spread" in e else "n/a"
-        else:
-            delta = ci = d = inside = "—"
+        delta, ci, d, inside = report.delta_cells(e)
         vs_own = paired(rows, scheme, controls[scheme]) if scheme in controls else "—"
         steps, deltas = delta_curve(curves, scheme)
         means = [statistics.fmean(col) for col in zip(*deltas, strict=True)]

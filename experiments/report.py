@@ -126,6 +126,17 @@ def _label(e: dict, n_heads: int | None = None) -> str:
     return e["scheme"] + heads
 
 
+def delta_cells(e: dict, absent: str = "—") -> tuple[str, str, str, str]:
+    """A ``summarize`` entry's Δ vs separate, its 95% interval, its detectable difference and whether it is inside
+    the seed spread, as table cells; ``absent`` in all four for an entry with no Δ (``separate`` itself)."""
+    if "delta" not in e:
+        return (absent,) * 4
+    ci = f"[{e['delta_ci'][0]:+.4f}, {e['delta_ci'][1]:+.4f}]" if "delta_ci" in e else "n/a (1 seed)"
+    d = f"{e['detectable']:.4f}" if "detectable" in e else "n/a"
+    inside = ("yes" if e["inside_spread"] else "**no**") if "inside_spread" in e else "n/a"
+    return f"{e['delta']:+.4f}", ci, d, inside
+
+
 def summary_markdown(out: Path, entries: list[dict], n_runs: int) -> str:
     protocol = json.loads((out / "protocol.json").read_text()) if (out / "protocol.json").exists() else {}
     heads = protocol.get("protocol", {}).get("model", {}).get("attention", {}).get("num_heads")
@@ -156,13 +167,7 @@ def summary_markdown(out: Path, entries: list[dict], n_runs: int) -> str:
             "|---|---:|---:|---:|---:|---|---:|---|---:|---|---:|",
         ]
         for e in rows:
-            if "delta" in e:
-                delta = f"{e['delta']:+.4f}"
-                ci = f"[{e['delta_ci'][0]:+.4f}, {e['delta_ci'][1]:+.4f}]" if "delta_ci" in e else "n/a (1 seed)"
-                d = f"{e['detectable']:.4f}" if "detectable" in e else "n/a"
-                inside = ("yes" if e["inside_spread"] else "**no**") if "inside_spread" in e else "n/a"
-            else:
-                delta, ci, d, inside = ("—",) * 4 if e["scheme"] == "separate" else ("n/a",) * 4
+            delta, ci, d, inside = delta_cells(e, "—" if e["scheme"] == "separate" else "n/a")
             std = "" if math.isnan(e["std"]) else f" ± {e['std']:.4f}"
             lines.append(
                 f"| {_label(e, heads)} | {e['mlp_dim']} | {e['params']:,} | {e['kv_cache_bytes_per_token']:,} | "
