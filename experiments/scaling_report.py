@@ -83,9 +83,9 @@ def finals(rows: list[dict]) -> dict[tuple, dict[int, dict]]:
     return chosen
 
 
-def paired(cells: dict, corpus: str, size: int, variant: str) -> dict | None:
-    """Mean, std and the difference to separate (paired by seed) with its 95% t interval."""
-    runs, ref = cells.get((corpus, size, variant), {}), cells.get((corpus, size, "separate"), {})
+def paired(cells: dict, corpus: str, size: int, variant: str, against: str = "separate") -> dict | None:
+    """Mean, std and the difference to ``against`` (paired by seed) with its 95% t interval."""
+    runs, ref = cells.get((corpus, size, variant), {}), cells.get((corpus, size, against), {})
     if not runs:
         return None
     losses = [float(r["final_val_loss"]) for r in runs.values()]
@@ -99,7 +99,7 @@ def paired(cells: dict, corpus: str, size: int, variant: str) -> dict | None:
     if ref:
         out["ref_params"] = int(next(iter(ref.values()))["params"])  # the size's x position on plots
     diffs = [float(runs[s]["final_val_loss"]) - float(ref[s]["final_val_loss"]) for s in runs if s in ref]
-    if variant != "separate" and diffs:
+    if variant != against and diffs:
         out["delta"], out["delta_n"], out["diffs"] = statistics.fmean(diffs), len(diffs), diffs
         if len(diffs) > 1:
             half = t_quantile(len(diffs) - 1) * statistics.stdev(diffs) / math.sqrt(len(diffs))
@@ -249,6 +249,7 @@ def summary_markdown(rows: list[dict], curves: list[dict] = ()) -> str:
                 points[corpus, e["variant"]] += [(e["ref_params"], d) for d in e["diffs"]]
         lines.append("")
     lines += _delta_by_size(cells, train, by_size)
+    lines += _head_to_head(cells, by_size)
     shared = _shared_rate_ranking(rows, best)
     if shared:
         lines += ["## One shared rate (2e-3) against each scheme's own (seed 0, Δ vs separate at the same rule)", "",
@@ -370,6 +371,40 @@ def _delta_by_size(cells: dict, train: dict[str, float], by_size: list[tuple]) -
 
 
 VARIANT_ORDER = ("separate", "gqa", "shared_kv", "bilinear", "shared_qk", "reformer_qk", "shared_qkv")
+# Two ties compared with each other, paired by seed: (variant, against, what the comparison asks). Data, so a new
+# question is a row here, not a new branch.
+HEAD_TO_HEAD = (("shared_kv", "gqa", "K = V against GQA at the same cache bytes (half of separate's)"),)
+
+
+def _head_to_head(cells: dict, by_size: list[tuple]) -> list[str]:
+    """Per :data:`HEAD_TO_HEAD` pair: the difference ``variant - against`` paired by seed at every corpus and size
+    both ran (negative: ``variant`` is better), and per corpus its trend with size (x: ``separate``'s parameters,
+    as in the other trends)."""
+    lines = []
+    for variant, against, question in HEAD_TO_HEAD:
+        rows, points = [], collections.defaultdict(list)
+        for corpus, size in by_size:
+            e = paired(cells, corpus, size, variant, against=against)
+            if e is None or "delta" not in e:
+                continue
+            rows.append(f"| {corpus} | {size} | {_delta_ci(e)} | {e['delta_n']} |")
+            ref = cells.get((corpus, size, "separate"))
+            x = int(next(iter(ref.values()))["params"]) if ref else e["ref_params"]
+            points[corpus] += [(x, d) for d in e["diffs"]]
+        if not rows:
+            continue
+        lines += [f"## {question}: `{variant}` - `{against}`", "",
+                  "Final validation loss, paired by seed: mean [95% t interval] d (the smallest difference these "
+                  f"seeds could detect, 80% power). Negative: `{variant}` is better.", "",
+                  "| corpus | d | Δ [95%] d | paired seeds |", "|---|---|---|---|", *rows]  # fmt: skip
+        for corpus, pts in sorted(points.items()):
+            if t := trend(pts):
+                lo, hi = t["ci"]
+                lines += ["", f"Trend ({CORPUS_TITLES.get(corpus, corpus)}): {t['slope']:+.3f} ± {t['se']:.3f} "
+                          f"[{lo:+.3f}, {hi:+.3f}] nats/byte per 10x parameters ({t['n']} paired runs at "
+                          f"{t['sizes']} sizes)."]  # fmt: skip
+        lines.append("")
+    return lines
 
 
 def _shared_rate_ranking(rows: list[dict], best: dict) -> list[tuple]:

@@ -186,6 +186,39 @@ def test_more_seeds_go_where_the_first_seeds_cannot_tell_a_difference(tmp_path, 
     assert [r.name for r in sweep.stage_runs("more")] == [r.name for r in planned[1:]]
 
 
+def test_the_report_pairs_two_ties_with_each_other_by_seed():
+    """The head-to-head table (K = V against GQA): ``shared_kv - gqa`` paired by seed, with its t interval, only
+    at the sizes where both ran; each seed's own offset, shared by both, leaves the paired interval narrow."""
+    import numpy as np
+    from scipy import stats
+
+    from experiments import scaling_report
+
+    rng = np.random.default_rng(7)
+    offsets = {"separate": 0.0, "gqa": 0.011, "shared_kv": 0.037}
+    rows = []
+    for size, variants in ((48, offsets), (96, {"separate": 0.0, "shared_kv": 0.05})):  # d=96: no gqa ran
+        for seed in range(5):
+            base = 1.9 + 0.05 * rng.standard_normal()
+            for variant, off in variants.items():
+                loss = base + off + 0.002 * rng.standard_normal()
+                rows.append({"stage": "final", "corpus": "python_docs", "size": str(size), "variant": variant,
+                             "seed": str(seed), "learning_rate": "0.004", "params": "1000", "epochs": "0.5",
+                             "tokens": "9", "kv_cache_bytes_per_token": "48", "final_val_loss": repr(loss),
+                             "best_eval_loss": repr(loss), "last_eval_loss": repr(loss),
+                             "run": f"{variant}-{size}-{seed}", "tokens_per_s": "1"})  # fmt: skip
+    loss = {(r["size"], r["variant"], r["seed"]): float(r["final_val_loss"]) for r in rows}
+    d = np.array([loss["48", "shared_kv", str(s)] - loss["48", "gqa", str(s)] for s in range(5)])
+    half = stats.t.ppf(0.975, 4) * d.std(ddof=1) / np.sqrt(5)
+    e = scaling_report.paired(scaling_report.finals(rows), "python_docs", 48, "shared_kv", against="gqa")
+    np.testing.assert_allclose([e["delta"], *e["ci"]], [d.mean(), d.mean() - half, d.mean() + half], rtol=1e-9)
+    assert e["ci"][0] > 0  # 0.026 apart, seed spread 0.05 shared: the pairing tells them apart
+    summary = scaling_report.summary_markdown(rows)
+    table = summary.split("`shared_kv` - `gqa`")[1].split("\n## ")[0]
+    assert f"| python_docs | 48 | {d.mean():+.3f} [{d.mean() - half:+.3f}, {d.mean() + half:+.3f}]" in table
+    assert "| python_docs | 96 |" not in table  # no gqa at d=96: no row
+
+
 def test_the_report_pairs_seeds_and_fits_the_trend_through_every_seed(tmp_path):
     """scaling_report on constructed rows: Δ paired by seed with its t interval, the trend through every seed's
     Δ equal to numpy's least squares (float64), a penalty built to shrink reported as shrinking, PNGs written."""
