@@ -1,6 +1,7 @@
 """One markdown table from several ``qkvjax analyze --json`` files: each measure trained / initial / random.
 
     python experiments/analyze_table.py experiments/results/scaling_cpu/analyze/d160-*.json
+    python experiments/analyze_table.py --over-seeds experiments/results/scaling_corpus2/analyze/d160-*.json
 
 A row per file (its scheme from the analysis' ``source``); each similarity cell reads *trained / the run's own
 initialisation W_0 / Gaussian control* (means over heads and layers, as ``qkvjax analyze`` prints them on its
@@ -12,6 +13,8 @@ draws W^K and W^V apart, as ``—`` where K = V); one the scheme does not have (
 over kernels and layers, and its range; then its control, what weight decay alone moves a kernel in as many steps
 of the run's optimizer with zero gradients (``drift_decay_only``, which ``qkvjax analyze --workdir`` writes; with
 ``--ladder``, an older file from ``experiments/scaling.py`` without it gets it from its run name: size, rate, step).
+With ``--over-seeds``, one row per scheme instead: each trained value as mean ± std over that scheme's files (its
+seeds), the controls averaged over them, and a fourth, mismatched heads.
 """
 
 from __future__ import annotations
@@ -94,11 +97,58 @@ def table(analyses: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _seed_cell(group: list[dict], key: str) -> str:
+    """Several seeds of one scheme: the trained mean over heads and layers, as mean ± std over the seeds, then the
+    controls averaged over the seeds: the run's own W_0 / Gaussian / mismatched heads (head n's Q against head
+    n+1's K and V, where a subspace all heads share shows up without any per-head alignment)."""
+    a = group[0]
+    if a["mean"].get(key) is None:
+        return "—"
+    if all(_fixed(g, key) for g in group):
+        return "(1)"
+    fmt = "{:.1f}" if key == "effective_rank" else "{:.3f}"
+    trained = [g["mean"][key] for g in group]
+    spread = "" if len(trained) < 2 else " ± " + fmt.format(statistics.stdev(trained))
+    cells = [fmt.format(statistics.fmean(trained)) + spread]
+    for control in ("initial", "random", "mismatched"):
+        values = [(g.get(control) or {}).get(key) for g in group]
+        if control == "random" and key == "kv_rank_err" and _fixed(a, "kv_cos"):
+            values = [None]  # as in _cell: the Gaussian control is not K = V's
+        cells.append("—" if None in values else fmt.format(statistics.fmean(values)))
+    text = " / ".join(cells)
+    return f"{text} (of {a['max_rank']})" if key == "effective_rank" else text
+
+
+def _seed_drift(group: list[dict]) -> str:
+    """The drift over kernels and layers (``w_o`` left out), mean ± std over the seeds, and weight decay's alone."""
+    means = [statistics.fmean(v for layer in g["drift"] for k, v in layer.items() if k not in ("layer", "w_o"))
+             for g in group if g.get("drift")]  # fmt: skip
+    if not means:
+        return "—"
+    decay = group[0].get("drift_decay_only")
+    spread = "" if len(means) < 2 else f" ± {statistics.stdev(means):.2f}"
+    return f"{statistics.fmean(means):.2f}{spread}" + ("" if not decay else f"; decay alone {decay['drift']:.2f}")
+
+
+def seed_table(analyses: list[dict]) -> str:
+    """One row per scheme over the files given for it (its seeds), in the order schemes first appear."""
+    groups: dict[str, list[dict]] = {}
+    for a in analyses:
+        groups.setdefault(_label(a), []).append(a)
+    lines = ["| scheme | seeds | drift | " + " | ".join(HEADER) + " |", "|---|---|---|" + "---|" * len(HEADER)]
+    for label, group in groups.items():
+        cells = " | ".join(_seed_cell(group, k) for k in MEASURES)
+        lines.append(f"| {label} | {len(group)} | {_seed_drift(group)} | {cells} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("json", nargs="+", help="files written by qkvjax analyze --json")
     p.add_argument("--ladder", action="store_true", help="files of experiments/scaling.py runs: the decay-alone "
                    "control from each run's name where the file lacks it")  # fmt: skip
+    p.add_argument("--over-seeds", action="store_true", help="one row per scheme: each trained measure as mean ± "
+                   "std over its files (seeds), then the controls: initial / random / mismatched heads")  # fmt: skip
     args = p.parse_args(argv)
     analyses = []
     for name in args.json:
@@ -113,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         if args.ladder and "drift_decay_only" not in analyses[-1]:
             analyses[-1]["drift_decay_only"] = ladder_decay_only(analyses[-1]["source"])
-    print(table(analyses))
+    print(seed_table(analyses) if args.over_seeds else table(analyses))
     return 0
 
 

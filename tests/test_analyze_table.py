@@ -50,3 +50,32 @@ def test_a_ladder_runs_decay_control_comes_from_its_name():
     train = size_config(96, "reformer_qk", 0.008, 0, 2345 * BATCH * CONTEXT, DataConfig()).train
     assert train.num_steps == 2345 and got == decay_only_drift(train, 2345)
     assert analyze_table.ladder_decay_only("my-run step 9 (separate)") is None
+
+
+def test_over_seeds_gives_one_row_per_scheme_with_the_seed_spread(tmp_path, capsys):
+    """--over-seeds: the files of one scheme (its seeds) become one row, each trained value as mean ± sample std
+    over them, the controls (initial / random / mismatched heads) averaged; a tie stays (1) and K = V has no
+    Gaussian control of its rank error."""
+    import statistics
+
+    files = []
+    for seed, (qk, rank) in enumerate(((0.55, 9.0), (0.58, 11.0), (0.52, 10.0))):
+        mean = {"qk_cos": qk, "qk_cos_std": 0.1, "kv_cos": 0.51, "kv_cos_std": 0.0, "symmetry": 0.5,
+                "symmetry_std": 0.1, "trace_ratio": 0.1, "trace_ratio_std": 0.2, "effective_rank": rank,
+                "effective_rank_std": 1.0, "kv_rank_err": 0.5, "kv_rank_err_std": 0.1}  # fmt: skip
+        a = _analysis(f"run-seed{seed} step 7 (separate)", mean, drift=[{"layer": 0, "w_q": 0.5 + seed, "w_o": 9}])
+        a["mismatched"] = {"qk_cos": 0.40 + 0.01 * seed, "kv_cos": 0.47, "symmetry": 0.5, "trace_ratio": 0.0,
+                           "effective_rank": 12.0, "kv_rank_err": None}  # fmt: skip
+        files.append(tmp_path / f"sep{seed}.json")
+        files[-1].write_text(json.dumps(a))
+    tied = _analysis("kv-seed0 step 7 (shared_kv)", dict(mean, kv_cos=1.0, kv_cos_std=0.0))
+    (tmp_path / "kv.json").write_text(json.dumps(tied))
+    assert analyze_table.main(["--over-seeds", *map(str, files), str(tmp_path / "kv.json")]) == 0
+    rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines()[2:]]
+    assert len(rows) == 2 and rows[0][:2] == ["| separate", "3"]
+    assert rows[0][2] == f"1.50 ± {statistics.stdev([0.5, 1.5, 2.5]):.2f}"  # w_o left out
+    sd = statistics.stdev([0.55, 0.58, 0.52])
+    assert rows[0][3] == f"0.550 ± {sd:.3f} / 0.430 / 0.430 / 0.410"
+    assert rows[0][7] == "10.0 ± 1.0 / 11.0 / 11.0 / 12.0 (of 13)"
+    assert rows[0][8] == "0.500 ± 0.000 / 0.600 / 0.700 / — |"  # mismatched heads have no rank error
+    assert rows[1][:2] == ["| shared_kv", "1"] and rows[1][4] == "(1)" and rows[1][8] == "0.500 / 0.600 / — / — |"
