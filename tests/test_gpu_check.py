@@ -95,3 +95,27 @@ def test_gpu_check_smoke_runs_every_section(tmp_path):
     assert set(levers) == {"baseline", "batch_4"} and levers["baseline"]["x_baseline"] == 1.0
     assert levers["batch_4"]["batch"] == 4 and levers["batch_4"]["tokens_per_s"] > 0
     assert "status: machine 0" in proc.stdout  # the table, printed last
+
+
+def test_the_next_visits_commands_in_the_benchmarks_readme_name_only_what_the_script_takes():
+    """The recipe a GPU session pastes under a 15-minute clock: every flag of its gpu_check.py lines is one the
+    script parses, and every section, speed row and correctness variant is one it knows (a rename here fails)."""
+    import re
+    import shlex
+
+    from benchmarks import gpu_check
+
+    text = (REPO / "benchmarks/README.md").read_text()
+    block = text[text.index("The next visit (prepared since") :]
+    block = block[block.index("```bash") + 7 : block.index("```", block.index("```bash") + 7)]
+    commands = [shlex.split(c, comments=True) for c in re.sub(r"\\\n", " ", block).splitlines()]
+    commands = [c for c in commands if c and c[:2] == ["python3", "benchmarks/gpu_check.py"]]
+    assert len(commands) >= 2, block
+    allowed = {"--sections": gpu_check.SECTIONS, "--rows": gpu_check.SPEED_ROWS,
+               "--variants": gpu_check.CORRECTNESS_VARIANTS}  # fmt: skip
+    takes = {"--out", "--corpus", "--batch-size", "--budget-s", "--steps", "--sample-rows", *allowed}
+    for cmd in commands:
+        flags = dict(zip(cmd[2::2], cmd[3::2], strict=True))
+        assert set(flags) <= takes, cmd
+        for flag, names in allowed.items():
+            assert set(flags.get(flag, "").split(",")) - {""} <= set(names), (flag, flags.get(flag))
