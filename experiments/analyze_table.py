@@ -45,19 +45,25 @@ def _label(a: dict) -> str:
     return scheme + (f" (K={a['num_kv_heads']})" if a.get("num_kv_heads", 0) < a.get("num_heads", 0) else "")
 
 
-def _cell(a: dict, key: str) -> str:
-    trained = a["mean"].get(key)
-    if trained is None:
+def _cell(group: list[dict], key: str, controls: tuple[str, ...] = ("initial", "random")) -> str:
+    """One measure of one scheme over its files (one, or its seeds): the trained mean over heads and layers (as
+    mean ± std over the files where there are several), then each control averaged over the files: the run's own
+    W_0, the Gaussian draw, and where asked the mismatched heads (head n's Q against head n+1's K and V, where a
+    subspace all heads share shows up without any per-head alignment)."""
+    a = group[0]
+    if a["mean"].get(key) is None:
         return "—"
-    if _fixed(a, key):
+    if all(_fixed(g, key) for g in group):
         return "(1)"
     fmt = "{:.1f}" if key == "effective_rank" else "{:.3f}"
-    cells = [fmt.format(trained)]
-    for control in ("initial", "random"):
-        value = (a.get(control) or {}).get(key)
+    trained = [g["mean"][key] for g in group]
+    spread = "" if len(trained) < 2 else " ± " + fmt.format(statistics.stdev(trained))
+    cells = [fmt.format(statistics.fmean(trained)) + spread]
+    for control in controls:
+        values = [(g.get(control) or {}).get(key) for g in group]
         if control == "random" and key == "kv_rank_err" and _fixed(a, "kv_cos"):
-            value = None  # the Gaussian control draws W^K and W^V apart; the run's own W_0 is the control of K = V
-        cells.append("—" if value is None else fmt.format(value))
+            values = [None]  # the Gaussian control draws W^K and W^V apart; the run's own W_0 is the control of K = V
+        cells.append("—" if None in values else fmt.format(statistics.fmean(values)))
     text = " / ".join(cells)
     return f"{text} (of {a['max_rank']})" if key == "effective_rank" else text
 
@@ -93,30 +99,8 @@ def ladder_decay_only(source: str) -> dict | None:
 def table(analyses: list[dict]) -> str:
     lines = ["| scheme | drift | " + " | ".join(HEADER) + " |", "|---|---|" + "---|" * len(HEADER)]
     for a in analyses:
-        lines.append(f"| {_label(a)} | {_drift(a)} | " + " | ".join(_cell(a, k) for k in MEASURES) + " |")
+        lines.append(f"| {_label(a)} | {_drift(a)} | " + " | ".join(_cell([a], k) for k in MEASURES) + " |")
     return "\n".join(lines)
-
-
-def _seed_cell(group: list[dict], key: str) -> str:
-    """Several seeds of one scheme: the trained mean over heads and layers, as mean ± std over the seeds, then the
-    controls averaged over the seeds: the run's own W_0 / Gaussian / mismatched heads (head n's Q against head
-    n+1's K and V, where a subspace all heads share shows up without any per-head alignment)."""
-    a = group[0]
-    if a["mean"].get(key) is None:
-        return "—"
-    if all(_fixed(g, key) for g in group):
-        return "(1)"
-    fmt = "{:.1f}" if key == "effective_rank" else "{:.3f}"
-    trained = [g["mean"][key] for g in group]
-    spread = "" if len(trained) < 2 else " ± " + fmt.format(statistics.stdev(trained))
-    cells = [fmt.format(statistics.fmean(trained)) + spread]
-    for control in ("initial", "random", "mismatched"):
-        values = [(g.get(control) or {}).get(key) for g in group]
-        if control == "random" and key == "kv_rank_err" and _fixed(a, "kv_cos"):
-            values = [None]  # as in _cell: the Gaussian control is not K = V's
-        cells.append("—" if None in values else fmt.format(statistics.fmean(values)))
-    text = " / ".join(cells)
-    return f"{text} (of {a['max_rank']})" if key == "effective_rank" else text
 
 
 def _seed_drift(group: list[dict]) -> str:
@@ -137,7 +121,7 @@ def seed_table(analyses: list[dict]) -> str:
         groups.setdefault(_label(a), []).append(a)
     lines = ["| scheme | seeds | drift | " + " | ".join(HEADER) + " |", "|---|---|---|" + "---|" * len(HEADER)]
     for label, group in groups.items():
-        cells = " | ".join(_seed_cell(group, k) for k in MEASURES)
+        cells = " | ".join(_cell(group, k, ("initial", "random", "mismatched")) for k in MEASURES)
         lines.append(f"| {label} | {len(group)} | {_seed_drift(group)} | {cells} |")
     return "\n".join(lines)
 

@@ -338,9 +338,15 @@ def _trends(points: dict[tuple[str, str], list[tuple[float, float]]]) -> list[st
                     continue
                 lo, hi = t["ci"]
                 verdict = "shrinks" if hi < 0 else "grows" if lo > 0 else "no trend told apart from zero"
-                lines.append(f"- {v}{label}: {t['slope']:+.3f} ± {t['se']:.3f} [{lo:+.3f}, {hi:+.3f}] nats/byte per "
-                             f"10x parameters ({t['n']} paired runs at {t['sizes']} sizes): {verdict}")  # fmt: skip
+                lines.append(f"- {v}{label}: {_trend_text(t)}: {verdict}")
     return lines
+
+
+def _trend_text(t: dict) -> str:
+    """A :func:`trend` as ``slope ± se [95% t] nats/byte per 10x parameters (n paired runs at k sizes)``."""
+    lo, hi = t["ci"]
+    return (f"{t['slope']:+.3f} ± {t['se']:.3f} [{lo:+.3f}, {hi:+.3f}] nats/byte per 10x parameters ({t['n']} paired "
+            f"runs at {t['sizes']} sizes)")  # fmt: skip
 
 
 def _delta_by_size(cells: dict, train: dict[str, float], by_size: list[tuple]) -> list[str]:
@@ -399,10 +405,7 @@ def _head_to_head(cells: dict, by_size: list[tuple]) -> list[str]:
                   "| corpus | d | Δ [95%] d | paired seeds |", "|---|---|---|---|", *rows]  # fmt: skip
         for corpus, pts in sorted(points.items()):
             if t := trend(pts):
-                lo, hi = t["ci"]
-                lines += ["", f"Trend ({CORPUS_TITLES.get(corpus, corpus)}): {t['slope']:+.3f} ± {t['se']:.3f} "
-                          f"[{lo:+.3f}, {hi:+.3f}] nats/byte per 10x parameters ({t['n']} paired runs at "
-                          f"{t['sizes']} sizes)."]  # fmt: skip
+                lines += ["", f"Trend ({CORPUS_TITLES.get(corpus, corpus)}): {_trend_text(t)}."]
         lines.append("")
     return lines
 
