@@ -264,14 +264,16 @@ def plot_report(report: dict, path: str) -> None:
         for j, m in enumerate(MEASURES):
             # each cell shows the number its colour encodes (effective rank as its fraction of the maximum)
             text = "n/a" if r.get(m) is None else f"{values[i, j]:.2f}"
-            shade = values[i, j]
+            shade = values[i, j]  # a missing value leaves its cell blank (white): its "n/a" is written in black
             ax.text(j, i, text, ha="center", va="center", fontsize=10,
-                    color="white" if not math.isfinite(shade) or shade < 0.6 else "black")  # fmt: skip
+                    color="white" if math.isfinite(shade) and shade < 0.6 else "black")  # fmt: skip
     ax.axhline(len(report["layers"]) - 0.5, color="white", lw=3)
     labels = [m if m != "effective_rank" else f"eff. rank / {max_rank:g}" for m in MEASURES]
     ax.set_xticks(range(len(MEASURES)), labels, fontsize=9)
     ax.set_yticks(range(len(rows)), [label for label, _ in rows])
-    ax.set_title(f"W^Q, W^K, W^V similarity: {report['source']}", fontsize=9)
+    n, k = report.get("num_heads"), report.get("num_kv_heads")
+    heads = f", {n} query heads on {k} K/V heads" if n and k and k < n else ""
+    ax.set_title(f"W^Q, W^K, W^V similarity: {report['source']}{heads}", fontsize=9)
     fig.colorbar(im, ax=ax, fraction=0.03)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
