@@ -50,8 +50,9 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from experiments import budget, report
+from experiments.ladder import params_matched_mlp_dim
 from experiments.rows import append_rows, blank, csv_list, read_csv, replace_rows, row_spec, rows_file
-from qkvjax.attention import SCHEMES, attention_cost
+from qkvjax.attention import SCHEMES
 from qkvjax.config import Config, apply_overrides, from_dict, load_config_file, to_dict
 from qkvjax.models.lm import kv_cache_bytes_per_token, param_count
 from qkvjax.train.loop import Interrupted
@@ -110,14 +111,9 @@ def matched_config(base: Config, scheme: str, matching: str, kv_fraction: float 
         return config
     m = config.model
     if matching == "params":
-        # The attention parameters a scheme saves per layer go back into the MLP, which has 2 D F of them.
-        saved = (
-            attention_cost(reference.model.attention, m.d_model, m.max_len).params
-            - attention_cost(m.attention, m.d_model, m.max_len).params
-        )
-        if saved == 0:
+        mlp_dim = params_matched_mlp_dim(m, reference.model.attention)
+        if mlp_dim == m.mlp_width:
             return config
-        mlp_dim = m.mlp_width + round(saved / (2 * m.d_model))
         if mlp_dim < 1:
             raise ValueError(f"scheme {scheme!r} cannot be params-matched: the MLP width would be {mlp_dim}")
         config = dataclasses.replace(config, model=dataclasses.replace(m, mlp_dim=mlp_dim))

@@ -5,14 +5,18 @@ imports only qkvjax."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
+from qkvjax.attention import attention_cost
 from qkvjax.config import AttentionConfig, Config, DataConfig, ModelConfig, TrainConfig
 
 NUM_HEADS, NUM_LAYERS, CONTEXT, BATCH = 4, 4, 128, 16
 DEFAULT_SIZES = (48, 96, 160)
 SHARED_LR = 2e-3  # the one rate the 0.8-epoch comparison used for every scheme: the ranking is also read at it
-# Each variant: the attention config's fields (num_kv_heads as a fraction of N). A name is a label, never a branch.
+# Each variant: the attention config's fields (num_kv_heads as a fraction of N; ``params_of``: the MLP narrowed or
+# widened to that variant's parameter count, as compare_schemes.py's ``params`` matching does). A name is a label,
+# never a branch.
 VARIANTS = {
     "separate": {"scheme": "separate"},
     "shared_kv": {"scheme": "shared_kv"},
@@ -21,20 +25,36 @@ VARIANTS = {
     "shared_qkv": {"scheme": "shared_qkv"},
     "reformer_qk": {"scheme": "reformer_qk"},
     "bilinear": {"scheme": "bilinear"},
+    # W_QK's extra (N - 2) D^2 per layer (N = 4 heads) taken from the MLP: F = 3 D instead of 4 D, so the merged form
+    # is compared with the factored pair per parameter, not only at equal width
+    "bilinear_params": {"scheme": "bilinear", "params_of": "separate"},
 }
+
+
+def params_matched_mlp_dim(model: ModelConfig, reference: AttentionConfig) -> int:
+    """The MLP width F at which ``model`` has the parameters it would have with ``reference``'s attention: the
+    attention parameters ``model.attention`` saves (or adds) per layer go to (or come from) the MLP's 2 D F weights.
+    Exact up to F's bias and the rounding of F (under 0.1% at the ladder's sizes)."""
+    d, t = model.d_model, model.max_len
+    saved = attention_cost(reference, d, t).params - attention_cost(model.attention, d, t).params
+    return model.mlp_width + round(saved / (2 * d))
 
 
 def size_config(d_model: int, variant: str, learning_rate: float, seed: int, tokens: int, data: DataConfig,
                 layers: int = NUM_LAYERS, context: int = CONTEXT) -> Config:  # fmt: skip
     """The model and training of one run: width ``d_model``, ``tokens`` training tokens."""
     spec = dict(VARIANTS[variant])
-    fraction = spec.pop("kv_heads_fraction", None)
+    fraction, params_of = spec.pop("kv_heads_fraction", None), spec.pop("params_of", None)
     kv_heads = None if fraction is None else max(1, round(NUM_HEADS * fraction))
     attention = AttentionConfig(num_heads=NUM_HEADS, head_dim=d_model // NUM_HEADS, num_kv_heads=kv_heads, **spec)
+    model = ModelConfig(attention=attention, d_model=d_model, num_layers=layers, max_len=context)
+    if params_of is not None:
+        reference = size_config(d_model, params_of, learning_rate, seed, tokens, data, layers, context).model
+        model = dataclasses.replace(model, mlp_dim=params_matched_mlp_dim(model, reference.attention))
     steps = max(1, math.ceil(tokens / (BATCH * context)))
     every = max(1, steps // 10)
     return Config(
-        model=ModelConfig(attention=attention, d_model=d_model, num_layers=layers, max_len=context),
+        model=model,
         data=data,
         train=TrainConfig(
             batch_size=BATCH,

@@ -44,6 +44,21 @@ def test_size_presets_count_the_parameters_the_model_has(variant):
     assert kv_cache_bytes_per_token(gqa) == kv_cache_bytes_per_token(shared_kv)  # GQA at shared_kv's cache
 
 
+def test_params_matched_bilinear_has_separates_parameters_in_a_narrower_mlp():
+    """``bilinear_params``: W_QK's extra (N - 2) D^2 per layer come out of the MLP (F = 3 D at N = 4), so its count
+    is ``separate``'s at every size while plain ``bilinear``'s is 14-15% more; compare_schemes's ``params``
+    matching picks the same width through the same function."""
+    from experiments.compare_schemes import matched_config
+
+    for size in (*scaling.DEFAULT_SIZES, 56):
+        model = {v: scaling.size_config(size, v, 1e-3, 0, 1, DataConfig()).model
+                 for v in ("separate", "bilinear", "bilinear_params")}  # fmt: skip
+        assert model["bilinear_params"].mlp_dim == 3 * size
+        assert param_count(model["bilinear_params"]) == param_count(model["separate"]) < param_count(model["bilinear"])
+        plain = scaling.size_config(size, "bilinear", 1e-3, 0, 1, DataConfig())
+        assert matched_config(plain, "bilinear", "params").model == model["bilinear_params"]
+
+
 def _sweep_command(out, corpus, data_dir):
     return [
         sys.executable, "experiments/scaling.py", "--out", str(out), "--corpus", corpus, "--data-dir", data_dir,
