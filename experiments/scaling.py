@@ -22,10 +22,11 @@ KV heads: ``shared_kv``'s cache). Stages, in this order (``--stages`` picks; eac
   small      the other seeds at the smallest size, each variant at its own best rate (seed 0 is the sweep's run)
   middle     the same at the middle size
   corpus2    every variant at the middle size on the second corpus, at the middle size's rates, every seed
-  more       seeds up to MAX_SEEDS where the first seeds (``--seeds``) left a variant's mean difference to
-             ``separate`` under twice the seed spread (the larger of the two losses' standard deviations), with
-             ``separate`` at the same seeds; decided once, on the first seeds only (no stopping when it looks
-             good), for every stage whose first seeds are finished (after ``large`` too, when both are asked)
+  more       seeds up to MAX_SEEDS where the first seeds (``--seeds``; ``--minor-seeds``' for the minor variants)
+             left a variant's mean difference to ``separate`` under twice the seed spread (the larger of the two
+             losses' standard deviations), with ``separate`` at the same seeds, named in ``--variants`` or not;
+             decided once, on the first seeds only (no stopping when it looks good), for every variant whose first
+             seeds are finished (after ``large`` too, when both are asked)
   lr-large   the sweep at the largest size, LARGE_VARIANTS only (optional: 20-40 min a run on a 2-core CPU)
   large      LARGE_VARIANTS at the largest size at its own rates where ``lr-large`` ran, else the middle size's
 
@@ -206,44 +207,53 @@ class Sweep:
             return []
         # Seed-major: a partial stage has every variant for the first seeds. Seed 0 at the best rate is the sweep's
         # own run, found done by its name.
-        minor = self.args.minor_seeds or len(self.args.seeds)
-        runs = [self.seeded_run(stage, v, seed) for i, seed in enumerate(self.args.seeds) for v in variants
-                if v in LARGE_VARIANTS or i < minor]  # fmt: skip
+        runs = [self.seeded_run(stage, v, seed) for seed in self.args.seeds for v in variants
+                if seed in self.first_seeds(v)]  # fmt: skip
         # a sweep seed at a rate not chosen yet will be the sweep's own run at the winning rate: not one to plan
         pending = self.args.learning_rate is None and corpus == "primary"
         runs = [r for r in runs if not (pending and math.isnan(r.learning_rate) and r.seed in self.args.sweep_seeds)]
         return [r for r in runs if not self.done(r)]
 
+    def first_seeds(self, variant: str) -> list[int]:
+        """The seeds a seeded stage trains ``variant`` at: ``--seeds``, or its first ``--minor-seeds`` outside
+        LARGE_VARIANTS."""
+        minor = self.args.minor_seeds or len(self.args.seeds)
+        return self.args.seeds if variant in LARGE_VARIANTS else self.args.seeds[:minor]
+
     def undecided(self, stage: str) -> list[str]:
-        """The variants of a finished seeded stage whose mean difference to ``separate`` over the first seeds is
-        under twice the seed spread; none while any first seed is missing."""
+        """The variants of a seeded stage whose mean difference to ``separate`` over their first seeds (``separate``
+        at the same seeds, whether or not ``--variants`` names it) is under twice the seed spread; a variant is
+        decided only once all those runs are finished."""
         _, corpus, variants, _ = self.group(stage)
-        if "separate" not in variants or (corpus == "second" and self.corpora["second"] is None):
+        if corpus == "second" and self.corpora["second"] is None:
             return []
-        loss = {}
-        for variant in variants:
-            rows = [self.done(self.seeded_run(stage, variant, seed)) for seed in self.args.seeds]
-            if len(rows) < 2 or not all(rows):
-                return []
-            loss[variant] = [float(r["final_val_loss"]) for r in rows]
+
+        def losses(variant: str, seeds: list[int]) -> list[float] | None:
+            rows = [self.done(self.seeded_run(stage, variant, seed)) for seed in seeds]
+            return [float(r["final_val_loss"]) for r in rows] if len(rows) >= 2 and all(rows) else None
+
         out = []
         for variant in variants:
-            if variant == "separate":
+            seeds = self.first_seeds(variant)
+            mine, ref = losses(variant, seeds), losses("separate", seeds)
+            if variant == "separate" or mine is None or ref is None:
                 continue
-            delta = statistics.fmean(loss[variant]) - statistics.fmean(loss["separate"])
-            spread = max(statistics.stdev(loss[variant]), statistics.stdev(loss["separate"]))
-            if abs(delta) < 2 * spread:
+            delta = statistics.fmean(mine) - statistics.fmean(ref)
+            if abs(delta) < 2 * max(statistics.stdev(mine), statistics.stdev(ref)):
                 out.append(variant)
         return out
 
     def more_runs(self, stage: str) -> list[Run]:
         """The extra seeds ``stage`` still needs: up to MAX_SEEDS for each undecided variant and ``separate``."""
-        undecided = self.undecided(stage)
-        if not undecided:
-            return []
-        first = max(self.args.seeds) + 1
-        extra = range(first, first + MAX_SEEDS - len(self.args.seeds))
-        runs = [self.seeded_run(stage, v, seed, "more") for seed in extra for v in ["separate", *undecided]]
+        extra = {}  # variant -> the seeds after its first ones, up to MAX_SEEDS in all
+        for variant in self.undecided(stage):
+            seeds = self.first_seeds(variant)
+            extra[variant] = range(max(seeds) + 1, max(seeds) + 1 + MAX_SEEDS - len(seeds))
+        runs = []
+        for seed in sorted({seed for seeds in extra.values() for seed in seeds}):
+            # seed-major, ``separate`` first at each seed: a partial stage pairs every variant it reached
+            variants = ["separate", *(v for v, seeds in extra.items() if seed in seeds)]
+            runs += [self.seeded_run(stage, v, seed, "more") for v in variants]
         return [r for r in runs if not self.done(r)]
 
 

@@ -201,6 +201,25 @@ def test_more_seeds_go_where_the_first_seeds_cannot_tell_a_difference(tmp_path, 
     assert [r.name for r in sweep.stage_runs("more")] == [r.name for r in planned[1:]]
 
 
+def test_more_seeds_reach_a_minor_variant_and_need_not_name_separate(tmp_path, small_text):
+    """A sweep asked for one variant alone still decides against ``separate``'s finished seeds, and a minor variant
+    (``--minor-seeds``: fewer first seeds than the main ones) is decided on its own first seeds and extended from
+    there to MAX_SEEDS, instead of being waited for at seeds it never trains (which left ``more`` empty)."""
+    argv = ["--out", str(tmp_path), "--corpus", small_text, "--sizes", "8,12,16", "--learning-rate", "3e-3",
+            "--variants", "bilinear_params", "--seeds", "0,1,2", "--minor-seeds", "2"]  # fmt: skip
+    sweep = scaling.Sweep(scaling.build_parser().parse_args(argv))
+    assert [r.seed for r in sweep.stage_runs("middle")] == [0, 1]
+    done = {("separate", 0): 1.50, ("separate", 1): 1.56, ("separate", 2): 1.53, ("bilinear_params", 0): 1.52}
+    for (variant, seed), loss in done.items():
+        sweep.rows.append({"run": sweep.seeded_run("middle", variant, seed).name, "final_val_loss": str(loss)})
+    assert sweep.undecided("middle") == []  # its seed 1 still missing
+    sweep.rows.append({"run": sweep.seeded_run("middle", "bilinear_params", 1).name, "final_val_loss": "1.55"})
+    assert sweep.undecided("middle") == ["bilinear_params"]  # +0.005 against a spread of 0.042
+    planned = [(r.variant, r.seed) for r in sweep.stage_runs("more")]
+    assert planned == [("bilinear_params", 2), ("separate", 3), ("bilinear_params", 3), ("separate", 4),
+                       ("bilinear_params", 4)]  # fmt: skip
+
+
 def test_the_report_pairs_two_ties_with_each_other_by_seed():
     """The head-to-head table (K = V against GQA): ``shared_kv - gqa`` paired by seed, with its t interval, only
     at the sizes where both ran; each seed's own offset, shared by both, leaves the paired interval narrow."""
