@@ -39,10 +39,13 @@ def _fixed(a: dict, key: str) -> bool:
 
 
 def _label(a: dict) -> str:
-    """``'<run> step N (scheme)'`` -> ``scheme``, with ``K=k`` where the keys have fewer heads than the queries."""
+    """``'<run> step N (scheme)'`` -> the scaling ladder's variant where the run is one of its runs (``gqa``,
+    ``bilinear_params``: two variants of one scheme must not be read as seeds of one row), else ``scheme``; with
+    ``K=k`` where the keys have fewer heads than the queries."""
     source = a["source"]
     scheme = source.rsplit("(", 1)[-1].rstrip(")") if source.endswith(")") else source
-    return scheme + (f" (K={a['num_kv_heads']})" if a.get("num_kv_heads", 0) < a.get("num_heads", 0) else "")
+    name = m["variant"] if (m := LADDER_RUN.match(source)) else scheme
+    return name + (f" (K={a['num_kv_heads']})" if a.get("num_kv_heads", 0) < a.get("num_heads", 0) else "")
 
 
 def _cell(group: list[dict], key: str, controls: tuple[str, ...] = ("initial", "random")) -> str:

@@ -79,3 +79,19 @@ def test_over_seeds_gives_one_row_per_scheme_with_the_seed_spread(tmp_path, caps
     assert rows[0][7] == "10.0 ± 1.0 / 11.0 / 11.0 / 12.0 (of 13)"
     assert rows[0][8] == "0.500 ± 0.000 / 0.600 / 0.700 / — |"  # mismatched heads have no rank error
     assert rows[1][:2] == ["| shared_kv", "1"] and rows[1][4] == "(1)" and rows[1][8] == "0.500 / 0.600 / — / — |"
+
+
+def test_two_ladder_variants_of_one_scheme_stay_two_rows(tmp_path, capsys):
+    """A scaling-ladder run is labelled by its variant, so ``bilinear`` and ``bilinear_params`` (one scheme, two
+    models) and ``gqa`` (``separate`` with fewer K/V heads) are never averaged as seeds of one row; a run named
+    otherwise keeps its scheme."""
+    mean = {"symmetry": 0.5, "symmetry_std": 0.1, "effective_rank": 9.0, "effective_rank_std": 1.0}
+    sources = ["shakespeare-d96-bilinear-lr0.004-seed0 step 7 (bilinear)",
+               "shakespeare-d96-bilinear_params-lr0.004-seed0 step 7 (bilinear)",
+               "shakespeare-d96-bilinear_params-lr0.004-seed1 step 7 (bilinear)",
+               "python_docs-d160-gqa-lr0.004-seed1 step 7 (separate)", "my-run step 7 (shared_qk)"]  # fmt: skip
+    for i, source in enumerate(sources):
+        (tmp_path / f"{i}.json").write_text(json.dumps(_analysis(source, mean, 1 if "gqa" in source else 5)))
+    assert analyze_table.main(["--over-seeds", *(str(tmp_path / f"{i}.json") for i in range(5))]) == 0
+    rows = [line.split(" | ")[:2] for line in capsys.readouterr().out.splitlines()[2:]]
+    assert rows == [["| bilinear", "1"], ["| bilinear_params", "2"], ["| gqa (K=1)", "1"], ["| shared_qk", "1"]]
