@@ -13,7 +13,8 @@ so tied schemes, having fewer parameters, see slightly more than 10 per paramete
 next-byte cross-entropy over the whole validation split.
 
 Variants (``VARIANTS``: data, not branches): the tying schemes of the registry plus ``gqa`` (``separate`` with N/2
-KV heads: ``shared_kv``'s cache). Stages, in this order (``--stages`` picks; each skips what is finished):
+KV heads: ``shared_kv``'s cache) and ``bilinear_params`` (``bilinear`` with the MLP narrowed to ``separate``'s
+parameter count). Stages, in this order (``--stages`` picks; each skips what is finished):
 
   lr-small   every variant at the smallest size at each rate of ``--lr-grid`` (LR_GRID), with the seeds of
              ``--sweep-seeds`` (seed 0; 0,1 picks each rate on the mean of two seeds); a rate at the grid's edge
