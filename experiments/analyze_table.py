@@ -71,13 +71,21 @@ def _cell(group: list[dict], key: str, controls: tuple[str, ...] = ("initial", "
     return f"{text} (of {a['max_rank']})" if key == "effective_rank" else text
 
 
+def _drift_values(a: dict) -> list[float]:
+    """The drift of every attention input kernel in every layer (``w_o`` left out)."""
+    return [v for layer in a.get("drift") or [] for k, v in layer.items() if k not in ("layer", "w_o")]
+
+
+def _decay_alone(a: dict) -> str:
+    decay = a.get("drift_decay_only")
+    return "" if not decay else f"; decay alone {decay['drift']:.2f}"
+
+
 def _drift(a: dict) -> str:
-    values = [v for layer in a.get("drift") or [] for k, v in layer.items() if k not in ("layer", "w_o")]
+    values = _drift_values(a)
     if not values:
         return "—"
-    decay = a.get("drift_decay_only")
-    alone = "" if not decay else f"; decay alone {decay['drift']:.2f}"
-    return f"{statistics.fmean(values):.2f} ({min(values):.2f}-{max(values):.2f}){alone}"
+    return f"{statistics.fmean(values):.2f} ({min(values):.2f}-{max(values):.2f}){_decay_alone(a)}"
 
 
 LADDER_RUN = re.compile(r"^\w+-d(?P<size>\d+)-(?P<variant>\w+)-lr(?P<lr>[\d.e-]+)-seed(?P<seed>\d+) step (?P<step>\d+)")
@@ -108,13 +116,11 @@ def table(analyses: list[dict]) -> str:
 
 def _seed_drift(group: list[dict]) -> str:
     """The drift over kernels and layers (``w_o`` left out), mean ± std over the seeds, and weight decay's alone."""
-    means = [statistics.fmean(v for layer in g["drift"] for k, v in layer.items() if k not in ("layer", "w_o"))
-             for g in group if g.get("drift")]  # fmt: skip
+    means = [statistics.fmean(values) for g in group if (values := _drift_values(g))]
     if not means:
         return "—"
-    decay = group[0].get("drift_decay_only")
     spread = "" if len(means) < 2 else f" ± {statistics.stdev(means):.2f}"
-    return f"{statistics.fmean(means):.2f}{spread}" + ("" if not decay else f"; decay alone {decay['drift']:.2f}")
+    return f"{statistics.fmean(means):.2f}{spread}{_decay_alone(group[0])}"
 
 
 def seed_table(analyses: list[dict]) -> str:
