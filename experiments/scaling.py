@@ -28,8 +28,9 @@ parameter count). Stages, in this order (``--stages`` picks; each skips what is 
              losses' standard deviations), with ``separate`` at the same seeds, named in ``--variants`` or not;
              decided once, on the first seeds only (no stopping when it looks good), for every variant whose first
              seeds are finished (after ``large`` too, when both are asked)
-  lr-large   the sweep at the largest size, LARGE_VARIANTS only (optional: 20-40 min a run on a 2-core CPU)
-  large      LARGE_VARIANTS at the largest size at its own rates where ``lr-large`` ran, else the middle size's
+  lr-large   the sweep at the largest size, ``--large-variants`` only (default: LARGE_VARIANTS; optional: 20-40 min
+             a run on a 2-core CPU)
+  large      ``--large-variants`` at the largest size at its own rates where ``lr-large`` ran, else the middle size's
 
 ``--minor-seeds N`` trains the variants outside LARGE_VARIANTS (the five main ones) at the first N seeds only.
 
@@ -160,7 +161,7 @@ class Sweep:
         """The sweep's runs at ``size`` still to train: the grid, then one step past a winning edge."""
         out = []
         grid = self.args.lr_grid
-        variants = [v for v in self.args.variants if stage != "lr-large" or v in LARGE_VARIANTS]
+        variants = [v for v in self.args.variants if stage != "lr-large" or v in self.args.large_variants]
         for variant in variants:
             rates = set(grid)
             done = set(self.sweep_losses(size, variant))
@@ -183,7 +184,7 @@ class Sweep:
             "small": (small, "primary", self.args.variants, small),
             "middle": (middle, "primary", self.args.variants, middle),
             "corpus2": (middle, "second", self.args.variants, middle),
-            "large": (large, "primary", [v for v in self.args.variants if v in LARGE_VARIANTS],
+            "large": (large, "primary", [v for v in self.args.variants if v in self.args.large_variants],
                       large if "lr-large" in self.args.stages or any(r.get("stage") == "lr-large" for r in self.rows)
                       else middle),
         }[stage]  # fmt: skip
@@ -515,6 +516,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sweep-seeds", type=csv_list(int), default=[0], help="seeds a rate is judged on (default: 0)")
     p.add_argument("--max-extensions", type=int, default=MAX_EXTENSIONS,
                    help=f"factors of 2 a winning edge may be extended by (default: {MAX_EXTENSIONS})")  # fmt: skip
+    p.add_argument(
+        "--large-variants",
+        type=csv_list(str),
+        default=list(LARGE_VARIANTS),
+        help=f"the variants the largest size trains, of --variants (default: {','.join(LARGE_VARIANTS)})",
+    )
     p.add_argument("--minor-seeds", type=_positive(int), default=None,
                    help="seeds for the variants outside the five main ones (default: all of --seeds)")  # fmt: skip
     p.add_argument("--layers", type=_positive(int), default=NUM_LAYERS, help=f"default: {NUM_LAYERS}")
@@ -532,7 +539,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_args(args) -> None:
     """Everything refused before a file is written or a probe compiles."""
-    for name, values, allowed in (("stage", args.stages, STAGES), ("variant", args.variants, VARIANTS)):
+    for name, values, allowed in (
+        ("stage", args.stages, STAGES),
+        ("variant", args.variants, VARIANTS),
+        ("--large-variants value", args.large_variants, VARIANTS),
+    ):
         for value in values:
             if value not in allowed:
                 raise ValueError(f"unknown {name} {value!r}; allowed: {','.join(allowed)}")

@@ -125,6 +125,7 @@ def test_the_sweep_end_to_end_survives_a_sigkill_and_resumes(tmp_path, small_tex
         ("--sizes", "8,10,16", "10; allowed: a multiple of 4"),
         ("--sizes", "8,16", "three distinct widths"),
         ("--stages", "lr-huge", "unknown stage 'lr-huge'"),
+        ("--large-variants", "separate,bilinear_param", "unknown --large-variants value 'bilinear_param'"),
     ],
 )
 def test_bad_arguments_are_refused_before_anything_is_written(tmp_path, capsys, flag, value, match):
@@ -389,6 +390,20 @@ def test_rates_are_chosen_on_the_mean_of_the_sweep_seeds_at_every_size(tmp_path,
     assert ("bilinear", 3) not in {(r.variant, r.seed) for r in scaling.Sweep(args).stage_runs("small")}
     with pytest.raises(ValueError, match="--sweep-seeds"):
         scaling.check_args(scaling.build_parser().parse_args([*argv, "--sweep-seeds", "0,7"]))
+    # --large-variants takes a minor variant to the largest size, at its first --minor-seeds seeds only
+    args = scaling.build_parser().parse_args([*argv, "--large-variants", "separate,bilinear"])
+    sweep = scaling.Sweep(args)
+    assert {(r.variant, r.learning_rate, r.seed) for r in sweep.stage_runs("lr-large")} == {
+        (v, lr, seed) for v in ("separate", "bilinear") for lr in (1e-3, 2e-3, 4e-3) for seed in (0, 1)
+    }
+    for seed in (0, 1):
+        for variant in ("separate", "bilinear"):
+            run = sweep.run("lr-large", "primary", 16, variant, 2e-3, seed)
+            sweep.rows.append({"run": run.name, "stage": "lr-large", "corpus": run.corpus, "size": "16",
+                               "variant": variant, "seed": str(seed), "learning_rate": "0.002",
+                               "final_val_loss": "1.0"})  # fmt: skip
+    assert {(r.variant, r.seed) for r in sweep.stage_runs("large")} == {
+        ("separate", 2), ("separate", 3), ("bilinear", 2)}  # fmt: skip
 
 
 @pytest.mark.parametrize("n", [2, 3, 5])
