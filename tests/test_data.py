@@ -1,12 +1,15 @@
 """TFDS builders (array_record, no TensorFlow) and the grain pipeline."""
 
 import hashlib
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
 from qkvjax.data.builders import TINY_SHAKESPEARE_SHA256, TinyShakespeare, load_splits, split_text
 from qkvjax.data.pipeline import eval_batches, train_batches
+from tests.helpers import REPO
 
 
 def test_tiny_shakespeare_has_the_catalog_split(corpus, data_dir):
@@ -86,3 +89,34 @@ def test_offline_preparation_fails_fast_naming_the_flag(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"cannot reach http://127.0.0.1:9/input.txt .*--config.data.source_path="):
         load_splits("tiny_shakespeare", None, str(tmp_path))
     assert time.perf_counter() - start < builders.PROBE_TIMEOUT_S + 5
+
+
+def test_processes_preparing_one_new_corpus_at_once_all_read_it(tmp_path):
+    """Two runs started together on a file no one prepared yet: TFDS renames each one's incomplete folder into
+    place, and the second rename finds the first's there (FileExistsError before the fix, on 3 tries of 3)."""
+    text = tmp_path / "racing.txt"
+    text.write_text("".join(f"line {i}: the same corpus for every process\n" for i in range(20_000)))
+    data_dir = tmp_path / "tfds"
+    code = (
+        "import sys; from qkvjax.data.builders import load_splits; "
+        "s = load_splits('text_file', sys.argv[1], sys.argv[2]); print(sorted((k, len(v)) for k, v in s.items()))"
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, str(text), str(data_dir)],
+            cwd=REPO,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )  # fmt: skip
+        for _ in range(3)
+    ]
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (_, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err[-2000:]
+    n = len(text.read_bytes())
+    expected = sorted((k, len(v)) for k, v in split_text(text.read_bytes()).items())
+    assert {out.strip().splitlines()[-1] for out, _ in outs} == {str(expected)}
+    assert sum(length for _, length in expected) == n
+    leftovers = [p.name for p in data_dir.rglob("incomplete*")]
+    assert not leftovers, leftovers  # each loser's folder is removed

@@ -134,14 +134,29 @@ DATASETS = {"tiny_shakespeare": TinyShakespeare, "text_file": TextFile}
 assert tuple(DATASETS) == DATASET_NAMES
 
 
+def _prepared(make):
+    """``make()``'s builder, prepared. Two processes may prepare one new corpus at once (two runs started on it,
+    a sweep's workers): each writes its own ``incomplete.*`` folder and the one that renames it into place second
+    fails. Its files are the same bytes split the same way, so the loser reads the winner's."""
+    builder = make()
+    try:
+        builder.download_and_prepare(file_format="array_record")
+    except OSError:  # FileExistsError locally; whatever the filesystem raises for a taken destination elsewhere
+        builder = make()
+        if not builder.is_prepared():  # a full disk, a permission: not the race
+            raise
+    return builder
+
+
 def load_splits(dataset: str, source_path: str | None, data_dir: str) -> dict[str, np.ndarray]:
     """Prepares the builder (once) and returns each split as a uint8 array of bytes."""
     if dataset not in DATASETS:
         raise ValueError(f"data.dataset={dataset!r} is unknown; allowed: {sorted(DATASETS)}")
     if dataset == "text_file":
         read_text_file(source_path or "")
-    builder = DATASETS[dataset](source_path=source_path, data_dir=data_dir, file_format="array_record")
-    builder.download_and_prepare(file_format="array_record")
+    builder = _prepared(
+        lambda: DATASETS[dataset](source_path=source_path, data_dir=data_dir, file_format="array_record")
+    )
     out = {}
     for split in SPLITS:
         source = builder.as_data_source(split=split)
