@@ -62,6 +62,9 @@ class FlaxAttention(nn.Module):
         return mha(x, mask=mask, deterministic=deterministic)
 
 
+CUDNN_ATTENTION = "__cudnn$fmha"  # the custom-call target of cuDNN's fused attention in a compiled GPU program
+
+
 def prepare_train(model, config: Config) -> dict:
     """Compiles the train step (timed), runs one warm-up step; returns a zero-argument timed-step runner."""
     tx = make_optimizer(config.train)
@@ -96,7 +99,7 @@ def prepare_train(model, config: Config) -> dict:
             - memory.alias_size_in_bytes
         )
     return {"step": one_step, "tokens": b * t, "compile_s": compile_s, "init_s": init_s, "warmup_s": warmup_s,
-            "xla_memory_bytes": mem_bytes,
+            "xla_memory_bytes": mem_bytes, "cudnn_attention_calls": compiled.as_text().count(CUDNN_ATTENTION),
             "last_loss": lambda: float(holder["metrics"]["loss"])}  # fmt: skip
 
 

@@ -82,8 +82,9 @@ DECODE_LEVERS = {
 }
 SAMPLE_ROWS = ("1", "64")  # batch sizes
 SMOKE_SAMPLE_ROWS = ("1", "8")
-# most wanted first; "/xla": XLA's attention instead of cuDNN's; "+rope": MLA's decoupled rotary part
-SPEED_ROWS = ("separate", "flax", "shared_kv", "gqa", "shared_qk", "mla", "mla+rope", "separate/xla")
+# most wanted first; "/xla": XLA's attention instead of cuDNN's; "/auto": the implementation left unset, as a user
+# runs it (cuDNN's where jax takes the call); "+rope": MLA's decoupled rotary part
+SPEED_ROWS = ("separate", "separate/auto", "flax", "shared_kv", "gqa", "shared_qk", "mla", "mla+rope", "separate/xla")
 SMOKE_SPEED_ROWS = ("separate", "flax", "mla+rope")
 SMOKE_VARIANTS = ("separate", "mla+rope", "cla2", "window")  # each module class, a K/V hand-over, a ring
 CORRECTNESS_VARIANTS = {  # name: config overrides on the small LM
@@ -378,8 +379,10 @@ def _speed_config(args, row: str):
         over["model.attention.num_kv_heads"] = 4 if not args.smoke else 2
     elif scheme not in ("separate", "flax"):
         over["model.attention.scheme"] = scheme
-    if _on_gpu() and not row.endswith("/xla") and row != "flax":
+    if _on_gpu() and not row.endswith(("/xla", "/auto")) and row != "flax":
         over["model.attention.implementation"] = "cudnn"
+    elif row.endswith("/xla"):
+        over["model.attention.implementation"] = "xla"
     path = "experiments/configs/tiny.py" if args.smoke else "experiments/configs/gpt2_small.py"
     return _config(path, over)
 
@@ -425,6 +428,7 @@ def section_speed(args) -> dict:
             "init_s": runner["init_s"],  # the state's init (jitted) and the warm-up step: where row_s goes
             "warmup_s": runner["warmup_s"],
             "xla_memory_bytes": runner["xla_memory_bytes"],
+            "cudnn_attention_calls": runner["cudnn_attention_calls"],  # cuDNN's fused attention in the program
             "loss": runner["last_loss"](),
             "row_s": time.perf_counter() - row_start,  # building, compiling and timing this row
         }
@@ -884,7 +888,8 @@ def table(m: dict) -> str:
             mem = f"{mem / 2**30:.1f}" if mem else "n/a"
             # the timed steps' interquartile range as +-% of the median step: a ratio inside it is noise
             iqr = f"{50 * (r['step_s_q3'] - r['step_s_q1']) / r['step_s']:.1f}%" if "step_s_q1" in r else "n/a"
-            lines.append(f"{name:<14} {tps:>10,.0f} {iqr:>6} {ratio:>6} {mfu:>6} {compile_s:>9.1f} {mem:>7}")
+            fused = f" cuDNN x{r['cudnn_attention_calls']}" if r.get("cudnn_attention_calls") else ""
+            lines.append(f"{name:<14} {tps:>10,.0f} {iqr:>6} {ratio:>6} {mfu:>6} {compile_s:>9.1f} {mem:>7}{fused}")
     if "train" in m:
         t = m["train"]
         lines.append(

@@ -79,7 +79,7 @@ def _plan(args: argparse.Namespace, overrides: dict[str, str]) -> int:
         raise ValueError(f"--per-device-memory={args.per_device_memory}; allowed: GiB > 0")
     config = apply_overrides(load_config_file(args.config), overrides)
     require_decoder(config, "plan")
-    print(format_plan(config, plan(config, args.devices), args.per_device_memory))
+    print(format_plan(config, plan(config, args.devices, args.backend), args.per_device_memory))
     return 0
 
 
@@ -425,6 +425,8 @@ def _run_commands() -> tuple[Command, ...]:
             opt("--config", required=True, help="a Python file with get_config()"),
             opt("--devices", type=int, required=True, help="devices in the job (chips on TPU, GPUs)"),
             opt("--per-device-memory", type=float, default=None, help="GiB per device; warns when it will not fit"),
+            opt("--backend", default=None, choices=["cpu", "gpu", "tpu"],
+                help="where the run will train, which decides its attention kernels (default: this machine's)"),
         ), "Per-device memory of training a config on a mesh of --devices devices (the config's mesh, e.g. "
            "--config.mesh.fsdp=8; -1 fills the rest). Takes --config.a.b=value overrides like train.",
            overrides=True),

@@ -8,15 +8,20 @@ Per device, in bytes, for the mesh ``(data, fsdp, tensor)`` the config asks for 
 - **gradients**: one more copy of the parameters, sharded alike (alive during the update);
 - **activations** (an estimate): what the backward pass keeps for the micro-batch on one device,
   ``b = batch / grad_accum / (data * fsdp)`` rows of ``T`` positions. Per layer and position, in the compute dtype:
-  two layer norms' inputs and outputs (4 D), queries, keys and values and the attention output
-  (2 N H + 2 K H), the MLP's pre- and post-activation (2 F); in float32, the attention scores and probabilities
-  (2 N T). Heads and F are split over ``tensor``. Plus the float32 logits and their gradient (2 V per position).
-  ``remat='full'`` keeps only each block's input (D per layer) plus one block's activations; ``'dots'`` drops the
-  layer-norm and activation-function outputs (4 D + F fewer per layer). XLA's own buffers come on top: plan for
-  about 10-20% headroom.
+  two layer norms' inputs and outputs (4 D), queries, keys, values and the attention output ((N + K) (H_k + H_v),
+  which is 2 N H + 2 K H unless MLA's keys carry a rotary part; plus MLA's latent, R), the MLP's pre- and
+  post-activation (2 F); in float32, N times what the layer's attention kernel keeps per query
+  (:func:`kept_scores`: 2 T for the whole scores and probabilities, about half of that in causal blocks, 1 for a
+  flash kernel's log-sum-exp). Heads and F are split over ``tensor``. Plus the float32 logits and their gradient
+  (2 V per position). ``remat='full'`` keeps only each block's input (D per layer) plus one block's activations;
+  ``'dots'`` drops the layer-norm and activation-function outputs (4 D + F fewer per layer).
 
-Parameters, optimizer state and gradients are exact (the tests check them against the shardings of a real
-8-device mesh); activations are an order-of-magnitude guide.
+Which kernel runs depends on the backend the run will have (``--backend``; this machine's by default): a GPU
+takes cuDNN's flash kernel by default where jax accepts it, a CPU the einsum path in causal blocks, a TPU XLA's
+attention. Parameters, optimizer state and gradients are exact (the tests check them against the shardings of a
+real 8-device mesh); activations are a guide: for ``gpt2_small`` at batch 32 on an H100 and an H200 the total was
+0.74-0.86x the memory XLA planned with cuDNN's kernel and 1.13-1.15x with XLA's attention
+(``tests/test_plan.py``), so leave a quarter of the memory for what it does not count.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ import flax.linen as nn
 import jax
 import numpy as np
 
+from qkvjax.attention import AttentionConfig
+from qkvjax.attention.config import resolve_implementation
 from qkvjax.config import Config, MeshConfig
 from qkvjax.models.lm import DecoderLM, param_count
 from qkvjax.train.mesh import mesh_shape, partition_spec
@@ -55,19 +62,63 @@ def _sharded_bytes(tree, sizes: dict[str, int]) -> int:
     return total
 
 
-def activation_bytes(config: Config, micro_batch: int, tensor: int) -> int:
-    """The estimate described in the module docstring, for ``micro_batch`` rows on one device."""
+FLASH_DTYPES = ("bfloat16", "float16")
+FLASH_HEAD_LIMIT = 128  # cuDNN's flash kernel: head widths up to 128 (256 from Hopper on), multiples of 8
+
+
+def kept_scores(att: AttentionConfig, t: int, backend: str) -> tuple[str, float]:
+    """``(kernel, values)``: the attention kernel a causal LM's training step runs in a layer of ``att`` at context
+    ``t`` on ``backend`` (the first row of :data:`qkvjax.attention.kernels.KERNELS` that applies to fresh causal
+    self-attention, as :func:`~qkvjax.attention.kernels.choose` picks it) and the float32 values per query and
+    head it keeps for the backward pass:
+
+    - ``flash``, cuDNN's kernel ('cudnn', or 'auto' on a GPU, with 16-bit compute, keys at most
+      :data:`FLASH_HEAD_LIMIT` wide in multiples of 8, and no mask but the causal one): its log-sum-exp, 1;
+    - ``xla`` (XLA's attention) and ``einsum``: the (T, T) scores and probabilities, 2 T;
+    - ``blocks``: the same below the diagonal only, for blocks of C = ``causal_block`` queries, T + C;
+    - ``window``: a band of W keys per block, 2 (W + C);
+    - ``chunked``: the scan's carry per block of C = ``chunk_size`` keys (max, sum and output), ceil(T / C) (Hv + 2).
+    """
+    impl = resolve_implementation(att.implementation, backend)
+    tying, window, block = att.tying, att.sliding_window or 0, att.causal_block
+    custom = tying.bilinear or tying.mask_self or att.relative_bias > 0 or att.dropout_rate > 0
+    key_width = att.head_dim + (att.rope_dim if tying.latent else 0)
+    in_blocks = (custom or impl == "einsum") and not att.dropout_rate and block and t >= 2 * block
+    if impl == "chunked" and not custom and not window:
+        return "chunked", -(-t // att.chunk_size) * (att.value_dim + 2)
+    if window and in_blocks:
+        return "window", 2 * min(t, window + block)
+    if in_blocks:
+        return "blocks", t + block
+    if custom or impl in ("einsum", "chunked") or att.value_dim > key_width:
+        return "einsum", 2 * t
+    flash = (impl == "cudnn" or (impl == "auto" and att.dtype in FLASH_DTYPES)) and not window
+    if flash and key_width % 8 == 0 and key_width <= FLASH_HEAD_LIMIT:
+        return "flash", 1
+    return "xla", 2 * t
+
+
+def activation_bytes(config: Config, micro_batch: int, tensor: int, backend: str | None = None) -> int:
+    """The estimate described in the module docstring, for ``micro_batch`` rows on one device of ``backend``
+    (``jax.default_backend()`` when None)."""
     m, t = config.model, config.seq_len
-    att = m.attention
-    a = np.dtype(att.dtype).itemsize
-    n, k, h, f, d = att.num_heads / tensor, att.kv_heads / tensor, att.head_dim, m.mlp_width / tensor, m.d_model
-    full_layer = a * (4 * d + 2 * n * h + 2 * k * h + 2 * f) + 4 * 2 * n * t
+    backend = backend or jax.default_backend()
+    a = np.dtype(m.attention.dtype).itemsize
+    f, d = m.mlp_width / tensor, m.d_model
+    per_layer = []
+    for layer in m.layer_attention:
+        att = layer.config
+        n, k, hv = att.num_heads / tensor, att.kv_heads / tensor, att.value_dim
+        hk = att.head_dim + (att.rope_dim if att.tying.latent else 0)  # MLA's keys carry the rotary part
+        latent = att.latent_dim if att.tying.latent else 0  # MLA's compressed K/V, R per position
+        _, kept = kept_scores(att, t, backend)
+        per_layer.append(a * (4 * d + (n + k) * (hk + hv) + latent + 2 * f) + 4 * n * kept)
     if m.remat == "full":
-        layers = m.num_layers * a * d + full_layer
+        layers = m.num_layers * a * d + max(per_layer)
     elif m.remat == "dots":
-        layers = m.num_layers * (full_layer - a * (4 * d + f))
+        layers = sum(per_layer) - m.num_layers * a * (4 * d + f)
     else:
-        layers = m.num_layers * full_layer
+        layers = sum(per_layer)
     logits = 4 * 2 * m.vocab_size / tensor
     return int(micro_batch * t * (layers + logits))
 
@@ -81,6 +132,7 @@ class Plan:
     optimizer: int
     gradients: int
     activations: int
+    backend: str = "cpu"  # the kernels the activations assume
 
     @property
     def total(self) -> int:
@@ -93,10 +145,17 @@ def _abstract(config: Config):
     return abstract_state(DecoderLM(config.model), config, make_optimizer(config.train))
 
 
-def plan(config: Config, devices: int) -> Plan:
-    """Bytes per device of training ``config`` on ``devices`` devices with the config's mesh (-1 filled in)."""
+BACKENDS = ("cpu", "gpu", "tpu")
+
+
+def plan(config: Config, devices: int, backend: str | None = None) -> Plan:
+    """Bytes per device of training ``config`` on ``devices`` devices of ``backend`` (this machine's when None)
+    with the config's mesh (-1 filled in)."""
     if devices < 1:
         raise ValueError(f"--devices={devices}; allowed: an integer >= 1")
+    backend = backend or jax.default_backend()
+    if backend not in BACKENDS:
+        raise ValueError(f"--backend={backend!r}; allowed: {', '.join(BACKENDS)}")
     shape = mesh_shape(config.mesh, devices)
     sizes = dict(zip(("data", "fsdp", "tensor"), shape, strict=True))
     dp = shape[0] * shape[1]
@@ -104,7 +163,11 @@ def plan(config: Config, devices: int) -> Plan:
     for name, value in (("batch_size", tc.batch_size), ("micro-batch", tc.batch_size // tc.grad_accum_steps)):
         if value % dp:
             raise ValueError(f"train.{name}={value} is not divisible by the data-parallel size {dp} (data x fsdp)")
-    state = _abstract(dataclasses.replace(config, mesh=MeshConfig()))
+    # the state's shapes do not depend on the mesh or the kernel (which may need a GPU this machine lacks)
+    einsum = dataclasses.replace(config.model.attention, implementation="einsum")
+    state = _abstract(
+        dataclasses.replace(config, mesh=MeshConfig(), model=dataclasses.replace(config.model, attention=einsum))
+    )
     params = _sharded_bytes(state.params, sizes)
     micro = tc.batch_size // tc.grad_accum_steps // dp
     return Plan(
@@ -114,8 +177,16 @@ def plan(config: Config, devices: int) -> Plan:
         params=params,
         optimizer=_sharded_bytes(state.opt_state, sizes),
         gradients=params,
-        activations=activation_bytes(config, micro, shape[2]),
+        activations=activation_bytes(config, micro, shape[2], backend),
+        backend=backend,
     )
+
+
+def _kernels(config: Config, backend: str) -> str:
+    """The layers' attention kernels, as kept_scores names them: 'flash', or 'blocks x4, window x2'."""
+    names = [kept_scores(layer.config, config.seq_len, backend)[0] for layer in config.model.layer_attention]
+    counts = {name: names.count(name) for name in dict.fromkeys(names)}
+    return names[0] if len(counts) == 1 else ", ".join(f"{k} x{v}" for k, v in counts.items())
 
 
 def format_plan(config: Config, p: Plan, per_device_gib: float | None = None) -> str:
@@ -124,7 +195,11 @@ def format_plan(config: Config, p: Plan, per_device_gib: float | None = None) ->
         (f"parameters ({m.attention.param_dtype})", p.params),
         ("optimizer state (AdamW moments)", p.optimizer),
         ("gradients", p.gradients),
-        (f"activations, estimate ({p.micro_batch} x {config.seq_len} per device, remat {m.remat})", p.activations),
+        (
+            f"activations, estimate ({p.micro_batch} x {config.seq_len} per device, remat {m.remat}, "
+            f"attention {_kernels(config, p.backend)} on {p.backend})",
+            p.activations,
+        ),
         ("total", p.total),
     ]
     lines = [

@@ -32,7 +32,7 @@ def test_gpu_check_smoke_runs_the_measuring_sections_in_ci(tmp_path):
     # cuDNN padding and absorbed decode), a train step, sampling. The rest is the slow test below.
     proc = subprocess.run(
         [sys.executable, "benchmarks/gpu_check.py", "--smoke", "--out", str(tmp_path), "--sections",
-         "machine,correctness,speed,sample", "--variants", "mla+rope", "--rows", "separate"],
+         "machine,correctness,speed,sample", "--variants", "mla+rope", "--rows", "separate,separate/auto"],
         cwd=REPO, env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, capture_output=True, text=True,
         timeout=400,
     )  # fmt: skip
@@ -45,6 +45,8 @@ def test_gpu_check_smoke_runs_the_measuring_sections_in_ci(tmp_path):
     assert row["float32"]["out"] < 1e-5 and row["bfloat16"]["grads"] < 1e-2 and row["decode"] < 1e-5
     speed = out["speed"]["rows"]["separate"]
     assert speed["tokens_per_s"] > 0 and speed["init_s"] > 0 and speed["warmup_s"] > 0 and speed["mfu"] > 0
+    auto = out["speed"]["rows"]["separate/auto"]  # the implementation unset, as a user runs it; no cuDNN here
+    assert auto["implementation"] is None and auto["cudnn_attention_calls"] == speed["cudnn_attention_calls"] == 0
     assert set(out["sample"]["rows"]) == {"1", "8"}
     assert all(0 < r["fraction_of_floor"] for r in out["sample"]["rows"].values())
 

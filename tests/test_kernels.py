@@ -18,6 +18,7 @@ import pytest
 
 from qkvjax.attention import core, kernels
 from qkvjax.attention.cache import CACHED, FRESH, prefix
+from qkvjax.attention.config import resolve_implementation
 
 B, T, S, N, K, H, U, E, R, P, M = 2, 7, 13, 6, 3, 5, 9, 11, 4, 2, 3
 G = N // K
@@ -240,6 +241,35 @@ def test_xla():
     q, k, v = fresh_qkv(u=H)
     check(build(q=q, k=k, v=v, implementation="xla"), k, v, FRESH, "xla")
     check(build(q=q, k=k, v=v, causal=False, implementation="xla"), k, v, FRESH, "xla")
+
+
+def test_auto_takes_xlas_attention_where_jax_refuses_cudnn():
+    """'auto' (a GPU's default) asks cuDNN's kernel first; this machine has no cuDNN, so jax refuses the call while
+    tracing and XLA's attention runs: the same numbers as 'xla', causal, masked and in bfloat16 alike."""
+    q, k, v = fresh_qkv(u=H)
+    mask = jax.random.bernoulli(jax.random.PRNGKey(4), 0.7, (B, N, T, T)).at[..., 0].set(True)
+    for kw in ({}, {"mask": mask, "causal": False}):
+        auto = build(q=q, k=k, v=v, implementation="auto", **kw)
+        check(auto, k, v, FRESH, "xla")
+        xla = build(q=q, k=k, v=v, implementation="xla", **kw)
+        np.testing.assert_array_equal(np.asarray(kernels.mix(auto)), np.asarray(kernels.mix(xla)))
+    half = [x.astype(jnp.bfloat16) for x in (q, k, v)]
+    with pytest.raises(kernels.CUDNN_REFUSALS):  # what 'auto' catches: jax's refusal, here for want of cuDNN
+        kernels.dot_product(*half, None, True, "cudnn")
+    with jax.numpy_dtype_promotion("standard"):  # jax's own XLA attention promotes bf16 logits to float32
+        auto = kernels.dot_product(*half, None, True, "auto")
+        xla = kernels.dot_product(*half, None, True, "xla")
+    assert auto.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(auto, np.float32), np.asarray(xla, np.float32))
+
+
+@pytest.mark.parametrize(
+    "configured, backend, resolved",
+    [(None, "cpu", "einsum"), (None, "gpu", "auto"), (None, "tpu", "xla"), ("xla", "gpu", "xla"),
+     ("cudnn", "gpu", "cudnn"), ("einsum", "tpu", "einsum"), ("chunked", "cpu", "chunked")],
+)  # fmt: skip
+def test_an_unset_implementation_resolves_per_backend(configured, backend, resolved):
+    assert resolve_implementation(configured, backend) == resolved
 
 
 def test_einsum_applies_alone_hands_out_the_weights():

@@ -20,8 +20,8 @@ prefix     reading a decode cache: only the shortest prefix of slots holding the
 einsum     everything else this package computes itself (:func:`attend`): custom scores (bilinear forms,
            Reformer's self-mask, a relative bias), attention dropout, a cache, values wider than keys, or
            ``implementation='einsum'``; the one path that also hands its (T, S) weights to analysis.
-xla        plain q.k scores with nothing above: ``jax.nn.dot_product_attention`` picks (cuDNN flash
-           attention with ``implementation='cudnn'``).
+xla        plain q.k scores with nothing above: ``jax.nn.dot_product_attention`` (:func:`dot_product`): cuDNN
+           flash attention with ``implementation='cudnn'``, and on a GPU by default where jax takes the call.
 ========== ==============================================================================================
 
 Every kernel that normalises whole rows of scores does it through :func:`weights`, the one masked softmax (and
@@ -113,8 +113,9 @@ class Rules:
 @dataclasses.dataclass(frozen=True)
 class How:
     """The config's kernel choices and what the caller collects: ``implementation`` ('einsum', 'chunked', 'xla',
-    'cudnn'), ``chunk_size``, ``causal_block``; ``collecting`` when analysis collects the (T, S) logits and weights
-    (``mutable=["intermediates"]``), through ``sow(name, value)``."""
+    'cudnn', or 'auto': cuDNN's where jax takes the call, else XLA's), ``chunk_size``, ``causal_block``;
+    ``collecting`` when analysis collects the (T, S) logits and weights (``mutable=["intermediates"]``), through
+    ``sow(name, value)``."""
 
     implementation: str
     chunk_size: int
@@ -253,11 +254,25 @@ def _xla(a: Inputs) -> Array:
     width = v.shape[-1]
     if width < k.shape[-1]:  # only then: the common case of one width traces no pad and no slice
         v = jax.numpy.pad(v, [(0, 0)] * 3 + [(0, k.shape[-1] - width)])
-    out = jax.nn.dot_product_attention(
-        a.queries.q, k, v, mask=None if only_causal else r.allowed, is_causal=only_causal,
-        implementation=a.how.implementation,
-    )  # fmt: skip
+    out = dot_product(a.queries.q, k, v, None if only_causal else r.allowed, only_causal, a.how.implementation)
     return out if out.shape[-1] == width else out[..., :width]
+
+
+# What jax raises, while tracing, for a call cuDNN's kernel cannot take: NotImplementedError (not fp16/bf16, a head
+# width over its limit or not a multiple of 8, an architecture it lacks), RuntimeError (no cuDNN: a CPU, ROCm),
+# ValueError (a layout or window rule). A refusal traces nothing that stays: the fallback's ops replace it.
+CUDNN_REFUSALS = (NotImplementedError, RuntimeError, ValueError)
+
+
+def dot_product(q: Array, k: Array, v: Array, mask: Array | None, causal: bool, implementation: str) -> Array:
+    """``jax.nn.dot_product_attention`` (B, T, N, H) with ``implementation``; 'auto' asks cuDNN's flash kernel
+    first and takes XLA's attention where jax refuses it for these shapes, dtypes or this machine."""
+    if implementation == "auto":
+        try:
+            return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal, implementation="cudnn")
+        except CUDNN_REFUSALS:
+            implementation = "xla"
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal, implementation=implementation)
 
 
 def _chunked_applies(a: Inputs) -> bool:

@@ -38,7 +38,7 @@ from qkvjax import axes
 from qkvjax.attention import core, kernels
 from qkvjax.attention.base import AttentionModule, Call
 from qkvjax.attention.cache import FRESH, KV, linen_cache, prefix, slot_positions, update
-from qkvjax.attention.config import AttentionConfig
+from qkvjax.attention.config import AttentionConfig, resolve_implementation
 from qkvjax.attention.schemes import Scheme
 
 __all__ = ["KV", "Attention", "AttentionModule", "Positions", "Stages", "Tied", "positions", "run"]
@@ -143,10 +143,11 @@ def rules(module: AttentionModule, call: Call, side: KV, pos: Positions, stages:
 
 
 def how(module: AttentionModule) -> kernels.How:
-    """The config's kernel choices ('einsum' on the CPU, 'xla' elsewhere unless set), and analysis' collection."""
+    """The config's kernel choices (:func:`~qkvjax.attention.config.resolve_implementation` when unset), and
+    analysis' collection."""
     cfg = module.config
     return kernels.How(
-        cfg.implementation or ("einsum" if jax.default_backend() == "cpu" else "xla"), cfg.chunk_size,
+        resolve_implementation(cfg.implementation, jax.default_backend()), cfg.chunk_size,
         cfg.causal_block, module.collecting, lambda name, value: module.sow("intermediates", name, value),
     )  # fmt: skip
 
