@@ -202,16 +202,17 @@ def format_plan(config: Config, p: Plan, per_device_gib: float | None = None) ->
         ),
         ("total", p.total),
     ]
+    w = max(70, *(len(name) for name, _ in rows))
     lines = [
         f"qkvjax plan: {param_count(m):,} parameters, scheme {m.attention.scheme}, on {p.devices} devices as mesh "
         f"(data {p.mesh[0]}, fsdp {p.mesh[1]}, tensor {p.mesh[2]}); batch {config.train.batch_size} x "
         f"{config.seq_len}, grad_accum {config.train.grad_accum_steps}",
-        f"{'per device':72s} {'GiB':>9s}",
+        f"{'per device':{w + 2}s} {'GiB':>9s}",
     ]
-    lines += [f"  {name:70s} {value / GIB:9.3f}" for name, value in rows]
+    lines += [f"  {name:{w}s} {value / GIB:9.3f}" for name, value in rows]
     if per_device_gib is not None:
         use = p.total / (per_device_gib * GIB)
-        lines.append(f"  {'of ' + format(per_device_gib, 'g') + ' GiB per device':70s} {100 * use:8.1f}%")
+        lines.append(f"  {'of ' + format(per_device_gib, 'g') + ' GiB per device':{w}s} {100 * use:8.1f}%")
         if use > 0.85:
             lines.append(
                 f"warning: {p.total / GIB:.2f} GiB per device leaves less than 15% of {per_device_gib:g} GiB for XLA's "
