@@ -416,8 +416,9 @@ def _head_to_head(cells: dict, by_size: list[tuple]) -> list[str]:
 
 
 def _shared_rate_ranking(rows: list[dict], best: dict) -> list[tuple]:
+    # seed 0's runs, as the table's title says (a sweep over seeds 0 and 1 has two rows per rate)
     sweep = {(r["corpus"], int(r["size"]), r["variant"], float(r["learning_rate"])): float(r["final_val_loss"])
-             for r in rows if r["stage"].startswith("lr-")}  # fmt: skip
+             for r in rows if r["stage"].startswith("lr-") and int(r["seed"]) == 0}  # fmt: skip
     out = []
     for (corpus, size, variant), lr in sorted(best.items()):
         ref = best.get((corpus, size, "separate"))

@@ -598,4 +598,9 @@ def test_the_report_picks_rates_on_the_sweep_seeds_mean_and_counts_their_runs_as
     # tried and worse, the same winner is bracketed
     assert "| docs | 48 | separate | 2.150 | **2.100** edge |" in scaling_report.summary_markdown(rows)
     rows += [row("lr-small", "separate", 0.016, s, 2.4) for s in (0, 1)]
-    assert "| docs | 48 | separate | 2.150 | **2.100** | 2.400 |" in scaling_report.summary_markdown(rows)
+    summary = scaling_report.summary_markdown(rows)
+    assert "| docs | 48 | separate | 2.150 | **2.100** | 2.400 |" in summary
+    # the shared-rate table reads seed 0's sweep runs, as its title says, though seed 1's come later in the file
+    rows += [row("lr-small", v, 0.002, s, x) for v, s, x in
+             (("separate", 0, 2.5), ("separate", 1, 2.6), ("shared_kv", 0, 2.55), ("shared_kv", 1, 2.75))]  # fmt: skip
+    assert "| docs | 48 | shared_kv | +0.050 | +0.100 |" in scaling_report.summary_markdown(rows)  # seed 1: +0.150
