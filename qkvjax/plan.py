@@ -82,7 +82,6 @@ def kept_scores(att: AttentionConfig, t: int, backend: str) -> tuple[str, float]
     impl = resolve_implementation(att.implementation, backend)
     tying, window, block = att.tying, att.sliding_window or 0, att.causal_block
     custom = tying.bilinear or tying.mask_self or att.relative_bias > 0 or att.dropout_rate > 0
-    key_width = att.head_dim + (att.rope_dim if tying.latent else 0)
     in_blocks = (custom or impl == "einsum") and not att.dropout_rate and block and t >= 2 * block
     if impl == "chunked" and not custom and not window:
         return "chunked", -(-t // att.chunk_size) * (att.value_dim + 2)
@@ -90,10 +89,10 @@ def kept_scores(att: AttentionConfig, t: int, backend: str) -> tuple[str, float]
         return "window", 2 * min(t, window + block)
     if in_blocks:
         return "blocks", t + block
-    if custom or impl in ("einsum", "chunked") or att.value_dim > key_width:
+    if custom or impl in ("einsum", "chunked") or att.value_dim > att.key_dim:
         return "einsum", 2 * t
     flash = (impl == "cudnn" or (impl == "auto" and att.dtype in FLASH_DTYPES)) and not window
-    if flash and key_width % 8 == 0 and key_width <= FLASH_HEAD_LIMIT:
+    if flash and att.key_dim % 8 == 0 and att.key_dim <= FLASH_HEAD_LIMIT:
         return "flash", 1
     return "xla", 2 * t
 
@@ -108,8 +107,7 @@ def activation_bytes(config: Config, micro_batch: int, tensor: int, backend: str
     per_layer = []
     for layer in m.layer_attention:
         att = layer.config
-        n, k, hv = att.num_heads / tensor, att.kv_heads / tensor, att.value_dim
-        hk = att.head_dim + (att.rope_dim if att.tying.latent else 0)  # MLA's keys carry the rotary part
+        n, k, hk, hv = att.num_heads / tensor, att.kv_heads / tensor, att.key_dim, att.value_dim
         latent = att.latent_dim if att.tying.latent else 0  # MLA's compressed K/V, R per position
         _, kept = kept_scores(att, t, backend)
         per_layer.append(a * (4 * d + (n + k) * (hk + hv) + latent + 2 * f) + 4 * n * kept)

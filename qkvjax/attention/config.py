@@ -311,6 +311,11 @@ class AttentionConfig:
         return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
 
     @property
+    def key_dim(self) -> int:
+        """Width of a query or key head: H, plus a latent scheme's decoupled rotary part (MLA's H + H_r)."""
+        return self.head_dim + (self.rope_dim if self.tying.latent else 0)
+
+    @property
     def value_dim(self) -> int:
         """Width of a value head, with None resolved to H."""
         return self.head_dim if self.v_head_dim is None else self.v_head_dim
