@@ -9,7 +9,8 @@ Per device, in bytes, for the mesh ``(data, fsdp, tensor)`` the config asks for 
 - **activations** (an estimate): what the backward pass keeps for the micro-batch on one device,
   ``b = batch / grad_accum / (data * fsdp)`` rows of ``T`` positions. Per layer and position, in the compute dtype:
   two layer norms' inputs and outputs (4 D), queries, keys, values and the attention output ((N + K) (H_k + H_v),
-  which is 2 N H + 2 K H unless MLA's keys carry a rotary part; plus MLA's latent, R), the MLP's pre- and
+  which is 2 N H + 2 K H unless MLA's keys carry a rotary part; plus MLA's latent, R; a layer that reads another
+  layer's K/V keeps only its N queries and outputs), the MLP's pre- and
   post-activation (2 F); in float32, N times what the layer's attention kernel keeps per query
   (:func:`kept_scores`: 2 T for the whole scores and probabilities, about half of that in causal blocks, 1 for a
   flash kernel's log-sum-exp). Heads and F are split over ``tensor``. Plus the float32 logits and their gradient
@@ -107,8 +108,10 @@ def activation_bytes(config: Config, micro_batch: int, tensor: int, backend: str
     per_layer = []
     for layer in m.layer_attention:
         att = layer.config
-        n, k, hk, hv = att.num_heads / tensor, att.kv_heads / tensor, att.key_dim, att.value_dim
-        latent = att.latent_dim if att.tying.latent else 0  # MLA's compressed K/V, R per position
+        n, hk, hv = att.num_heads / tensor, att.key_dim, att.value_dim
+        # a layer reading another's K/V (cross-layer sharing) keeps no K/V or latent of its own
+        k = att.kv_heads / tensor if layer.produces_kv else 0
+        latent = att.latent_dim if att.tying.latent and layer.produces_kv else 0  # MLA's compressed K/V, R
         _, kept = kept_scores(att, t, backend)
         per_layer.append(a * (4 * d + (n + k) * (hk + hv) + latent + 2 * f) + 4 * n * kept)
     if m.remat == "full":

@@ -67,6 +67,19 @@ def test_activation_estimate_scales_with_the_micro_batch_and_remat():
     assert activation_bytes(base, 2, 2) < activation_bytes(base, 2, 1)  # heads and MLP split over tensor
 
 
+def test_layers_reading_another_layers_kv_keep_none_of_their_own():
+    """CLA2 (K/V shared by pairs of layers): each reading layer keeps K H_k + K H_v fewer values per position than
+    the same stack with K/V in every layer, and nothing else changes."""
+    layers = {**SMALL_GPT, "model.num_layers": 4, "model.attention.num_kv_heads": 3, "model.attention.num_heads": 9}
+    every = _config(GPT, **layers)
+    cla2 = _config(GPT, **layers, **{"model.layers": "(separate, [kv_from=-1])*2"})
+    att = every.model.attention
+    assert [r.produces_kv for r in cla2.model.layer_attention] == [True, False, True, False]
+    b, a = 3, np.dtype(att.dtype).itemsize
+    saved = 2 * b * every.seq_len * a * att.kv_heads * (att.key_dim + att.value_dim)
+    assert activation_bytes(every, b, 1, "gpu") - activation_bytes(cla2, b, 1, "gpu") == saved
+
+
 @pytest.mark.parametrize(
     "overrides, backend, kernel",
     [
