@@ -10,6 +10,7 @@ import flax.linen as nn
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from qkvjax.attention import kernels
 from qkvjax.config import Config, MeshConfig, from_dict, require_decoder
 from qkvjax.data import SPLITS
 from qkvjax.data.tokenizer import check_vocab, load_tokenizer, tokenize_splits
@@ -152,7 +153,7 @@ def evaluate(
     n = jax.device_count()
     batch_size = -(-config.train.batch_size // n) * n
     sharding = batch_sharding(mesh)
-    eval_step = jax.jit(make_eval_step(model))
+    eval_step = kernels.falls_back_from_cudnn(jax.jit(make_eval_step(model)), lambda line: print(line, file=sys.stderr))
     loss, count = mean_loss(
         eval_step,
         params,

@@ -72,7 +72,9 @@ class AttentionConfig:
         softmax, never holding the (B, N, T, S) scores: for long contexts and large batches), or 'xla' / 'cudnn'
         (``jax.nn.dot_product_attention``; 'cudnn' is cuDNN flash attention on NVIDIA GPUs), or 'auto': cuDNN's
         flash kernel wherever jax takes the call (16-bit compute, a head width it supports, cuDNN present: jax
-        checks when tracing), XLA's attention otherwise. None picks per backend (:func:`resolve_implementation`):
+        checks when tracing), XLA's attention otherwise, and XLA's too for the rest of a training or eval process
+        whose program holding cuDNN's kernel failed to compile (:func:`kernels.falls_back_from_cudnn`; an explicit
+        'cudnn' fails instead). None picks per backend (:func:`resolve_implementation`):
         'einsum' on CPU, 'auto' on a GPU, 'xla' elsewhere. Schemes with custom logits (bilinear, Reformer's self-mask, a
         relative bias), attention dropout and decoding from a cache always take 'einsum'.
       chunk_size: keys per block of the 'chunked' implementation.

@@ -264,15 +264,65 @@ def _xla(a: Inputs) -> Array:
 CUDNN_REFUSALS = (NotImplementedError, RuntimeError, ValueError)
 
 
+@dataclasses.dataclass
+class _AutoCudnn:
+    """What 'auto' did in this process: ``taken`` once a trace took cuDNN's kernel; ``allowed`` until a program
+    holding it failed to compile (:func:`falls_back_from_cudnn`), after which 'auto' means XLA's attention."""
+
+    allowed: bool = True
+    taken: bool = False
+
+
+AUTO_CUDNN = _AutoCudnn()
+
+
 def dot_product(q: Array, k: Array, v: Array, mask: Array | None, causal: bool, implementation: str) -> Array:
     """``jax.nn.dot_product_attention`` (B, T, N, H) with ``implementation``; 'auto' asks cuDNN's flash kernel
-    first and takes XLA's attention where jax refuses it for these shapes, dtypes or this machine."""
+    first and takes XLA's attention where jax refuses it for these shapes, dtypes or this machine, or where a
+    program holding it failed to compile in this process."""
     if implementation == "auto":
-        try:
-            return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal, implementation="cudnn")
-        except CUDNN_REFUSALS:
-            implementation = "xla"
+        if AUTO_CUDNN.allowed:
+            try:
+                out = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal, implementation="cudnn")
+                AUTO_CUDNN.taken = True
+                return out
+            except CUDNN_REFUSALS:
+                pass
+        implementation = "xla"
     return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal, implementation=implementation)
+
+
+# How a failure inside cuDNN's attention reads when XLA compiles it: its custom call (__cudnn$fmha...), the cuDNN
+# frontend ("No valid engine configs ... cudnn_frontend::HeurMode_t"), XLA's cuda_dnn.cc. Seen in jax's tracker for
+# some shardings, cuDNN builds and multi-GPU runs, none of which jax can refuse while tracing.
+CUDNN_FAILURE_WORDS = ("cudnn", "cuda_dnn", "fmha")
+
+
+def falls_back_from_cudnn(step: Callable, say: Callable[[str], None]) -> Callable:
+    """``step`` (a jitted function), called as it is, except that if the call fails to compile in cuDNN's
+    attention that 'auto' chose, 'auto' takes XLA's attention for the rest of the process, the jit caches are
+    cleared and the call is made again (``say`` gets one line): a GPU's default is never worse than
+    ``implementation='xla'``. Raised as they are: an explicit 'cudnn' failing (the user asked for it), any other
+    error, and a failure after the step began to run (a donated input already consumed)."""
+
+    def call(*args, **kwargs):
+        try:
+            return step(*args, **kwargs)
+        except jax.errors.JaxRuntimeError as error:
+            text = str(error)
+            cudnn = any(word in text.lower() for word in CUDNN_FAILURE_WORDS)
+            consumed = any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves((args, kwargs)))
+            if not (cudnn and AUTO_CUDNN.taken and AUTO_CUDNN.allowed) or consumed:
+                raise
+            AUTO_CUDNN.allowed = False
+            jax.clear_caches()  # the traces that took cuDNN's kernel: the call below traces again without it
+            say(
+                f"warning: cuDNN's attention failed to compile ({text.strip().splitlines()[0][:200]}); this process "
+                "uses XLA's attention instead (--config.model.attention.implementation=xla asks for it up front)"
+            )
+            return step(*args, **kwargs)
+
+    return call
 
 
 def _chunked_applies(a: Inputs) -> bool:

@@ -27,6 +27,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
 from qkvjax.analyze import attention_kernels, drift_stats, weight_stats
+from qkvjax.attention import kernels
 from qkvjax.config import Config, require_decoder, to_dict, to_json
 from qkvjax.data.tokenizer import check_vocab, load_tokenizer, tokenize_splits
 from qkvjax.models.lm import DecoderLM, param_count, train_flops_per_token
@@ -378,16 +379,19 @@ def _record_provenance(prep: Prepared) -> None:
 
 
 def _compiled_steps(prep: Prepared):
-    """The train and eval steps, jitted over the mesh (state donated) or pmapped over local devices."""
+    """The train and eval steps, jitted over the mesh (state donated) or pmapped over local devices; a GPU's
+    default attention falls back to XLA's if cuDNN's fails to compile (:func:`kernels.falls_back_from_cudnn`)."""
     par, tc = prep.par, prep.config.train
     step_fn = make_train_step(prep.model, prep.tx, tc.grad_accum_steps, axis_name="data" if par.mesh is None else None)
     eval_fn = make_eval_step(prep.model)
     if par.mesh is None:
         eval_step = jax.pmap(eval_fn, axis_name="data")  # per-device sums; mean_loss adds them up
-        return jax.pmap(step_fn, axis_name="data", donate_argnums=0), eval_step
-    shardings = dict(in_shardings=(par.state_shardings, par.batch), out_shardings=(par.state_shardings, None))
-    train_step = jax.jit(step_fn, **shardings, donate_argnums=0)
-    return train_step, jax.jit(eval_fn, in_shardings=(par.state_shardings.params, par.batch))
+        train_step = jax.pmap(step_fn, axis_name="data", donate_argnums=0)
+    else:
+        shardings = dict(in_shardings=(par.state_shardings, par.batch), out_shardings=(par.state_shardings, None))
+        train_step = jax.jit(step_fn, **shardings, donate_argnums=0)
+        eval_step = jax.jit(eval_fn, in_shardings=(par.state_shardings.params, par.batch))
+    return kernels.falls_back_from_cudnn(train_step, _say), kernels.falls_back_from_cudnn(eval_step, _say)
 
 
 def _train(config: Config, workdir: epath.Path, overwrite: bool, lock: WorkdirLock) -> dict:
