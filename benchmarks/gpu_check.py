@@ -409,8 +409,17 @@ def section_speed(args) -> dict:
             model = DecoderLM(cfg.model, attention_cls=bench.FlaxAttention)
         else:
             model = DecoderLM(cfg.model)
-        runner = bench.prepare_train(model, cfg)
-        times = [runner["step"]() for _ in range(args.steps)]
+        try:
+            runner = bench.prepare_train(model, cfg)
+            times = [runner["step"]() for _ in range(args.steps)]
+        except Exception as e:  # recorded (a compile failure is one of the things a visit checks); the rows go on
+            rows[row] = {"error": f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"}
+            rows[row]["row_s"] = time.perf_counter() - row_start
+            print(f"{row}: {rows[row]['error']}", flush=True)
+            runner = None
+            jax.clear_caches()
+            _save(args, result)
+            continue
         step_s = statistics.median(times)
         flops = train_flops_per_token(cfg.model, cfg.seq_len)
         tps = runner["tokens"] / step_s
@@ -661,10 +670,11 @@ def section_levers(args) -> dict:
     result = {"rows": rows}
     for name, (flags, batch) in (SMOKE_LEVERS if args.smoke else LEVERS).items():
         out = _child(args, "speed", flags, ["--rows", "separate", "--batch-size", str(batch or args.batch_size)])
+        out = out if "error" in out else out["rows"]["separate"]  # a row's own error, like a section's
         if "error" in out:
             rows[name] = {"flags": flags, "batch": batch, "error": out["error"]}
         else:
-            row = out["rows"]["separate"]
+            row = out
             rows[name] = {"flags": flags, "batch": row["batch"]} | {
                 k: row[k] for k in ("tokens_per_s", "step_s", "step_s_q1", "step_s_q3", "compile_s", "xla_memory_bytes")
             }
@@ -875,6 +885,8 @@ def table(m: dict) -> str:
             f"{'train step':<14} {'tok/s':>10} {'IQR':>6} {'x sep':>6} {'MFU':>6} {'compile s':>9} {'mem GB':>7}"
         )
         sep = s.get("separate", {}).get("tokens_per_s")
+        lines += [f"{k:<14} ERROR {r['error']}" for k, r in s.items() if "error" in r]
+        s = {k: r for k, r in s.items() if "error" not in r}
         rows = [(k, r, r["train_flops_per_token"], r["compile_s"], r["xla_memory_bytes"]) for k, r in s.items()]
         if "torch" in m:
             t = m["torch"]

@@ -13,6 +13,8 @@ import pytest
 
 from tests.helpers import REPO
 
+STRICT_DTYPE_PROMOTION = False  # optax, in the speed section run in this process
+
 
 @pytest.mark.parametrize("flag", ["--rows", "--variants", "--sections", "--sample-rows"])
 def test_an_unknown_row_variant_or_section_is_refused_before_any_section_runs(tmp_path, flag):
@@ -49,6 +51,34 @@ def test_gpu_check_smoke_runs_the_measuring_sections_in_ci(tmp_path):
     assert auto["implementation"] is None and auto["cudnn_attention_calls"] == speed["cudnn_attention_calls"] == 0
     assert set(out["sample"]["rows"]) == {"1", "8"}
     assert all(0 < r["fraction_of_floor"] for r in out["sample"]["rows"].values())
+
+
+def test_a_speed_row_that_fails_is_recorded_and_the_rows_after_it_still_run(tmp_path, monkeypatch):
+    """A visit's speed section: the row whose step raises (on a GPU, cuDNN's kernel failing to compile under
+    the default is one thing a visit checks) gets its error; the rows after it still run and are saved."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    monkeypatch.setattr(sys, "path", sys.path)
+    import bench
+
+    from benchmarks import gpu_check
+
+    real, calls = bench.prepare_train, []
+
+    def prepare_train(model, cfg):
+        calls.append(cfg)
+        if len(calls) == 1:  # the first row, 'separate/auto'
+            raise RuntimeError("INTERNAL: No valid engine configs for Matmul_MUL_Reduction (cuda_dnn.cc)\nmore")
+        return real(model, cfg)
+
+    monkeypatch.setattr(bench, "prepare_train", prepare_train)
+    monkeypatch.chdir(REPO)
+    argv = ["--smoke", "--out", str(tmp_path), "--section", "speed", "--work", str(tmp_path), "--steps", "2"]
+    assert gpu_check.main([*argv, "--rows", "separate/auto,separate"]) == 0
+    rows = json.loads((tmp_path / "speed.json").read_text())["rows"]
+    error = "RuntimeError: INTERNAL: No valid engine configs for Matmul_MUL_Reduction (cuda_dnn.cc)"
+    assert rows["separate/auto"]["error"] == error
+    assert rows["separate"]["tokens_per_s"] > 0
+    assert f"separate/auto  ERROR {error}" in gpu_check.table({"speed": {"rows": rows}, "status": {}})
 
 
 @pytest.mark.slow  # 130-250 s (seven sections, each in its own interpreter): run before a GPU visit, pytest -m slow
