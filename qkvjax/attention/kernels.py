@@ -21,7 +21,8 @@ einsum     everything else this package computes itself (:func:`attend`): custom
            Reformer's self-mask, a relative bias), attention dropout, a cache, values wider than keys, or
            ``implementation='einsum'``; the one path that also hands its (T, S) weights to analysis.
 xla        plain q.k scores with nothing above: ``jax.nn.dot_product_attention`` (:func:`dot_product`): cuDNN
-           flash attention with ``implementation='cudnn'``, and on a GPU by default where jax takes the call.
+           flash attention with ``implementation='cudnn'``, and on a GPU by default where jax takes the call
+           and XLA compiles it (:func:`falls_back_from_cudnn`).
 ========== ==============================================================================================
 
 Every kernel that normalises whole rows of scores does it through :func:`weights`, the one masked softmax (and
