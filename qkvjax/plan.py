@@ -10,7 +10,8 @@ Per device, in bytes, for the mesh ``(data, fsdp, tensor)`` the config asks for 
   ``b = batch / grad_accum / (data * fsdp)`` rows of ``T`` positions. Per layer and position, in the compute dtype:
   two layer norms' inputs and outputs (4 D), queries, keys, values and the attention output ((N + K) (H_k + H_v),
   which is 2 N H + 2 K H unless MLA's keys carry a rotary part; plus MLA's latent, R; a layer that reads another
-  layer's K/V keeps only its N queries and outputs), the MLP's pre- and
+  layer's K/V keeps only its N queries and outputs; values narrower than keys, padded to their width for jax's
+  attention, (N + K) (H_k - H_v) more), the MLP's pre- and
   post-activation (2 F); in float32, N times what the layer's attention kernel keeps per query
   (:func:`kept_scores`: 2 T for the whole scores and probabilities, about half of that in causal blocks, 1 for a
   flash kernel's log-sum-exp). Heads and F are split over ``tensor``. Plus the float32 logits and their gradient
@@ -21,7 +22,7 @@ Which kernel runs depends on the backend the run will have (``--backend``; this 
 takes cuDNN's flash kernel by default where jax accepts it, a CPU the einsum path in causal blocks, a TPU XLA's
 attention. Parameters, optimizer state and gradients are exact (the tests check them against the shardings of a
 real 8-device mesh); activations are a guide: for ``gpt2_small`` at batch 32 on an H100 and an H200 the total was
-0.74-0.86x the memory XLA planned with cuDNN's kernel and 1.13-1.15x with XLA's attention
+0.77-0.86x the memory XLA planned with cuDNN's kernel and 1.13-1.15x with XLA's attention
 (``tests/test_plan.py``), so leave a quarter of the memory for what it does not count.
 """
 
@@ -112,8 +113,11 @@ def activation_bytes(config: Config, micro_batch: int, tensor: int, backend: str
         # a layer reading another's K/V (cross-layer sharing) keeps no K/V or latent of its own
         k = att.kv_heads / tensor if layer.produces_kv else 0
         latent = att.latent_dim if att.tying.latent and layer.produces_kv else 0  # MLA's compressed K/V, R
-        _, kept = kept_scores(att, t, backend)
-        per_layer.append(a * (4 * d + (n + k) * (hk + hv) + latent + 2 * f) + 4 * n * kept)
+        kernel, kept = kept_scores(att, t, backend)
+        # jax's attention takes one head width: values narrower than the keys are padded to it, and so is the
+        # output before it is cut back (kernels._xla), each kept for the backward pass
+        padded = (n + k) * (hk - hv) if kernel in ("flash", "xla") and hv < hk else 0
+        per_layer.append(a * (4 * d + (n + k) * (hk + hv) + padded + latent + 2 * f) + 4 * n * kept)
     if m.remat == "full":
         layers = m.num_layers * a * d + max(per_layer)
     elif m.remat == "dots":
