@@ -307,7 +307,7 @@ def section_correctness(args) -> dict:
             lm = DecoderLM(_small_lm(over, "float32", 2 if layers == 1 else layers))
             row["decode"] = _decode_error(lm, rng, DecodeCache)
         except Exception as e:  # recorded, and the other variants still run
-            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+            row["error"] = _error(e)
             print(f"{name}: {row['error']}", flush=True)
         cases[name] = row
         cells = [f"{k} {v['out']:.1e}/{v['grads']:.1e}" for k, v in row.items() if isinstance(v, dict)]
@@ -413,10 +413,9 @@ def section_speed(args) -> dict:
             runner = bench.prepare_train(model, cfg)
             times = [runner["step"]() for _ in range(args.steps)]
         except Exception as e:  # recorded (a compile failure is one of the things a visit checks); the rows go on
-            rows[row] = {"error": f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"}
-            rows[row]["row_s"] = time.perf_counter() - row_start
+            rows[row] = {"error": _error(e), "row_s": time.perf_counter() - row_start}
             print(f"{row}: {rows[row]['error']}", flush=True)
-            runner = None
+            runner = None  # a step that failed after prepare_train: its state's device buffers go now
             jax.clear_caches()
             _save(args, result)
             continue
@@ -670,11 +669,10 @@ def section_levers(args) -> dict:
     result = {"rows": rows}
     for name, (flags, batch) in (SMOKE_LEVERS if args.smoke else LEVERS).items():
         out = _child(args, "speed", flags, ["--rows", "separate", "--batch-size", str(batch or args.batch_size)])
-        out = out if "error" in out else out["rows"]["separate"]  # a row's own error, like a section's
-        if "error" in out:
-            rows[name] = {"flags": flags, "batch": batch, "error": out["error"]}
+        row = out if "error" in out else out["rows"]["separate"]  # the section's error, or the row's own
+        if "error" in row:
+            rows[name] = {"flags": flags, "batch": batch, "error": row["error"]}
         else:
-            row = out
             rows[name] = {"flags": flags, "batch": row["batch"]} | {
                 k: row[k] for k in ("tokens_per_s", "step_s", "step_s_q1", "step_s_q3", "compile_s", "xla_memory_bytes")
             }
@@ -741,6 +739,11 @@ def _read(work: str, section: str, *keys):
 
 
 # ----------------------------------------------------------------------------------------------- driver
+
+
+def _error(e: Exception) -> str:
+    """An exception as one line for the JSON and the table: its type and the first line of its message."""
+    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}"
 
 
 def _save(args, result: dict) -> None:
