@@ -28,6 +28,10 @@ VARIANTS = {
     # W_QK's extra (N - 2) D^2 per layer (N = 4 heads) taken from the MLP: F = 3 D instead of 4 D, so the merged form
     # is compared with the factored pair per parameter, not only at equal width
     "bilinear_params": {"scheme": "bilinear", "params_of": "separate"},
+    # DeepSeek-V2's latent K/V at its default rank R = 4 H = D: gqa's cache bytes (D per token and layer), with
+    # 5 D^2 attention weights per layer against separate's 4 D^2 and gqa's 3 D^2; latent norm on, no rotary part
+    # (the ladder's models have learned positions)
+    "mla": {"scheme": "mla"},
 }
 
 

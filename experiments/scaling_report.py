@@ -376,14 +376,16 @@ def _delta_by_size(cells: dict, train: dict[str, float], by_size: list[tuple]) -
     return out
 
 
+# appended, never inserted: a variant's colour in every plot is its index here
 VARIANT_ORDER = (
-    "separate", "gqa", "shared_kv", "bilinear", "bilinear_params", "shared_qk", "reformer_qk", "shared_qkv",
+    "separate", "gqa", "shared_kv", "bilinear", "bilinear_params", "shared_qk", "reformer_qk", "shared_qkv", "mla",
 )  # fmt: skip
 # Two ties compared with each other, paired by seed: (variant, against, what the comparison asks). Data, so a new
 # question is a row here, not a new branch.
 HEAD_TO_HEAD = (
     ("shared_kv", "gqa", "K = V against GQA at the same cache bytes (half of separate's)"),
     ("bilinear_params", "bilinear", "The merged W_QK at separate's parameters (F = 3 D) against it at equal width"),
+    ("mla", "gqa", "A rank-D latent K/V (MLA) against GQA at the same cache bytes"),
 )
 
 

@@ -42,6 +42,12 @@ def test_size_presets_count_the_parameters_the_model_has(variant):
     from qkvjax.models.lm import kv_cache_bytes_per_token
 
     assert kv_cache_bytes_per_token(gqa) == kv_cache_bytes_per_token(shared_kv)  # GQA at shared_kv's cache
+    mla = scaling.size_config(96, "mla", 1e-3, 0, 1, DataConfig()).model
+    assert kv_cache_bytes_per_token(mla) == kv_cache_bytes_per_token(gqa)  # MLA's latent at GQA's cache
+    separate = scaling.size_config(96, "separate", 1e-3, 0, 1, DataConfig()).model
+    # the ladder's comment: attention weights 5 D^2 (mla) against 4 D^2 (separate) per layer, norms and biases aside
+    extra = (param_count(mla) - param_count(separate)) / separate.num_layers
+    assert 96**2 <= extra < 96**2 + 4 * 96, extra
 
 
 def test_params_matched_bilinear_has_separates_parameters_in_a_narrower_mlp():
