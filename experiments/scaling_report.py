@@ -385,6 +385,7 @@ VARIANT_ORDER = (
 HEAD_TO_HEAD = (
     ("shared_kv", "gqa", "K = V against GQA at the same cache bytes (half of separate's)"),
     ("bilinear_params", "bilinear", "The merged W_QK at separate's parameters (F = 3 D) against it at equal width"),
+    ("reformer_qk", "shared_qk", "Reformer's attention (unit keys, no attending to oneself) against plain shared QK"),
     ("mla", "gqa", "A rank-D latent K/V (MLA) against GQA at the same cache bytes"),
 )
 
