@@ -32,6 +32,8 @@ VARIANTS = {
     # 5 D^2 attention weights per layer against separate's 4 D^2 and gqa's 3 D^2; latent norm on, no rotary part
     # (the ladder's models have learned positions)
     "mla": {"scheme": "mla"},
+    # W^Q = W^V: shared_qk's parameters (3 D^2 attention weights per layer) at separate's cache (K and V distinct)
+    "shared_qv": {"scheme": "shared_qv"},
 }
 
 

@@ -379,6 +379,7 @@ def _delta_by_size(cells: dict, train: dict[str, float], by_size: list[tuple]) -
 # appended, never inserted: a variant's colour in every plot is its index here
 VARIANT_ORDER = (
     "separate", "gqa", "shared_kv", "bilinear", "bilinear_params", "shared_qk", "reformer_qk", "shared_qkv", "mla",
+    "shared_qv",
 )  # fmt: skip
 # Two ties compared with each other, paired by seed: (variant, against, what the comparison asks). Data, so a new
 # question is a row here, not a new branch.
@@ -387,6 +388,7 @@ HEAD_TO_HEAD = (
     ("bilinear_params", "bilinear", "The merged W_QK at separate's parameters (F = 3 D) against it at equal width"),
     ("reformer_qk", "shared_qk", "Reformer's attention (unit keys, no attending to oneself) against plain shared QK"),
     ("mla", "gqa", "A rank-D latent K/V (MLA) against GQA at the same cache bytes"),
+    ("shared_qv", "shared_qk", "One tie against another at equal parameters and cache: W^Q = W^V against W^Q = W^K"),
 )
 
 

@@ -48,6 +48,11 @@ def test_size_presets_count_the_parameters_the_model_has(variant):
     # the ladder's comment: attention weights 5 D^2 (mla) against 4 D^2 (separate) per layer, norms and biases aside
     extra = (param_count(mla) - param_count(separate)) / separate.num_layers
     assert 96**2 <= extra < 96**2 + 4 * 96, extra
+    shared_qv = scaling.size_config(96, "shared_qv", 1e-3, 0, 1, DataConfig()).model
+    shared_qk = scaling.size_config(96, "shared_qk", 1e-3, 0, 1, DataConfig()).model
+    # the head-to-head pair: one tie each, the same parameters, separate's cache for shared_qv
+    assert param_count(shared_qv) == param_count(shared_qk) < param_count(separate)
+    assert kv_cache_bytes_per_token(shared_qv) == kv_cache_bytes_per_token(separate) > kv_cache_bytes_per_token(gqa)
 
 
 def test_params_matched_bilinear_has_separates_parameters_in_a_narrower_mlp():
