@@ -388,7 +388,7 @@ HEAD_TO_HEAD = (
     ("bilinear_params", "bilinear", "The merged W_QK at separate's parameters (F = 3 D) against it at equal width"),
     ("reformer_qk", "shared_qk", "Reformer's attention (unit keys, no attending to oneself) against plain shared QK"),
     ("mla", "gqa", "A rank-D latent K/V (MLA) against GQA at the same cache bytes"),
-    ("shared_qv", "shared_qk", "One tie against another at equal parameters and cache: W^Q = W^V against W^Q = W^K"),
+    ("shared_qv", "shared_qk", "W^Q = W^V against W^Q = W^K, one tie each at equal parameters and cache"),
 )
 
 
