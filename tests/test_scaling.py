@@ -37,22 +37,23 @@ def test_size_presets_count_the_parameters_the_model_has(variant):
         param_count(scaling.size_config(s, "separate", 1e-3, 0, 1, DataConfig()).model) for s in scaling.DEFAULT_SIZES
     ]
     assert counts[-1] / counts[0] >= 8  # the issue's span
-    gqa = scaling.size_config(96, "gqa", 1e-3, 0, 1, DataConfig()).model
-    shared_kv = scaling.size_config(96, "shared_kv", 1e-3, 0, 1, DataConfig()).model
+
+
+def test_ladder_pairs_share_the_cache_or_parameters_their_comparisons_assume():
+    """The head-to-head rows of the report compare variants at equal cache bytes (GQA, K = V, MLA) or equal
+    parameters (shared_qv against shared_qk); the MLA row's parameter excess is the one the ladder's comment states."""
     from qkvjax.models.lm import kv_cache_bytes_per_token
 
-    assert kv_cache_bytes_per_token(gqa) == kv_cache_bytes_per_token(shared_kv)  # GQA at shared_kv's cache
-    mla = scaling.size_config(96, "mla", 1e-3, 0, 1, DataConfig()).model
-    assert kv_cache_bytes_per_token(mla) == kv_cache_bytes_per_token(gqa)  # MLA's latent at GQA's cache
-    separate = scaling.size_config(96, "separate", 1e-3, 0, 1, DataConfig()).model
+    model = {v: scaling.size_config(96, v, 1e-3, 0, 1, DataConfig()).model for v in scaling.VARIANTS}
+    cache = {v: kv_cache_bytes_per_token(m) for v, m in model.items()}
+    assert cache["gqa"] == cache["shared_kv"]  # GQA at shared_kv's cache
+    assert cache["mla"] == cache["gqa"]  # MLA's latent at GQA's cache
     # the ladder's comment: attention weights 5 D^2 (mla) against 4 D^2 (separate) per layer, norms and biases aside
-    extra = (param_count(mla) - param_count(separate)) / separate.num_layers
+    extra = (param_count(model["mla"]) - param_count(model["separate"])) / model["separate"].num_layers
     assert 96**2 <= extra < 96**2 + 4 * 96, extra
-    shared_qv = scaling.size_config(96, "shared_qv", 1e-3, 0, 1, DataConfig()).model
-    shared_qk = scaling.size_config(96, "shared_qk", 1e-3, 0, 1, DataConfig()).model
     # the head-to-head pair: one tie each, the same parameters, separate's cache for shared_qv
-    assert param_count(shared_qv) == param_count(shared_qk) < param_count(separate)
-    assert kv_cache_bytes_per_token(shared_qv) == kv_cache_bytes_per_token(separate) > kv_cache_bytes_per_token(gqa)
+    assert param_count(model["shared_qv"]) == param_count(model["shared_qk"]) < param_count(model["separate"])
+    assert cache["shared_qv"] == cache["separate"] > cache["gqa"]
 
 
 def test_params_matched_bilinear_has_separates_parameters_in_a_narrower_mlp():
