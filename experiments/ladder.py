@@ -14,9 +14,9 @@ from qkvjax.config import AttentionConfig, Config, DataConfig, ModelConfig, Trai
 NUM_HEADS, NUM_LAYERS, CONTEXT, BATCH = 4, 4, 128, 16
 DEFAULT_SIZES = (48, 96, 160)
 SHARED_LR = 2e-3  # the one rate the 0.8-epoch comparison used for every scheme: the ranking is also read at it
-# Each variant: the attention config's fields (num_kv_heads as a fraction of N; ``params_of``: the MLP narrowed or
-# widened to that variant's parameter count, as compare_schemes.py's ``params`` matching does). A name is a label,
-# never a branch.
+# Each variant: the attention config's fields (num_kv_heads as a fraction of N, kv_rank as one of D; ``params_of``:
+# the MLP narrowed or widened to that variant's parameter count, as compare_schemes.py's ``params`` matching does).
+# A name is a label, never a branch.
 VARIANTS = {
     "separate": {"scheme": "separate"},
     "shared_kv": {"scheme": "shared_kv"},
@@ -34,6 +34,10 @@ VARIANTS = {
     "mla": {"scheme": "mla"},
     # W^Q = W^V: shared_qk's parameters (3 D^2 attention weights per layer) at separate's cache (K and V distinct)
     "shared_qv": {"scheme": "shared_qv"},
+    # Below GQA's cache, where DeepSeek-V2 put the latent: MQA (one K/V head, 2 H = D / 2 per token and layer) and a
+    # rank R = D / 2 latent at the same cache, 2.5 D^2 and 3.5 D^2 attention weights per layer (no rotary part)
+    "mqa": {"scheme": "separate", "kv_heads_fraction": 0.25},
+    "mla_half": {"scheme": "mla", "kv_rank_fraction": 0.5},
 }
 
 
@@ -51,6 +55,8 @@ def size_config(d_model: int, variant: str, learning_rate: float, seed: int, tok
     """The model and training of one run: width ``d_model``, ``tokens`` training tokens."""
     spec = dict(VARIANTS[variant])
     fraction, params_of = spec.pop("kv_heads_fraction", None), spec.pop("params_of", None)
+    if (rank := spec.pop("kv_rank_fraction", None)) is not None:
+        spec["kv_rank"] = max(1, round(d_model * rank))
     kv_heads = None if fraction is None else max(1, round(NUM_HEADS * fraction))
     attention = AttentionConfig(num_heads=NUM_HEADS, head_dim=d_model // NUM_HEADS, num_kv_heads=kv_heads, **spec)
     model = ModelConfig(attention=attention, d_model=d_model, num_layers=layers, max_len=context)

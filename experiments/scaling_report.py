@@ -379,8 +379,18 @@ def _delta_by_size(cells: dict, train: dict[str, float], by_size: list[tuple]) -
 # appended, never inserted: a variant's colour in every plot is its index here
 VARIANT_ORDER = (
     "separate", "gqa", "shared_kv", "bilinear", "bilinear_params", "shared_qk", "reformer_qk", "shared_qkv", "mla",
-    "shared_qv",
+    "shared_qv", "mqa", "mla_half",
 )  # fmt: skip
+# past matplotlib's ten-colour cycle (C10 would repeat C0, separate's blue): colours none of C0-C9 is near
+EXTRA_COLORS = ("black", "gold", "navy", "lime")
+
+
+def variant_color(variant: str) -> str:
+    """The variant's one colour in every plot, by its place in :data:`VARIANT_ORDER`."""
+    i = VARIANT_ORDER.index(variant)
+    return f"C{i}" if i < 10 else EXTRA_COLORS[i - 10]
+
+
 # Two ties compared with each other, paired by seed: (variant, against, what the comparison asks). Data, so a new
 # question is a row here, not a new branch.
 HEAD_TO_HEAD = (
@@ -389,6 +399,8 @@ HEAD_TO_HEAD = (
     ("reformer_qk", "shared_qk", "Reformer's attention (unit keys, no attending to oneself) against plain shared QK"),
     ("mla", "gqa", "A rank-D latent K/V (MLA) against GQA at the same cache bytes"),
     ("shared_qv", "shared_qk", "W^Q = W^V against W^Q = W^K, one tie each at equal parameters and cache"),
+    ("mla_half", "mqa", "A rank-D/2 latent K/V (MLA) against MQA at the same cache bytes (a quarter of separate's)"),
+    ("mla_half", "mla", "Halving MLA's latent rank (R = D/2 against R = D): what half the cache costs"),
 )
 
 
@@ -450,7 +462,7 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
         pts = sorted((e["ref_params"], e["delta"], e.get("ci")) for e in entries if e and "delta" in e)
         if not pts:
             continue
-        color = f"C{VARIANT_ORDER.index(variant)}"  # one colour per scheme in every plot
+        color = variant_color(variant)
         xs, ys = [p for p, _, _ in pts], [d for _, d, _ in pts]
         err = [[d - ci[0] if ci else 0 for _, d, ci in pts], [ci[1] - d if ci else 0 for _, d, ci in pts]]
         seeds = [
@@ -488,7 +500,7 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
                 for r in by_seed.values()]  # fmt: skip
         pts = [(6 * int(r["params"]) * int(r["tokens"]), float(r["final_val_loss"])) for r in runs]
         if pts:
-            color = f"C{VARIANT_ORDER.index(variant)}"
+            color = variant_color(variant)
             ax.scatter(*zip(*pts, strict=True), s=18, color=color, label=variant, alpha=0.8)
     ax.set_xscale("log")
     ax.set_xlabel("training compute, 6 x params x tokens (FLOPs; log)")

@@ -54,6 +54,24 @@ def test_ladder_pairs_share_the_cache_or_parameters_their_comparisons_assume():
     # the head-to-head pair: one tie each, the same parameters, separate's cache for shared_qv
     assert param_count(model["shared_qv"]) == param_count(model["shared_qk"]) < param_count(model["separate"])
     assert cache["shared_qv"] == cache["separate"] > cache["gqa"]
+    # below GQA's cache: MQA's one K/V head and MLA's rank-D/2 latent at a quarter of separate's; the ladder's
+    # comment: attention weights 3.5 D^2 (mla_half) against 2.5 D^2 (mqa) per layer, and the latent norm's R scales
+    assert model["mqa"].attention.kv_heads == 1 and model["mla_half"].attention.latent_dim == 96 // 2
+    assert cache["mqa"] == cache["mla_half"] == cache["separate"] // 4 == cache["mla"] // 2
+    extra = (param_count(model["mla_half"]) - param_count(model["mqa"])) / model["mqa"].num_layers
+    assert extra == 96**2 + 96 // 2, extra
+
+
+def test_every_ladder_variant_has_a_place_and_a_colour_of_its_own_in_the_report():
+    """The report orders (and colours) only the variants in VARIANT_ORDER: a variant left out would train and
+    never be reported; a colour shared by two variants would merge them in the plots; a head-to-head row must
+    name two ladder variants."""
+    from experiments import scaling_report
+
+    assert set(scaling.VARIANTS) <= set(scaling_report.VARIANT_ORDER)
+    colours = [scaling_report.variant_color(v) for v in scaling_report.VARIANT_ORDER]
+    assert len(set(colours)) == len(colours), colours
+    assert {v for row in scaling_report.HEAD_TO_HEAD for v in row[:2]} <= set(scaling.VARIANTS)
 
 
 def test_params_matched_bilinear_has_separates_parameters_in_a_narrower_mlp():
