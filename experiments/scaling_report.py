@@ -459,19 +459,16 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
     fig, ax = plt.subplots(figsize=(10, 5))
     for variant in (v for v in VARIANT_ORDER if v != "separate"):
         entries = [paired(cells, c, s, v) for c, s, v in cells if c == corpus and v == variant]
-        # a 2-seed t interval (t = 12.7) would set the axis for everyone and says little: drawn from 3 seeds
-        pts = sorted((e["ref_params"], e["delta"], e.get("ci") if e["delta_n"] >= 3 else None)
-                     for e in entries if e and "delta" in e)  # fmt: skip
-        if not pts:
+        done = sorted((e for e in entries if e and "delta" in e), key=lambda e: e["ref_params"])  # small to large
+        if not done:
             continue
+        # a 2-seed t interval (t = 12.7) would set the axis for everyone and says little: drawn from 3 seeds
+        pts = [(e["ref_params"], e["delta"], e.get("ci") if e["delta_n"] >= 3 else None) for e in done]
         color = variant_color(variant)
         xs, ys = [p for p, _, _ in pts], [d for _, d, _ in pts]
         err = [[d - ci[0] if ci else 0 for _, d, ci in pts], [ci[1] - d if ci else 0 for _, d, ci in pts]]
-        seeds = [
-            e["delta_n"] for e in sorted((e for e in entries if e and "delta" in e), key=lambda e: e["ref_params"])
-        ]
-        label = f"{variant}: seeds {'/'.join(map(str, seeds))}"  # 1 or 2 seeds: no interval drawn
-        fit = trend([(e["ref_params"], d) for e in entries if e and "delta" in e for d in e["diffs"]])
+        label = f"{variant}: seeds {'/'.join(str(e['delta_n']) for e in done)}"  # 1 or 2 seeds: no interval drawn
+        fit = trend([(e["ref_params"], d) for e in done for d in e["diffs"]])
         if fit and fit["sizes"] >= 3:  # through two sizes the line would only repeat the segment
             label += f", trend {fit['slope']:+.3f} ± {fit['se']:.3f} per 10x"
             grid = [min(xs) * (max(xs) / min(xs)) ** (k / 40) for k in range(41)]
