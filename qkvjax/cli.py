@@ -105,17 +105,18 @@ def _sample(args: argparse.Namespace) -> int:
     from qkvjax.data.tokenizer import check_vocab, load_tokenizer
     from qkvjax.evaluate import restore_params
     from qkvjax.sample import check_request, encode, generate_batch
-    from qkvjax.workdir import load_config
+    from qkvjax.workdir import load_config, stop_ids
 
     saved = load_config(args.workdir)
     require_decoder(saved, "sample")
+    stops = () if args.ignore_eos else stop_ids(args.workdir)
     tokenizer = load_tokenizer(saved.data.tokenizer, args.workdir)
     if saved.data.tokenizer is not None:
         check_vocab(tokenizer, saved.model.vocab_size)
     prompts = [encode(p, tokenizer) for p in args.prompt]  # refuse an empty prompt before restoring anything
     model, params, config, step = restore_params(args.workdir, args.step)
     top_k = None if args.top_k == 0 else args.top_k
-    check_request(model, prompts, args.num_tokens, args.temperature, top_k)  # before the prompt is echoed
+    check_request(model, prompts, args.num_tokens, args.temperature, top_k, args.top_p)  # before the prompt is echoed
     limit = None
     if saved.data.tokenizer is None and config.model.vocab_size > 256:  # decided before the first token is shown
         limit = 256
@@ -135,17 +136,25 @@ def _sample(args: argparse.Namespace) -> int:
         args.num_tokens,
         temperature=args.temperature,
         top_k=top_k,
+        top_p=args.top_p,
         seed=args.seed,
         on_token=streamer if stream else None,
         vocab_limit=limit,
+        stop_ids=stops,
     )
     if stream:
         streamer.flush()
     else:
         for i, (prompt, row) in enumerate(zip(args.prompt, tokens, strict=True)):
-            text = tokenizer.continuation(prompts[i].tolist(), row.tolist())
+            text = tokenizer.continuation(prompts[i].tolist(), row[: stats["lengths"][i]].tolist())
             print(f"{'' if i == 0 else chr(10)}=== prompt {i} ===\n{prompt}{text}")
     layout = config.model.attention.scheme + (f", layers {config.model.layers!r}" if config.model.layers else "")
+    if any(n < args.num_tokens for n in stats["lengths"]):
+        print(
+            f"\n--- stopped at the end-of-sequence token (eos_token_id {list(stops)}) after {stats['lengths']} new "
+            "tokens (--ignore-eos goes on)",
+            file=sys.stderr,
+        )
     print(
         f"\n--- step {step}, scheme {layout}: {len(prompts)} x {stats['new_tokens']} tokens at "
         f"{stats['tokens_per_s']:,.1f} tokens/s (after {stats['prefill_and_compile_s']:.2f}s prefill + compile); "
@@ -446,7 +455,11 @@ def _run_commands() -> tuple[Command, ...]:
             opt("--num-tokens", type=int, default=200, help="bytes to generate"),
             opt("--temperature", type=float, default=0.8, help="0 = greedy"),
             opt("--top-k", type=int, default=40, help="0 = no top-k cut"),
+            opt("--top-p", type=float, default=1.0,
+                help="nucleus: draw from the fewest likeliest tokens holding this much probability; 1 = no cut"),
             opt("--seed", type=int, default=0, help="sampling seed"),
+            opt("--ignore-eos", action="store_true",
+                help="go on past an imported model's end-of-sequence token (by default a row ends at it)"),
             STEP,
         )),
         Command("info", _info, "checkpoints, config, parameters per component and last metrics of a run", (

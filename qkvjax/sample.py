@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -15,34 +15,61 @@ from qkvjax.models.lm import DecodeCache, DecoderLM
 
 
 def encode(text: str, tokenizer=None) -> np.ndarray:
-    """Tokens of a prompt (byte-level unless a :mod:`qkvjax.data.tokenizer` is given); an empty prompt is refused
-    (there is nothing to condition on)."""
+    """Tokens of a prompt (byte-level unless a :mod:`qkvjax.data.tokenizer` is given, whose special tokens a prompt
+    gets as in transformers: Llama's BOS); an empty prompt is refused (there is nothing to condition on)."""
     if tokenizer is None:
         tokens = np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
     else:
-        tokens = tokenizer.encode(text)
+        tokens = tokenizer.encode_prompt(text)
     if tokens.size == 0:
         raise ValueError("the prompt has no tokens; pass a non-empty --prompt")
     return tokens
 
 
-def pick(
-    logits: jax.Array, key: jax.Array, temperature: float, top_k: int | None, limit: int | None = None
+def filter_logits(
+    logits: jax.Array, temperature: float, top_k: int | None, top_p: float | None = None, limit: int | None = None
 ) -> jax.Array:
-    """Greedy when ``temperature`` is 0, else a sample from softmax(logits / temperature) over the top k; with
-    ``limit``, only ids below it are ever drawn (a byte-level model whose table is wider than 256)."""
+    """The logits a token is drawn from, (..., V) -> (..., V), the cut ones set to -inf: divided by ``temperature``
+    (> 0), then only the ``top_k`` largest kept, then only the nucleus of ``top_p`` (Holtzman et al. 2020,
+    arXiv:1904.09751): the fewest largest that hold at least ``top_p`` of the probability left after the top-k
+    cut (the largest is always kept; ties with the last one kept stay). With ``limit``, only ids below it."""
     if limit is not None and limit < logits.shape[-1]:
         logits = jnp.where(jnp.arange(logits.shape[-1]) < limit, logits, -jnp.inf)
-    if temperature == 0.0:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     logits = logits / temperature
     if top_k is not None and top_k < logits.shape[-1]:
         kth = jax.lax.top_k(logits, top_k)[0][..., -1:]
         logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if top_p is not None and top_p < 1.0:
+        ranked = jnp.flip(jnp.sort(logits, axis=-1), axis=-1)  # (..., V), largest first
+        probs = jax.nn.softmax(ranked.astype(jnp.float32), axis=-1)
+        above = jnp.cumsum(probs, axis=-1) - probs  # the mass of the tokens ranked above each
+        # kept: a token while the mass above it is short of top_p; the smallest kept logit is the cut
+        cut = jnp.min(jnp.where(above < top_p, ranked, jnp.inf), axis=-1, keepdims=True)
+        logits = jnp.where(logits < cut, -jnp.inf, logits)
+    return logits
+
+
+def pick(
+    logits: jax.Array,
+    key: jax.Array,
+    temperature: float,
+    top_k: int | None,
+    limit: int | None = None,
+    top_p: float | None = None,
+) -> jax.Array:
+    """Greedy when ``temperature`` is 0, else a sample from softmax over :func:`filter_logits`; with ``limit``,
+    only ids below it are ever drawn (a byte-level model whose table is wider than 256)."""
+    if temperature == 0.0:
+        if limit is not None and limit < logits.shape[-1]:
+            logits = jnp.where(jnp.arange(logits.shape[-1]) < limit, logits, -jnp.inf)
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = filter_logits(logits, temperature, top_k, top_p, limit)
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
-def check_request(model: DecoderLM, prompts: list[np.ndarray], num_tokens: int, temperature: float, top_k) -> None:
+def check_request(
+    model: DecoderLM, prompts: list[np.ndarray], num_tokens: int, temperature: float, top_k, top_p=None
+) -> None:
     max_len = model.config.max_len
     if not prompts:
         raise ValueError("no prompts; pass at least one")
@@ -52,6 +79,8 @@ def check_request(model: DecoderLM, prompts: list[np.ndarray], num_tokens: int, 
         raise ValueError(f"temperature={temperature}; allowed: a finite number >= 0 (0 is greedy)")
     if top_k is not None and top_k < 1:
         raise ValueError(f"top_k={top_k}; allowed: None or >= 1")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"top_p={top_p}; allowed: None or a number in (0, 1] (1 keeps every token)")
     for i, prompt in enumerate(prompts):
         which = "the prompt" if len(prompts) == 1 else f"prompt {i}"
         if len(prompt) >= max_len:
@@ -74,10 +103,12 @@ def generate_batch(
     *,
     temperature: float = 0.8,
     top_k: int | None = 40,
+    top_p: float | None = None,
     seed: int = 0,
     on_token: Callable[[int], None] | None = None,
     vocab_limit: int | None = None,
     scan_unroll: int = 1,
+    stop_ids: Sequence[int] = (),
 ) -> tuple[np.ndarray, dict]:
     """Continues each prompt (1-D int tokens, lengths may differ) by ``num_tokens``, all rows in one batch.
 
@@ -85,16 +116,20 @@ def generate_batch(
     (:class:`~qkvjax.models.lm.DecodeCache` keeps a length per row), so a row decodes as it would alone. With
     ``on_token`` (one prompt only) every token is streamed as it is made, one jitted call per token; otherwise
     all tokens are made on the device in one call (``lax.scan``), with no host round trip per token.
-    ``vocab_limit``: only ids below it are drawn (text that is bytes needs ids < 256). The tokens are made in
+    ``temperature``, ``top_k``, ``top_p``: what a token is drawn from (:func:`filter_logits`; ``temperature`` 0 is
+    greedy). ``vocab_limit``: only ids below it are drawn (text that is bytes needs ids < 256). The tokens are made in
     one program whose layers pick the key prefix they read at run time (a ``lax.switch`` per layer and token;
     programs with the prefix fixed per stretch of steps, no branch, were measured slower, x0.89-0.94, on this
     project's CPU and on an H200, and were removed: benchmarks/README.md, "GPU: the third visit").
     ``scan_unroll``: decode steps per iteration of the on-device loop (``lax.scan``'s ``unroll``): fewer loop
-    iterations, whose condition a GPU reads on the host, for a longer compile. Returns the new tokens
-    (B, num_tokens) and timing statistics.
+    iterations, whose condition a GPU reads on the host, for a longer compile. ``stop_ids``: a row ends at the
+    first of them it draws (an imported model's ``eos_token_id``, as transformers' ``generate`` stops): its later
+    places hold that id, ``stats["lengths"]`` counts each row's tokens before it, and ``on_token`` is not called
+    for it; the streamed loop stops there, the batched one runs its length (its rows decode independently, so
+    what a row draws after its stop is only discarded). Returns the new tokens (B, num_tokens) and statistics.
     """
     prompts = [np.asarray(p, np.int32) for p in prompts]
-    check_request(model, prompts, num_tokens, temperature, top_k)
+    check_request(model, prompts, num_tokens, temperature, top_k, top_p)
     if isinstance(scan_unroll, bool) or not isinstance(scan_unroll, int) or scan_unroll < 1:
         raise ValueError(f"scan_unroll={scan_unroll!r}; allowed: an int >= 1 (decode steps per loop iteration)")
     if on_token is not None and len(prompts) > 1:
@@ -109,11 +144,11 @@ def generate_batch(
     def prefill(params, cache, tokens, lengths, key):
         logits, cache = model.apply({"params": params}, tokens, cache=cache, num_valid=lengths)
         last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # each row's last prompt token
-        return pick(last, key, temperature, top_k, vocab_limit), cache
+        return pick(last, key, temperature, top_k, vocab_limit, top_p), cache
 
     def one(params, cache, token, key):
         logits, cache = model.apply({"params": params}, token[:, None], cache=cache)
-        return pick(logits[:, -1], key, temperature, top_k, vocab_limit), cache
+        return pick(logits[:, -1], key, temperature, top_k, vocab_limit, top_p), cache
 
     step = jax.jit(one, donate_argnums=1)
 
@@ -137,31 +172,44 @@ def generate_batch(
     if num_tokens > 1:
         run = (step if on_token else decode_all).lower(params, cache, token, keys[0] if on_token else keys).compile()
     first = time.perf_counter()
+    stops = {int(i) for i in stop_ids}
     if on_token:
-        on_token(int(out[-1][0]))
-        for i in range(num_tokens - 1):
-            token, cache = run(params, cache, token, keys[i])
-            out.append(np.asarray(token))  # the host needs each token to stream it
+        for i in range(num_tokens):
+            if i > 0:
+                token, cache = run(params, cache, token, keys[i - 1])
+                out.append(np.asarray(token))  # the host needs each token to stream it
+            if int(out[-1][0]) in stops:
+                break
             on_token(int(out[-1][0]))
-        tokens = np.stack(out, axis=1)
+        tokens = np.stack(out + [out[-1]] * (num_tokens - len(out)), axis=1)  # after a stop: the stop id
     elif run is not None:
         rest, cache = run(params, cache, token, keys)
         tokens = np.concatenate([out[0][:, None], np.asarray(rest)], axis=1)
     else:
         tokens = out[0][:, None]
     end = time.perf_counter()
+    made = len(out) if on_token else num_tokens  # tokens per row the device made (after the prefill's first)
+    ends = [num_tokens] * b
+    tokens = np.array(tokens, np.int32)  # a writable copy
+    for r in range(b):
+        hits = np.flatnonzero(np.isin(tokens[r], list(stops)))
+        if hits.size:
+            ends[r] = int(hits[0])
+            tokens[r, ends[r] :] = tokens[r, ends[r]]
     stats = {
         "prompt_tokens": [int(n) for n in lengths],
         "new_tokens": num_tokens,
+        "lengths": ends,  # each row's new tokens before its stop id (num_tokens: none drawn)
         "prefill_and_compile_s": first - start,  # the prompts' forward pass and the compiles
-        "tokens_per_s": b * (num_tokens - 1) / (end - first) if num_tokens > 1 else float("nan"),
+        "tokens_per_s": b * (made - 1) / (end - first) if made > 1 else float("nan"),
         "cache_bytes": cache.nbytes,
     }
-    return tokens.astype(np.int32), stats
+    return tokens, stats
 
 
 def generate(model: DecoderLM, params, prompt: np.ndarray, num_tokens: int, **kw) -> tuple[np.ndarray, dict]:
     """One prompt: :func:`generate_batch` with a batch of one; returns the new tokens (num_tokens,)."""
     tokens, stats = generate_batch(model, params, [prompt], num_tokens, **kw)
     stats["prompt_tokens"] = stats["prompt_tokens"][0]
+    stats["lengths"] = stats["lengths"][0]
     return tokens[0], stats

@@ -8,6 +8,7 @@ training loop. Layout::
     WORKDIR/checkpoints/<step>/    orbax: state, data iterator, config (see qkvjax.train.checkpoint)
     WORKDIR/params/<step>/         params only, written when a run finishes or by ``qkvjax import`` (step 0)
     WORKDIR/tokenizer.json         an imported model's tokenizer (``data.tokenizer``)
+    WORKDIR/special_tokens.json    an imported model's bos/eos/pad ids (sampling stops at eos)
     WORKDIR/tensorboard/           TensorBoard events, one file per (re)start
     WORKDIR/train.lock             the running trainer's host and pid
 
@@ -126,6 +127,16 @@ def load_config(workdir) -> Config:
     if not file.exists():
         raise ValueError(f"workdir {path(workdir)} holds no run (no {CONFIG_FILE})")
     return from_dict(Config, json.loads(file.read_text()))
+
+
+def stop_ids(workdir) -> tuple[int, ...]:
+    """The token ids that end a sequence: an imported model's ``eos_token_id`` (one id or a list, as Hugging Face
+    configs give it); none for a run trained here (its text is a stream with no end token)."""
+    file = path(workdir) / SPECIAL_IDS_FILE
+    if not file.exists():
+        return ()
+    eos = json.loads(file.read_text()).get("eos_token_id")
+    return tuple(int(i) for i in ([] if eos is None else eos if isinstance(eos, list) else [eos]))
 
 
 def run_config(workdir) -> Config:

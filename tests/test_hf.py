@@ -567,6 +567,54 @@ def _word_tokenizer(file, words: list[str]) -> None:
     tok.save(str(file))
 
 
+def test_sample_prompts_and_stops_as_transformers_generate(folders, tmp_path, capsys):
+    """A Llama whose tokenizer puts BOS before a prompt and whose config names an ``eos_token_id``: greedy
+    ``qkvjax sample`` makes the tokens transformers' greedy ``generate`` makes from ``tokenizer(prompt)``, and
+    stops where it stops."""
+    from tokenizers import Tokenizer, processors
+
+    from qkvjax.cli import main
+
+    src, ref_model = folders["llama_gqa"]
+    folder = tmp_path / "llama"
+    __import__("shutil").copytree(src, folder)
+    _word_tokenizer(folder / "tokenizer.json", ["<unk>", "<s>"] + [f"w{i}" for i in range(2, V)])
+    tk = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tk.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tk.save(str(folder / "tokenizer.json"))
+    prompt = "w3 w40 w7"
+    ids = tk.encode(prompt).ids
+    assert ids == [1, 3, 40, 7]  # what transformers' tokenizer(prompt) gives: BOS first
+
+    def reference(eos: int) -> list[int]:
+        with torch.no_grad():
+            out = ref_model.generate(
+                torch.tensor([ids]), max_new_tokens=8, do_sample=False, eos_token_id=eos, pad_token_id=eos
+            )
+        return out[0, len(ids) :].tolist()
+
+    free = reference(V + 1)  # an id the model never draws: all 8 tokens
+    stop = free[3]
+    end = free.index(stop)
+    assert len(free) == 8 and reference(stop) == free[: end + 1]  # transformers stops after the eos it draws
+    hf_config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(hf_config | {"eos_token_id": stop}))
+    w = str(tmp_path / "w")
+    assert main(["import", str(folder), "--workdir", w]) == 0
+    capsys.readouterr()
+
+    def text(new: list[int]) -> str:  # the prompt as typed, then what the new tokens add to its decoding
+        head = tk.decode(ids, skip_special_tokens=False)
+        return prompt + tk.decode(ids + new, skip_special_tokens=False)[len(head) :]
+
+    sample = ["sample", "--workdir", w, "--prompt", prompt, "--num-tokens", "8", "--temperature", "0"]
+    assert main(sample) == 0
+    out = capsys.readouterr()
+    assert out.out == text(free[:end]) and f"eos_token_id [{stop}]) after [{end}] new tokens" in out.err
+    assert main([*sample, "--ignore-eos"]) == 0
+    assert capsys.readouterr().out == text(free)
+
+
 def test_cli_import_sample_uptrain_and_export_with_the_models_tokenizer(folders, tmp_path):
     from tokenizers import Tokenizer
 

@@ -14,9 +14,9 @@ import pytest
 import qkvjax
 from qkvjax import AttentionConfig, DecoderLM, ModelConfig
 from qkvjax.convert import convert
-from qkvjax.evaluate import evaluate
+from qkvjax.evaluate import evaluate, restore_params
 from qkvjax.models.lm import param_count
-from qkvjax.sample import generate
+from qkvjax.sample import generate, generate_batch
 from tests.helpers import REPO, exported_params, flat, metrics, run_in_new_process, run_in_process, train_args
 
 pytestmark = pytest.mark.xdist_group("restore")  # one worker builds the module's fixture once
@@ -101,7 +101,31 @@ def test_greedy_sampling_with_cache_equals_recomputing_the_full_forward(scheme, 
     assert stats["cache_bytes"] > 0
 
 
-def test_sample_cli_streams_and_greedy_is_deterministic(run, capsys):
+def test_a_row_ends_at_its_first_stop_id_batched_and_streamed():
+    model = DecoderLM(_lm("separate"))
+    params = jax.jit(model.init)(jax.random.PRNGKey(3), jnp.zeros((1, 13), jnp.int32))["params"]
+    prompts = [np.array([72, 101, 121], np.int32), np.array([5, 9], np.int32)]
+    free, stats = generate_batch(model, params, prompts, 9, temperature=1.0, seed=4)
+    assert stats["lengths"] == [9, 9]
+    stop = int(free[0, 4])  # row 0 draws it at place 4 at the latest
+    stopped, stats = generate_batch(model, params, prompts, 9, temperature=1.0, seed=4, stop_ids=[stop, 999])
+    for r in range(2):
+        hits = np.flatnonzero(free[r] == stop)
+        end = int(hits[0]) if hits.size else 9
+        assert stats["lengths"][r] == end and stopped[r, :end].tolist() == free[r, :end].tolist()
+        assert (stopped[r, end:] == stop).all()
+    assert stats["lengths"][0] <= 4
+    alone, _ = generate(model, params, prompts[0], 9, temperature=1.0, seed=4)  # one row draws other samples
+    end = int(np.flatnonzero(alone == alone[3])[0])
+    seen = []
+    streamed, stats = generate(
+        model, params, prompts[0], 9, temperature=1.0, seed=4, stop_ids=[int(alone[3])], on_token=seen.append
+    )
+    assert stats["lengths"] == end and seen == alone[:end].tolist()  # the stop id itself is not streamed
+    assert streamed[:end].tolist() == seen and (streamed[end:] == alone[3]).all()
+
+
+def test_sample_cli_streams_and_greedy_is_deterministic(run, capsys, tmp_path):
     outs = []
     for _ in range(2):
         args = ["sample", f"--workdir={run}", "--prompt=the ", "--num-tokens=12", "--temperature=0"]
@@ -110,6 +134,21 @@ def test_sample_cli_streams_and_greedy_is_deterministic(run, capsys):
         outs.append(captured.out)
         assert "tokens/s" in captured.err and "KV cache" in captured.err
     assert outs[0] == outs[1] and outs[0].startswith("the ")
+    nucleus_of_one = ["sample", f"--workdir={run}", "--prompt=the ", "--num-tokens=12", "--top-p=1e-9", "--seed=5"]
+    assert run_in_process(nucleus_of_one) == 0  # a sample from the likeliest token alone is the greedy text
+    assert capsys.readouterr().out == outs[0]
+    imported = tmp_path / "imported"  # as `qkvjax import` leaves a model whose config names an eos_token_id
+    shutil.copytree(run, imported)
+    model, params, _, _ = restore_params(str(run))
+    new = generate(model, params, np.frombuffer(b"the ", np.uint8).astype(np.int32), 12, temperature=0.0)[0].tolist()
+    (imported / "special_tokens.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": [new[5]]}))
+    args = ["sample", f"--workdir={imported}", "--prompt=the ", "--num-tokens=12", "--temperature=0"]
+    assert run_in_process(args) == 0
+    captured = capsys.readouterr()  # the text of the bytes before the stop (a cut character shown as U+FFFD)
+    assert captured.out == "the " + bytes(new[: new.index(new[5])]).decode("utf-8", errors="replace")
+    assert "end-of-sequence" in captured.err
+    assert run_in_process([*args, "--ignore-eos"]) == 0
+    assert capsys.readouterr().out == outs[0]
     seeded = []
     for seed in (1, 1, 2):
         args = ["sample", f"--workdir={run}", "--prompt=a", "--num-tokens=30", f"--seed={seed}", "--temperature=1"]
@@ -206,6 +245,8 @@ def test_convert_to_mla_reports_errors_and_uptrains_from_its_config_json(run, tm
         (["sample", "--workdir={run}", "--prompt=abc", "--temperature=nan"], r"temperature=nan; allowed: a finite"),
         (["sample", "--workdir={run}", "--prompt=hi", "--temperature=-1"], r"temperature=-1.0; allowed: a finite"),
         (["sample", "--workdir={run}", "--prompt=hi", "--top-k=-2"], r"top_k=-2; allowed"),
+        (["sample", "--workdir={run}", "--prompt=hi", "--top-p=0"], r"top_p=0.0; allowed: None or a number in \(0, 1"),
+        (["sample", "--workdir={run}", "--prompt=hi", "--top-p=1.5"], r"top_p=1.5; allowed"),
         (["sample", "--workdir={run}", "--prompt=" + "x" * 40], r"the prompt has 40 tokens.*at most 31 tokens"),
         (["eval", "--workdir={run}", "--output={empty}/no/such/folder/r.json"], r"folder .* does not exist"),
     ],

@@ -23,6 +23,9 @@ class ByteTokenizer:
     def encode(self, text: str) -> np.ndarray:
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
 
+    def encode_prompt(self, text: str) -> np.ndarray:
+        return self.encode(text)
+
     def decode(self, ids) -> str:
         return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
 
@@ -49,7 +52,8 @@ class _ByteStream:
 
 
 class HFTokenizer:
-    """A ``tokenizers.Tokenizer`` from a ``tokenizer.json``; no special tokens added on encode."""
+    """A ``tokenizers.Tokenizer`` from a ``tokenizer.json``; no special tokens added on encode (a corpus is one
+    stream), the post-processor's added to a prompt."""
 
     def __init__(self, file: str):
         from tokenizers import Tokenizer
@@ -60,6 +64,11 @@ class HFTokenizer:
 
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.int32)
+
+    def encode_prompt(self, text: str) -> np.ndarray:
+        """A prompt as transformers' ``tokenizer(text)`` gives it: with the special tokens of the tokenizer's own
+        post-processor (Llama's BOS before the text; none for GPT-2 or Qwen)."""
+        return np.asarray(self._tok.encode(text, add_special_tokens=True).ids, dtype=np.int32)
 
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)

@@ -1,0 +1,84 @@
+"""What a sampled token is drawn from: temperature, top-k and the nucleus (top-p), against a float64 numpy
+reference, and the draws themselves."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from qkvjax.sample import filter_logits, pick
+
+B, V = 3, 13  # odd and distinct: a swapped axis fails
+
+
+def reference_kept(logits: np.ndarray, temperature: float, top_k, top_p, limit=None) -> np.ndarray:
+    """(B, V) bool: the ids each row may draw, in float64, token by token in rank order."""
+    z = logits.astype(np.float64) / temperature
+    kept = np.ones_like(z, bool)
+    if limit is not None:
+        kept &= np.arange(z.shape[-1]) < limit
+    for b in range(z.shape[0]):
+        if top_k is not None:
+            kth = np.sort(z[b][kept[b]])[::-1][min(top_k, kept[b].sum()) - 1]
+            kept[b] &= z[b] >= kth
+        if top_p is not None:
+            p = np.where(kept[b], np.exp(z[b] - z[b][kept[b]].max()), 0.0)
+            p /= p.sum()
+            mass = 0.0
+            nucleus = np.zeros(z.shape[-1], bool)
+            for i in np.argsort(-z[b], kind="stable"):
+                if not kept[b, i]:
+                    continue  # cut already: no mass
+                if mass >= top_p:
+                    break
+                nucleus[i] = True
+                mass += p[i]
+            kept[b] &= nucleus
+    return kept
+
+
+@pytest.fixture
+def logits():
+    return np.random.default_rng(7).normal(0.0, 2.0, (B, V)).astype(np.float32)
+
+
+@pytest.mark.parametrize(
+    "temperature,top_k,top_p,limit",
+    [
+        (1.0, None, None, None),
+        (0.7, 5, None, None),
+        (1.0, None, 0.5, None),
+        (0.7, None, 0.9, None),
+        (1.3, 5, 0.6, None),
+        (1.0, None, 1e-6, None),  # only the largest
+        (1.0, None, 1.0, None),  # no cut
+        (1.0, None, 0.8, 9),
+    ],
+)
+def test_filter_keeps_what_the_float64_reference_keeps(logits, temperature, top_k, top_p, limit):
+    out = np.asarray(filter_logits(jnp.asarray(logits), temperature, top_k, top_p, limit))
+    want = reference_kept(logits, temperature, top_k, top_p, limit)
+    np.testing.assert_array_equal(np.isfinite(out), want)
+    np.testing.assert_allclose(out[want], logits[want] / temperature, rtol=1e-6)
+    if top_p is not None and top_p < 1.0:  # the nucleus is smaller than what top-k alone leaves on some row
+        assert want.sum() < reference_kept(logits, temperature, top_k, None, limit).sum()
+
+
+def test_draws_come_from_the_nucleus_in_its_renormalised_proportions(logits):
+    row = jnp.asarray(logits[:1].repeat(4000, axis=0))  # one row's logits, drawn 4000 times
+    keys = jax.random.split(jax.random.PRNGKey(3), 4000)
+    draws = np.asarray(jax.vmap(lambda lg, k: pick(lg[None], k, 1.0, None, top_p=0.8)[0])(row, keys))
+    kept = reference_kept(logits[:1], 1.0, None, 0.8)[0]
+    assert kept.sum() >= 2 and set(np.unique(draws)) == set(np.flatnonzero(kept))
+    p = np.where(kept, np.exp(logits[0].astype(np.float64)), 0.0)
+    p /= p.sum()
+    freq = np.bincount(draws, minlength=V) / draws.size
+    sigma = np.sqrt(p * (1 - p) / draws.size)
+    assert np.all(np.abs(freq - p) <= 5 * sigma + 1e-12), (freq, p)
+
+
+def test_greedy_ignores_the_cuts_but_not_the_limit(logits):
+    key = jax.random.PRNGKey(0)
+    np.testing.assert_array_equal(np.asarray(pick(jnp.asarray(logits), key, 0.0, 3, top_p=0.1)), logits.argmax(-1))
+    limited = np.asarray(pick(jnp.asarray(logits), key, 0.0, None, limit=4))
+    np.testing.assert_array_equal(limited, logits[:, :4].argmax(-1))
