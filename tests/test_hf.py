@@ -582,23 +582,26 @@ def test_sample_prompts_and_stops_as_transformers_generate(folders, tmp_path, ca
     tk = Tokenizer.from_file(str(folder / "tokenizer.json"))
     tk.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     tk.save(str(folder / "tokenizer.json"))
-    prompt = "w3 w40 w7"
+    prompt = "w8 w12 w20"
     ids = tk.encode(prompt).ids
-    assert ids == [1, 3, 40, 7]  # what transformers' tokenizer(prompt) gives: BOS first
+    assert ids == [1, 8, 12, 20]  # what transformers' tokenizer(prompt) gives: BOS first
 
-    def reference(eos: int) -> list[int]:
+    def reference(eos: list[int]) -> list[int]:
         with torch.no_grad():
             out = ref_model.generate(
-                torch.tensor([ids]), max_new_tokens=8, do_sample=False, eos_token_id=eos, pad_token_id=eos
+                torch.tensor([ids]), max_new_tokens=8, do_sample=False, eos_token_id=eos, pad_token_id=eos[0]
             )
         return out[0, len(ids) :].tolist()
 
-    free = reference(V + 1)  # an id the model never draws: all 8 tokens
+    free = reference([V + 1])  # an id the model never draws: all 8 tokens
+    # generate's defaults come from generation_config.json (Llama 3 lists three eos ids there, config.json one):
+    # the stop is written there; config.json's eos (0), which this model draws before it, is no stop then
     stop = free[3]
     end = free.index(stop)
-    assert len(free) == 8 and reference(stop) == free[: end + 1]  # transformers stops after the eos it draws
-    hf_config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps(hf_config | {"eos_token_id": stop}))
+    assert json.loads((folder / "config.json").read_text())["eos_token_id"] == 0 and 0 in free[:end], free
+    assert len(free) == 8 and reference([stop, V + 2]) == free[: end + 1]  # it stops after the eos it draws
+    gen = folder / "generation_config.json"
+    gen.write_text(json.dumps((json.loads(gen.read_text()) if gen.exists() else {}) | {"eos_token_id": [stop, V + 2]}))
     w = str(tmp_path / "w")
     assert main(["import", str(folder), "--workdir", w]) == 0
     capsys.readouterr()
@@ -610,7 +613,7 @@ def test_sample_prompts_and_stops_as_transformers_generate(folders, tmp_path, ca
     sample = ["sample", "--workdir", w, "--prompt", prompt, "--num-tokens", "8", "--temperature", "0"]
     assert main(sample) == 0
     out = capsys.readouterr()
-    assert out.out == text(free[:end]) and f"eos_token_id [{stop}]) after [{end}] new tokens" in out.err
+    assert out.out == text(free[:end]) and f"eos_token_id [{stop}, {V + 2}]) after [{end}] new tokens" in out.err
     assert main([*sample, "--ignore-eos"]) == 0
     assert capsys.readouterr().out == text(free)
 

@@ -24,7 +24,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qkvjax.hf.folder import TOKENIZER, Tensors, checked_tokenizer, read_config, read_tensors, write_folder
+from qkvjax.hf.folder import (
+    TOKENIZER,
+    Tensors,
+    checked_tokenizer,
+    read_config,
+    read_tensors,
+    special_ids,
+    write_folder,
+)
 from qkvjax.hf.layouts import LAYOUTS, check_exportable, export, infer_format, layout_of
 from qkvjax.models.encoder import model_of
 from qkvjax.workdir import SPECIAL_IDS_FILE
@@ -108,8 +116,7 @@ def import_folder(folder: str, workdir: str, max_len: int | None = None):
     if not tokenizer and model.vocab_size != 256:
         print(f"note: {folder} has no {TOKENIZER}; text is byte-level (token ids are bytes)")
     config = Config(model=model, data=data)
-    hf = read_config(folder)
-    ids = {k: hf[k] for k in SPECIAL_IDS if hf.get(k) is not None}
+    ids = special_ids(folder, SPECIAL_IDS)
     with whole_or_absent(out, "files") as staging:
         if tokenizer:
             (staging / TOKENIZER).write_bytes(tokenizer)

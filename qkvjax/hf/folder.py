@@ -20,6 +20,7 @@ import numpy as np
 from qkvjax.workdir import TOKENIZER
 
 CONFIG = "config.json"
+GENERATION_CONFIG = "generation_config.json"  # what transformers' generate defaults to (eos ids among them)
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 
@@ -33,6 +34,18 @@ def read_config(folder: str) -> dict:
         raise ValueError(f"{folder} has no {CONFIG}; a Hugging Face model folder holds config.json and *.safetensors")
     with open(file) as f:
         return json.load(f)
+
+
+def special_ids(folder: str, names: tuple[str, ...]) -> dict:
+    """The ids ``names`` (``eos_token_id``, ...) as transformers' ``generate`` takes them: from the folder's
+    ``generation_config.json`` where it has one and names them (Llama 3 stops at three ids there, one in
+    ``config.json``), else from ``config.json``."""
+    ids = {k: v for k, v in read_config(folder).items() if k in names and v is not None}
+    file = os.path.join(folder, GENERATION_CONFIG)
+    if os.path.isfile(file):
+        with open(file) as f:
+            ids |= {k: v for k, v in json.load(f).items() if k in names and v is not None}
+    return ids
 
 
 MAX_TOKENIZER_BYTES = 256 << 20  # a tokenizer.json larger than this is not one (Llama 3's is 9 MB)
