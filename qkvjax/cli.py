@@ -214,14 +214,18 @@ def _convert(args: argparse.Namespace) -> int:
 def _import(args: argparse.Namespace) -> int:
     from qkvjax.hf import import_folder
     from qkvjax.models.encoder import EncoderConfig, parameter_count
+    from qkvjax.workdir import stop_ids
 
     config = import_folder(args.folder, args.workdir, args.max_len)
     m = config.model
-    kind = " as an encoder (hidden states: info, analyze, convert, export)" if isinstance(m, EncoderConfig) else ""
+    encoder = isinstance(m, EncoderConfig)
+    kind = " as an encoder (hidden states: info, analyze, convert, export)" if encoder else ""
+    stops = () if encoder else stop_ids(args.workdir)
     print(
         f"imported {args.folder}{kind}: {m.num_layers} layers, D={m.d_model}, N={m.attention.num_heads}, "
         f"K={m.attention.kv_heads}, V={m.vocab_size}, {parameter_count(m):,} parameters, tokenizer "
-        f"{config.data.tokenizer or 'bytes'} -> {args.workdir}"
+        f"{config.data.tokenizer or 'bytes'}{f', sampling ends at eos ids {list(stops)}' if stops else ''} -> "
+        f"{args.workdir}"
     )
     return 0
 

@@ -568,7 +568,7 @@ def _word_tokenizer(file, words: list[str]) -> None:
 
 
 def test_sample_prompts_and_stops_as_transformers_generate(folders, tmp_path, capsys):
-    """A Llama whose tokenizer puts BOS before a prompt and whose config names an ``eos_token_id``: greedy
+    """A Llama whose tokenizer puts BOS before a prompt and whose generation config names its eos ids: greedy
     ``qkvjax sample`` makes the tokens transformers' greedy ``generate`` makes from ``tokenizer(prompt)``, and
     stops where it stops."""
     from tokenizers import Tokenizer, processors
@@ -604,7 +604,7 @@ def test_sample_prompts_and_stops_as_transformers_generate(folders, tmp_path, ca
     gen.write_text(json.dumps((json.loads(gen.read_text()) if gen.exists() else {}) | {"eos_token_id": [stop, V + 2]}))
     w = str(tmp_path / "w")
     assert main(["import", str(folder), "--workdir", w]) == 0
-    capsys.readouterr()
+    assert f"sampling ends at eos ids [{stop}, {V + 2}] ->" in capsys.readouterr().out
 
     def text(new: list[int]) -> str:  # the prompt as typed, then what the new tokens add to its decoding
         head = tk.decode(ids, skip_special_tokens=False)
