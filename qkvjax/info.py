@@ -17,7 +17,7 @@ from qkvjax.evaluate import resolve_step
 from qkvjax.models.encoder import EncoderConfig, model_of, parameter_count
 from qkvjax.models.lm import kv_cache_bytes_per_row
 from qkvjax.train import checkpoint
-from qkvjax.workdir import exported_steps, load_config, params_only, path, read_metrics
+from qkvjax.workdir import exported_steps, load_config, params_only, path, read_metrics, stop_ids
 
 
 def _size(folder: epath.Path) -> int:
@@ -75,6 +75,7 @@ def describe(workdir: str) -> dict:
         "attention_by_layer": layers,
         "kv_cache_bytes_per_token": sum(x["kv_cache_bytes_per_token"] for x in layers),
         "kv_cache_bytes_per_row": None if isinstance(m, EncoderConfig) else kv_cache_bytes_per_row(m),
+        "stop_ids": list(stop_ids(workdir)),  # an imported model's eos ids, where `sample` ends a row
         "checkpoints": checkpoints,
         "parameters": {"total": parameter_count(config.model), "by_component": breakdown},
         "last_train_metrics": last_train,
@@ -99,6 +100,8 @@ def format_description(info: dict) -> str:
             f"  {x['layer']:>3} {x['scheme']:<12} K={x['kv_heads']:<3} params {x['attention_params']:>11,} "
             f"FLOPs {x['attention_flops_per_token']:>13,} KV B/tok {x['kv_cache_bytes_per_token']:>7,}{reads}"
         )
+    if info["stop_ids"]:
+        lines.append(f"sampling ends at eos ids {info['stop_ids']} (`sample --ignore-eos` goes on)")
     lines.append(f"parameters: {info['parameters']['total']:,}")
     for name, n in info["parameters"]["by_component"].items():
         lines.append(f"  {name:<32} {n:>12,}")

@@ -605,6 +605,8 @@ def test_sample_prompts_and_stops_as_transformers_generate(folders, tmp_path, ca
     w = str(tmp_path / "w")
     assert main(["import", str(folder), "--workdir", w]) == 0
     assert f"sampling ends at eos ids [{stop}, {V + 2}] ->" in capsys.readouterr().out
+    assert main(["info", "--workdir", w]) == 0
+    assert f"sampling ends at eos ids [{stop}, {V + 2}]" in capsys.readouterr().out
 
     def text(new: list[int]) -> str:  # the prompt as typed, then what the new tokens add to its decoding
         head = tk.decode(ids, skip_special_tokens=False)
