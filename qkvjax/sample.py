@@ -11,16 +11,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from qkvjax.data.tokenizer import ByteTokenizer
 from qkvjax.models.lm import DecodeCache, DecoderLM
 
 
 def encode(text: str, tokenizer=None) -> np.ndarray:
     """Tokens of a prompt (byte-level unless a :mod:`qkvjax.data.tokenizer` is given, whose special tokens a prompt
     gets as in transformers: Llama's BOS); an empty prompt is refused (there is nothing to condition on)."""
-    if tokenizer is None:
-        tokens = np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
-    else:
-        tokens = tokenizer.encode_prompt(text)
+    tokens = (tokenizer or ByteTokenizer()).encode_prompt(text)
     if tokens.size == 0:
         raise ValueError("the prompt has no tokens; pass a non-empty --prompt")
     return tokens
@@ -59,10 +57,8 @@ def pick(
 ) -> jax.Array:
     """Greedy when ``temperature`` is 0, else a sample from softmax over :func:`filter_logits`; with ``limit``,
     only ids below it are ever drawn (a byte-level model whose table is wider than 256)."""
-    if temperature == 0.0:
-        if limit is not None and limit < logits.shape[-1]:
-            logits = jnp.where(jnp.arange(logits.shape[-1]) < limit, logits, -jnp.inf)
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if temperature == 0.0:  # the largest logit below the limit; the cuts keep it anyway
+        return jnp.argmax(filter_logits(logits, 1.0, None, None, limit), axis=-1).astype(jnp.int32)
     logits = filter_logits(logits, temperature, top_k, top_p, limit)
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
