@@ -100,12 +100,24 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _chat_prompts(args: argparse.Namespace, chat) -> list[str]:
+    """Each --prompt as one user turn (after --system's) in the model's chat template, ready for its reply."""
+    from qkvjax.chat import conversation, render
+
+    if chat is None:
+        raise ValueError(
+            f"--chat: {args.workdir} has no chat template (qkvjax import keeps one from a model folder's "
+            "chat_template.jinja or tokenizer_config.json); allowed: a prompt as typed, without --chat"
+        )
+    return [render(chat[0], conversation(p, args.system), chat[1]) for p in args.prompt]
+
+
 def _sample(args: argparse.Namespace) -> int:
     from qkvjax.config import require_decoder
     from qkvjax.data.tokenizer import check_vocab, load_tokenizer
     from qkvjax.evaluate import restore_params
     from qkvjax.sample import check_request, encode, generate_batch
-    from qkvjax.workdir import load_config, stop_ids
+    from qkvjax.workdir import chat_template, load_config, stop_ids
 
     saved = load_config(args.workdir)
     require_decoder(saved, "sample")
@@ -113,7 +125,11 @@ def _sample(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(saved.data.tokenizer, args.workdir)
     if saved.data.tokenizer is not None:
         check_vocab(tokenizer, saved.model.vocab_size)
-    prompts = [encode(p, tokenizer) for p in args.prompt]  # refuse an empty prompt before restoring anything
+    if args.system is not None and not args.chat:
+        raise ValueError("--system is a chat turn; allowed: with --chat only")
+    texts = _chat_prompts(args, chat_template(args.workdir)) if args.chat else args.prompt
+    # refuse an empty prompt before restoring anything; a rendered template writes its own special tokens
+    prompts = [encode(p, tokenizer, add_special_tokens=not args.chat) for p in texts]
     model, params, config, step = restore_params(args.workdir, args.step)
     top_k = None if args.top_k == 0 else args.top_k
     check_request(model, prompts, args.num_tokens, args.temperature, top_k, args.top_p)  # before the prompt is echoed
@@ -128,7 +144,7 @@ def _sample(args: argparse.Namespace) -> int:
     stream = len(prompts) == 1
     streamer = tokenizer.streamer(lambda s: (sys.stdout.write(s), sys.stdout.flush()), prompts[0])
     if stream:
-        sys.stdout.write(args.prompt[0])
+        sys.stdout.write(texts[0])
     tokens, stats = generate_batch(
         model,
         params,
@@ -145,7 +161,7 @@ def _sample(args: argparse.Namespace) -> int:
     if stream:
         streamer.flush()
     else:
-        for i, (prompt, row) in enumerate(zip(args.prompt, tokens, strict=True)):
+        for i, (prompt, row) in enumerate(zip(texts, tokens, strict=True)):
             text = tokenizer.continuation(prompts[i].tolist(), row[: stats["lengths"][i]].tolist())
             print(f"{'' if i == 0 else chr(10)}=== prompt {i} ===\n{prompt}{text}")
     layout = config.model.attention.scheme + (f", layers {config.model.layers!r}" if config.model.layers else "")
@@ -214,18 +230,19 @@ def _convert(args: argparse.Namespace) -> int:
 def _import(args: argparse.Namespace) -> int:
     from qkvjax.hf import import_folder
     from qkvjax.models.encoder import EncoderConfig, parameter_count
-    from qkvjax.workdir import stop_ids
+    from qkvjax.workdir import chat_template, stop_ids
 
     config = import_folder(args.folder, args.workdir, args.max_len)
     m = config.model
     encoder = isinstance(m, EncoderConfig)
     kind = " as an encoder (hidden states: info, analyze, convert, export)" if encoder else ""
     stops = () if encoder else stop_ids(args.workdir)
+    chat = ", chat template (sample --chat)" if not encoder and chat_template(args.workdir) else ""
     print(
         f"imported {args.folder}{kind}: {m.num_layers} layers, D={m.d_model}, N={m.attention.num_heads}, "
         f"K={m.attention.kv_heads}, V={m.vocab_size}, {parameter_count(m):,} parameters, tokenizer "
-        f"{config.data.tokenizer or 'bytes'}{f', sampling ends at eos ids {list(stops)}' if stops else ''} -> "
-        f"{args.workdir}"
+        f"{config.data.tokenizer or 'bytes'}{f', sampling ends at eos ids {list(stops)}' if stops else ''}{chat} "
+        f"-> {args.workdir}"
     )
     return 0
 
@@ -462,6 +479,10 @@ def _run_commands() -> tuple[Command, ...]:
             opt("--top-p", type=float, default=1.0,
                 help="nucleus: draw from the fewest likeliest tokens holding this much probability; 1 = no cut"),
             opt("--seed", type=int, default=0, help="sampling seed"),
+            opt("--chat", action="store_true",
+                help="an imported instruct model: each prompt is a user turn in its chat template (as transformers' "
+                "apply_chat_template with add_generation_prompt), so the model answers it"),
+            opt("--system", default=None, help="with --chat: a system turn before each prompt"),
             opt("--ignore-eos", action="store_true",
                 help="go on past an imported model's end-of-sequence token (by default a row ends at it)"),
             STEP,

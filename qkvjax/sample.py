@@ -15,10 +15,12 @@ from qkvjax.data.tokenizer import ByteTokenizer
 from qkvjax.models.lm import DecodeCache, DecoderLM
 
 
-def encode(text: str, tokenizer=None) -> np.ndarray:
+def encode(text: str, tokenizer=None, add_special_tokens: bool = True) -> np.ndarray:
     """Tokens of a prompt (byte-level unless a :mod:`qkvjax.data.tokenizer` is given, whose special tokens a prompt
-    gets as in transformers: Llama's BOS); an empty prompt is refused (there is nothing to condition on)."""
-    tokens = (tokenizer or ByteTokenizer()).encode_prompt(text)
+    gets as in transformers: Llama's BOS; none for a rendered chat template, which writes its own); an empty prompt
+    is refused (there is nothing to condition on)."""
+    tokenizer = tokenizer or ByteTokenizer()
+    tokens = tokenizer.encode_prompt(text) if add_special_tokens else tokenizer.encode(text)
     if tokens.size == 0:
         raise ValueError("the prompt has no tokens; pass a non-empty --prompt")
     return tokens

@@ -8,7 +8,8 @@ training loop. Layout::
     WORKDIR/checkpoints/<step>/    orbax: state, data iterator, config (see qkvjax.train.checkpoint)
     WORKDIR/params/<step>/         params only, written when a run finishes or by ``qkvjax import`` (step 0)
     WORKDIR/tokenizer.json         an imported model's tokenizer (``data.tokenizer``)
-    WORKDIR/special_tokens.json    an imported model's bos/eos/pad ids (sampling stops at eos)
+    WORKDIR/special_tokens.json    an imported model's bos/eos/pad ids (sampling stops at eos) and token strings
+    WORKDIR/chat_template.jinja    an imported instruct model's chat template (``qkvjax sample --chat``)
     WORKDIR/tensorboard/           TensorBoard events, one file per (re)start
     WORKDIR/train.lock             the running trainer's host and pid
 
@@ -40,6 +41,7 @@ DATA_FILE = "data.json"  # the sha256 of the text a run trains on, to notice a c
 REPLACED_PREFIX = "replaced-"  # a run --overwrite replaces, kept until the new run's first checkpoint
 TOKENIZER = "tokenizer.json"  # a run's (or an imported model's) tokenizer, in the Hugging Face format
 SPECIAL_IDS_FILE = "special_tokens.json"  # an imported model's bos/eos/pad ids, written back by export
+CHAT_TEMPLATE_FILE = "chat_template.jinja"  # an imported model's chat template (qkvjax.chat), as transformers saves it
 IMPORTED_STEP = 0  # ``params/0``: an imported model (training exports params at steps >= 1 only)
 
 
@@ -137,6 +139,20 @@ def stop_ids(workdir) -> tuple[int, ...]:
         return ()
     eos = json.loads(file.read_text()).get("eos_token_id")
     return tuple(int(i) for i in ([] if eos is None else eos if isinstance(eos, list) else [eos]))
+
+
+def chat_template(workdir) -> tuple[str, dict[str, str]] | None:
+    """An imported model's chat template and the special-token strings it refers to (``bos_token``, ...); None
+    when the model came without one (a base model, or a run trained here)."""
+    from qkvjax.chat import SPECIAL_TOKENS
+
+    file = path(workdir) / CHAT_TEMPLATE_FILE
+    if not file.exists():
+        return None
+    ids = path(workdir) / SPECIAL_IDS_FILE
+    special = json.loads(ids.read_text()) if ids.exists() else {}
+    strings = {k: v for k, v in special.items() if k in SPECIAL_TOKENS and isinstance(v, str)}
+    return file.read_text(encoding="utf-8"), strings
 
 
 def run_config(workdir) -> Config:

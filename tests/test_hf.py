@@ -620,6 +620,66 @@ def test_sample_prompts_and_stops_as_transformers_generate(folders, tmp_path, ca
     assert capsys.readouterr().out == text(free)
 
 
+def test_chat_sample_as_transformers_apply_chat_template_and_generate(folders, tmp_path, capsys):
+    """An instruct model's chat template: ``qkvjax sample --chat --system S --prompt P`` renders the conversation as
+    transformers' ``apply_chat_template(..., add_generation_prompt=True)`` does (same text, same ids, no BOS added
+    twice), greedy decoding continues it as ``generate`` does, and an export gives transformers the template back."""
+    from tokenizers import AddedToken, Tokenizer, processors
+    from transformers import AutoTokenizer
+
+    from qkvjax.chat import conversation, read_folder, render
+    from qkvjax.cli import main
+
+    src, ref_model = folders["llama_gqa"]
+    folder = tmp_path / "llama"
+    __import__("shutil").copytree(src, folder)
+    specials = ["<unk>", "<s>", "<|im_start|>", "<|im_end|>"]
+    _word_tokenizer(
+        folder / "tokenizer.json", specials + ["system", "user", "assistant"] + [f"w{i}" for i in range(7, V)]
+    )
+    tk = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tk.add_special_tokens([AddedToken(t, special=True) for t in specials[1:]])  # split out before the words
+    tk.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])  # not in chat
+    tk.save(str(folder / "tokenizer.json"))
+    template = (  # ChatML, a system turn folded into the first user turn, with the features templates use
+        "{{ bos_token }}{% set ns = namespace(system='') %}\n"
+        "{% for m in messages %}\n"
+        "    {% if m['role'] == 'system' %}{% set ns.system = m['content'] + ' ' %}{% continue %}{% endif %}\n"
+        "    {% if m['role'] not in ['user', 'assistant'] %}{{ raise_exception('role ' + m['role']) }}{% endif %}\n"
+        "<|im_start|>{{ m['role'] }}\n{{ ns.system if loop.index == 2 else '' }}{{ m['content'] | trim }}<|im_end|>\n"
+        "{% endfor %}\n"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "<|im_end|>",
+        "chat_template": template,
+    }))  # fmt: skip
+    messages = conversation(" w8 w12 w20 ", system="w9 w10")
+    ref = AutoTokenizer.from_pretrained(folder)
+    text = ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = ref.apply_chat_template(messages, add_generation_prompt=True)["input_ids"]
+    assert text == "<s><|im_start|>user\nw9 w10 w8 w12 w20<|im_end|>\n<|im_start|>assistant\n"
+    assert ids == [1, 2, 5, 9, 10, 8, 12, 20, 3, 2, 6] and render(template, messages, read_folder(folder)[1]) == text
+
+    with torch.no_grad():  # eos: an id the model never draws, so all 5 tokens
+        new = ref_model.generate(torch.tensor([ids]), max_new_tokens=5, do_sample=False, eos_token_id=V + 1,
+                                 pad_token_id=0)[0, len(ids) :].tolist()  # fmt: skip
+    w = str(tmp_path / "w")
+    assert main(["import", str(folder), "--workdir", w]) == 0
+    assert "chat template (sample --chat)" in capsys.readouterr().out
+    assert main(["info", "--workdir", w]) == 0
+    assert "chat template: `sample --chat`" in capsys.readouterr().out
+    sample = ["sample", "--workdir", w, "--prompt", " w8 w12 w20 ", "--system", "w9 w10", "--num-tokens", "5"]
+    assert main([*sample, "--chat", "--temperature", "0", "--ignore-eos"]) == 0
+    head = tk.decode(ids, skip_special_tokens=False)  # the rendered prompt, then what the new tokens add to it
+    assert capsys.readouterr().out == text + tk.decode(ids + new, skip_special_tokens=False)[len(head) :]
+
+    out = str(tmp_path / "export")
+    export_workdir(w, out)
+    back = AutoTokenizer.from_pretrained(out)
+    assert back.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == text
+
+
 def test_cli_import_sample_uptrain_and_export_with_the_models_tokenizer(folders, tmp_path):
     from tokenizers import Tokenizer
 

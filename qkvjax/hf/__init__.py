@@ -4,10 +4,10 @@
   config and parameter tree that compute the same function (a ``DecoderLM``, or for BERT an ``Encoder`` that
   returns the hidden states).
 * :func:`import_folder` writes the model into an ordinary workdir (``config.json``, ``params/0``, and the
-  folder's ``tokenizer.json`` when it has one). A decoder: ``qkvjax eval``, ``sample``, ``info``, ``analyze``,
-  ``convert`` read it and ``qkvjax train --workdir`` uptrains from it. BERT's encoder (no LM head: its masked-LM
-  head is not imported): ``info``, ``analyze``, ``convert`` (K = V, GQA, MLA retrofits with their errors) and
-  ``export``; ``eval``, ``sample`` and ``train`` refuse it in one line.
+  folder's ``tokenizer.json``, eos ids and chat template when it has them). A decoder: ``qkvjax eval``,
+  ``sample``, ``info``, ``analyze``, ``convert`` read it and ``qkvjax train --workdir`` uptrains from it. BERT's
+  encoder (no LM head: its masked-LM head is not imported): ``info``, ``analyze``, ``convert`` (K = V, GQA, MLA
+  retrofits with their errors) and ``export``; ``eval``, ``sample`` and ``train`` refuse it in one line.
 * :func:`export_workdir` writes a workdir's model back in the GPT-2, Llama or BERT layout where that layout can
   express it (:mod:`qkvjax.hf.layouts`: one entry per family, for import and export alike).
 
@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from qkvjax.chat import TOKENIZER_CONFIG
+from qkvjax.chat import read_folder as read_chat
 from qkvjax.hf.folder import (
     TOKENIZER,
     Tensors,
@@ -35,7 +37,7 @@ from qkvjax.hf.folder import (
 )
 from qkvjax.hf.layouts import LAYOUTS, check_exportable, export, infer_format, layout_of
 from qkvjax.models.encoder import model_of
-from qkvjax.workdir import SPECIAL_IDS_FILE
+from qkvjax.workdir import CHAT_TEMPLATE_FILE, SPECIAL_IDS_FILE
 
 
 def expected_shapes(config) -> dict[str, tuple[int, ...]]:
@@ -117,11 +119,14 @@ def import_folder(folder: str, workdir: str, max_len: int | None = None):
         print(f"note: {folder} has no {TOKENIZER}; text is byte-level (token ids are bytes)")
     config = Config(model=model, data=data)
     ids = special_ids(folder, SPECIAL_IDS)
+    template, strings = read_chat(folder)  # an instruct model's prompt format, and the token strings it names
     with whole_or_absent(out, "files") as staging:
         if tokenizer:
             (staging / TOKENIZER).write_bytes(tokenizer)
-        if ids:  # transformers' generate stops at eos_token_id: an export writes them back
-            (staging / SPECIAL_IDS_FILE).write_text(json.dumps(ids, indent=2) + "\n")
+        if ids or strings:  # transformers' generate stops at eos_token_id: an export writes them back
+            (staging / SPECIAL_IDS_FILE).write_text(json.dumps(ids | strings, indent=2) + "\n")
+        if template is not None:
+            (staging / CHAT_TEMPLATE_FILE).write_text(template, encoding="utf-8")
         export_params(staging, 0, jax.tree.map(jnp.asarray, params))
         write_text(staging / CONFIG_FILE, to_json(config))
     return config
@@ -130,7 +135,7 @@ def import_folder(folder: str, workdir: str, max_len: int | None = None):
 def export_workdir(workdir: str, folder: str, fmt: str | None = None, step: int | None = None) -> str:
     """Writes a workdir's model (its newest checkpoint, or ``step``) as a Hugging Face folder; returns the format."""
     from qkvjax.evaluate import restore_params
-    from qkvjax.workdir import load_config, path, require_empty, whole_or_absent
+    from qkvjax.workdir import chat_template, load_config, path, require_empty, whole_or_absent
 
     model = load_config(workdir).model  # every refusal before anything is restored (resume keeps the model)
     fmt = fmt or infer_format(model)
@@ -142,6 +147,8 @@ def export_workdir(workdir: str, folder: str, fmt: str | None = None, step: int 
     ids_file = path(workdir) / SPECIAL_IDS_FILE
     if ids_file.exists():  # the imported model's bos/eos/pad ids, so that generate() stops where it did
         hf |= {k: v for k, v in json.loads(ids_file.read_text()).items() if k in SPECIAL_IDS}
+    chat = chat_template(workdir)  # apply_chat_template reads it, and the token strings, from tokenizer_config.json
+    chat_config = chat and {**chat[1], "chat_template": chat[0]}
     if fmt == "bert":
         print(
             "note: a qkvjax encoder has no pooler (the hidden states do not use it); transformers' BertModel makes "
@@ -151,6 +158,9 @@ def export_workdir(workdir: str, folder: str, fmt: str | None = None, step: int 
         write_folder(os.fspath(staging), hf, tensors)
         if tokenizer:
             (staging / TOKENIZER).write_bytes(tokenizer)
+        if chat_config:
+            text = json.dumps(chat_config, indent=2, ensure_ascii=False) + "\n"
+            (staging / TOKENIZER_CONFIG).write_text(text, encoding="utf-8")
     return fmt
 
 

@@ -1,0 +1,103 @@
+"""Chat templates: an instruct model's prompt format, rendered as transformers' ``apply_chat_template`` renders it.
+
+An instruct model (Qwen2.5-Instruct, Llama 3 Instruct, Gemma -it) was trained on conversations laid out by a Jinja
+template that ships with its tokenizer: ``chat_template.jinja`` in the folder, or the ``chat_template`` entry of
+``tokenizer_config.json`` (a string, or named templates of which ``default`` is the one used). ``qkvjax import``
+keeps it in the workdir with the tokenizer's special-token strings (``bos_token``, ``eos_token``, ...), which
+templates refer to; ``qkvjax sample --chat`` renders each prompt as a user message (after an optional system
+message) with ``add_generation_prompt=True`` and encodes the text without adding special tokens, since the
+template writes them itself.
+
+Templates come from the Hub and are untrusted code: they run in Jinja's immutable sandbox, with the environment
+transformers gives them (``trim_blocks``, ``lstrip_blocks``, loop controls, a ``tojson`` that keeps non-ASCII
+text, ``raise_exception``, ``strftime_now``), so that the same template gives the same text in both.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+
+TEMPLATE_FILE = "chat_template.jinja"  # where transformers >= 4.43 saves a single template
+TOKENIZER_CONFIG = "tokenizer_config.json"
+SPECIAL_TOKENS_MAP = "special_tokens_map.json"  # older folders name the special tokens here
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+MAX_TEMPLATE_BYTES = 1 << 20  # the largest templates on the Hub (tool use, reasoning) are tens of kB
+MAX_FILE_BYTES = 64 << 20  # a tokenizer_config.json may list every added token (Llama 3's: 50 kB)
+
+
+def read_folder(folder: str) -> tuple[str | None, dict[str, str]]:
+    """(chat template or None, special-token strings) of a Hugging Face model folder, where transformers'
+    ``AutoTokenizer`` finds them: ``chat_template.jinja`` before ``tokenizer_config.json``'s ``chat_template``;
+    the token strings from ``tokenizer_config.json``, then ``special_tokens_map.json`` for those it lacks."""
+    from qkvjax.hf.folder import inside
+
+    def read(name: str) -> str | None:
+        if not os.path.lexists(os.path.join(folder, name)):
+            return None
+        file = inside(folder, name, "tokenizer file")
+        if (size := os.path.getsize(file)) > MAX_FILE_BYTES:
+            raise ValueError(f"{file} has {size:,} bytes; allowed: at most {MAX_FILE_BYTES:,}")
+        with open(file, encoding="utf-8") as f:
+            return f.read()
+
+    def parsed(name: str) -> dict:
+        text = read(name)
+        try:
+            value = json.loads(text) if text is not None else {}
+        except ValueError as e:
+            raise ValueError(f"{os.path.join(folder, name)} is not JSON: {e}") from None
+        return value if isinstance(value, dict) else {}
+
+    config, tokens = parsed(TOKENIZER_CONFIG), {}
+    for source in (config, parsed(SPECIAL_TOKENS_MAP)):
+        for name in SPECIAL_TOKENS:
+            value = source.get(name)
+            value = value.get("content") if isinstance(value, dict) else value  # an AddedToken as a dict
+            if isinstance(value, str):
+                tokens.setdefault(name, value)
+    template = read(TEMPLATE_FILE)
+    if template is None:
+        template = config.get("chat_template")
+        if isinstance(template, list):  # named templates: apply_chat_template uses "default" unless told otherwise
+            template = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}.get("default")
+    if template is not None and not isinstance(template, str):
+        raise ValueError(f"{folder}: chat_template is a {type(template).__name__}; allowed: a Jinja template string")
+    if template is not None and len(template.encode()) > MAX_TEMPLATE_BYTES:
+        raise ValueError(f"{folder}: the chat template has {len(template.encode()):,} bytes; allowed: at most "
+                         f"{MAX_TEMPLATE_BYTES:,}")  # fmt: skip
+    return template, tokens
+
+
+def conversation(prompt: str, system: str | None = None) -> list[dict[str, str]]:
+    """One user turn, after a system turn when ``system`` is given (OpenAI's message format, which templates read)."""
+    return ([{"role": "system", "content": system}] if system is not None else []) + [
+        {"role": "user", "content": prompt}
+    ]
+
+
+def render(template: str, messages: list[dict], tokens: dict[str, str], add_generation_prompt: bool = True) -> str:
+    """The text of ``messages`` in the model's format, ending where the assistant's reply begins; a template that
+    does not parse, reaches outside the sandbox or raises is refused in one line."""
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        # jinja's own tojson escapes HTML characters (<, >, &), which would change a prompt's text
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals |= {"raise_exception": raise_exception, "strftime_now": lambda f: datetime.datetime.now().strftime(f)}
+    try:
+        # tools and documents are None as transformers passes them (a template may test `tools is not none`)
+        compiled = env.from_string(template)
+        return compiled.render(messages=messages, tools=None, documents=None,
+                               add_generation_prompt=add_generation_prompt, **tokens)  # fmt: skip
+    except jinja2.exceptions.TemplateError as e:  # syntax errors, sandbox refusals and raise_exception alike
+        raise ValueError(f"the model's chat template failed ({type(e).__name__}): {e}") from None

@@ -1,0 +1,86 @@
+"""Chat templates (qkvjax.chat): where a folder's template and token strings are found, how a template renders,
+and what is refused. That a template renders as transformers renders it, and that a model answers the rendered
+prompt as transformers' generate does, is in tests/test_hf.py (it needs the hf extra)."""
+
+import json
+
+import pytest
+
+from qkvjax.chat import conversation, read_folder, render
+
+CHATML = (  # trim_blocks and lstrip_blocks decide every line break and indent here
+    "{% for message in messages %}\n"
+    "    {% if message.content %}\n"
+    "<|im_start|>{{ message.role }}\n"
+    "{{ message.content }}<|im_end|>\n"
+    "    {% endif %}\n"
+    "{% endfor %}\n"
+    "{% if add_generation_prompt %}\n"
+    "<|im_start|>assistant\n"
+    "{% endif %}"
+)
+
+
+def test_render_is_jinja_with_transformers_environment():
+    text = render(CHATML, conversation("hi there", system="be brief"), {})
+    assert (
+        text == "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi there<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert render(CHATML, conversation("x"), {}, add_generation_prompt=False) == "<|im_start|>user\nx<|im_end|>\n"
+    # tokens by name, loop controls, namespace, tojson keeping non-ASCII and < > as they are, tools passed as none
+    template = (
+        "{{ bos_token }}{% set ns = namespace(n=0) %}{% for m in messages %}{% if m.role == 'system' %}{% continue %}"
+        "{% endif %}{% set ns.n = ns.n + 1 %}{{ m | tojson }}{% endfor %}{{ ns.n }}{{ tools is none }}"
+    )
+    out = render(template, conversation("café <b>", system="s"), {"bos_token": "<s>"})
+    assert out == '<s>{"role": "user", "content": "café <b>"}1True'
+
+
+@pytest.mark.parametrize(
+    "template, match",
+    [
+        (
+            "{{ raise_exception('only user and assistant roles') }}",
+            r"failed \(TemplateError\): only user and assistant",
+        ),
+        ("{{ ''.__class__.__mro__[1].__subclasses__() }}", r"failed \(SecurityError\)"),  # the sandbox holds
+        ("{% for m in messages %}", r"failed \(TemplateSyntaxError\)"),
+        ("{% set x = messages.append(1) %}", r"failed \(SecurityError\)"),  # immutable: the caller's list stays
+    ],
+)
+def test_a_failing_template_is_refused_in_one_line(template, match):
+    with pytest.raises(ValueError, match=match) as e:
+        render(template, conversation("hi"), {})
+    assert "\n" not in str(e.value)
+
+
+def test_read_folder_finds_what_transformers_finds(tmp_path):
+    assert read_folder(str(tmp_path)) == (None, {})  # a base model: no template, no strings
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": "<s>",
+                "eos_token": {"content": "<|im_end|>", "special": True},  # an AddedToken, as older folders save it
+                "pad_token": None,
+                "chat_template": [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}],
+            }
+        )
+    )
+    (tmp_path / "special_tokens_map.json").write_text(json.dumps({"bos_token": "<other>", "unk_token": "<unk>"}))
+    template, tokens = read_folder(str(tmp_path))
+    assert template == "D" and tokens == {"bos_token": "<s>", "eos_token": "<|im_end|>", "unk_token": "<unk>"}
+    (tmp_path / "chat_template.jinja").write_text("J")  # the file wins over tokenizer_config.json, as in transformers
+    assert read_folder(str(tmp_path))[0] == "J"
+
+
+def test_read_folder_refuses_in_one_line(tmp_path):
+    (tmp_path / "tokenizer_config.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"tokenizer_config.json is not JSON"):
+        read_folder(str(tmp_path))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": 7}))
+    with pytest.raises(ValueError, match=r"chat_template is a int; allowed: a Jinja template string"):
+        read_folder(str(tmp_path))
+    (tmp_path / "tokenizer_config.json").unlink()
+    (tmp_path / "chat_template.jinja").symlink_to("/etc/hostname")
+    with pytest.raises(ValueError, match=r"points outside|symbolic link"):
+        read_folder(str(tmp_path))
