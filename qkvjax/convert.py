@@ -419,8 +419,7 @@ def convert_workdir(
     from qkvjax.train.state import TrainState, make_optimizer
     from qkvjax.workdir import (
         CONFIG_FILE,
-        SPECIAL_IDS_FILE,
-        TOKENIZER,
+        IMPORTED_FILES,
         export_params,
         params_only,
         path,
@@ -445,7 +444,7 @@ def convert_workdir(
         mngr_in.close()
     # Written whole into a sibling and renamed into place last: a kill leaves --out absent, never half-written.
     with whole_or_absent(out, "files") as staging:
-        for name in (TOKENIZER, SPECIAL_IDS_FILE):  # an imported model's tokenizer and special token ids
+        for name in IMPORTED_FILES:  # an imported model's tokenizer, special tokens and chat template
             if (path(workdir) / name).exists():
                 (staging / name).write_bytes((path(workdir) / name).read_bytes())
         if data_state is None:  # an imported model: params only out too

@@ -42,6 +42,7 @@ REPLACED_PREFIX = "replaced-"  # a run --overwrite replaces, kept until the new 
 TOKENIZER = "tokenizer.json"  # a run's (or an imported model's) tokenizer, in the Hugging Face format
 SPECIAL_IDS_FILE = "special_tokens.json"  # an imported model's bos/eos/pad ids, written back by export
 CHAT_TEMPLATE_FILE = "chat_template.jinja"  # an imported model's chat template (qkvjax.chat), as transformers saves it
+IMPORTED_FILES = (TOKENIZER, SPECIAL_IDS_FILE, CHAT_TEMPLATE_FILE)  # what a model brings besides weights and config
 IMPORTED_STEP = 0  # ``params/0``: an imported model (training exports params at steps >= 1 only)
 
 

@@ -629,6 +629,7 @@ def test_chat_sample_as_transformers_apply_chat_template_and_generate(folders, t
 
     from qkvjax.chat import conversation, read_folder, render
     from qkvjax.cli import main
+    from qkvjax.workdir import chat_template
 
     src, ref_model = folders["llama_gqa"]
     folder = tmp_path / "llama"
@@ -674,8 +675,11 @@ def test_chat_sample_as_transformers_apply_chat_template_and_generate(folders, t
     head = tk.decode(ids, skip_special_tokens=False)  # the rendered prompt, then what the new tokens add to it
     assert capsys.readouterr().out == text + tk.decode(ids + new, skip_special_tokens=False)[len(head) :]
 
+    converted = str(tmp_path / "kv")  # a retrofit keeps what the model came with
+    assert main(["convert", "--workdir", w, "--to", "shared_kv", "--out", converted]) == 0
+    assert chat_template(converted) == chat_template(w) == (template, {"bos_token": "<s>", "eos_token": "<|im_end|>"})
     out = str(tmp_path / "export")
-    export_workdir(w, out)
+    export_workdir(converted, out)
     back = AutoTokenizer.from_pretrained(out)
     assert back.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == text
 
