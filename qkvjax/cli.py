@@ -172,7 +172,7 @@ def _sample(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     print(
-        f"\n--- step {step}, scheme {layout}: {len(prompts)} x {stats['new_tokens']} tokens at "
+        f"\n--- step {step}, scheme {layout}: {len(prompts)} x {stats['decode_steps']} tokens at "
         f"{stats['tokens_per_s']:,.1f} tokens/s (after {stats['prefill_and_compile_s']:.2f}s prefill + compile); "
         f"KV cache {stats['cache_bytes']:,} bytes",
         file=sys.stderr,

@@ -120,11 +120,13 @@ def generate_batch(
     programs with the prefix fixed per stretch of steps, no branch, were measured slower, x0.89-0.94, on this
     project's CPU and on an H200, and were removed: benchmarks/README.md, "GPU: the third visit").
     ``scan_unroll``: decode steps per iteration of the on-device loop (``lax.scan``'s ``unroll``): fewer loop
-    iterations, whose condition a GPU reads on the host, for a longer compile. ``stop_ids``: a row ends at the
-    first of them it draws (an imported model's ``eos_token_id``, as transformers' ``generate`` stops): its later
-    places hold that id, ``stats["lengths"]`` counts each row's tokens before it, and ``on_token`` is not called
-    for it; the streamed loop stops there, the batched one runs its length (its rows decode independently, so
-    what a row draws after its stop is only discarded). Returns the new tokens (B, num_tokens) and statistics.
+    iterations, whose condition a GPU reads on the host, for a longer compile (the loop with stop ids takes one).
+    ``stop_ids``: a row ends at the first of them it draws (an imported model's ``eos_token_id``, as transformers'
+    ``generate`` stops): its later places hold that id, ``stats["lengths"]`` counts each row's tokens before it,
+    and ``on_token`` is not called for it; both loops end once every row has stopped (the batched one is then a
+    ``lax.while_loop``, the scan without stop ids; a row that stopped before the others goes on drawing,
+    discarded: rows decode independently).
+    Returns the new tokens (B, num_tokens) and statistics.
     """
     prompts = [np.asarray(p, np.int32) for p in prompts]
     check_request(model, prompts, num_tokens, temperature, top_k, top_p)
@@ -158,7 +160,23 @@ def generate_batch(
             return (token, cache), token
 
         (_, cache), tokens = jax.lax.scan(body, (token, cache), keys, unroll=min(scan_unroll, len(keys)))
-        return tokens.T, cache  # (num_tokens - 1, B) -> (B, num_tokens - 1)
+        return tokens.T, cache, len(keys)  # (num_tokens - 1, B) -> (B, num_tokens - 1)
+
+    @functools.partial(jax.jit, donate_argnums=1)
+    def decode_until_stop(params, cache, token, keys, stop):
+        # the scan above, ending once every row has drawn a stop id: a while loop with one more condition
+        def cond(carry):
+            i, _, _, done, _ = carry
+            return (i < len(keys)) & ~jnp.all(done)
+
+        def body(carry):
+            i, token, cache, done, out = carry
+            token, cache = one(params, cache, token, keys[i])
+            return i + 1, token, cache, done | jnp.isin(token, stop), out.at[:, i].set(token)
+
+        out = jnp.zeros((b, len(keys)), jnp.int32)  # (B, num_tokens - 1); places after every row's stop stay 0
+        i, _, cache, _, out = jax.lax.while_loop(cond, body, (0, token, cache, jnp.isin(token, stop), out))
+        return out, cache, i
 
     base = jax.random.PRNGKey(seed)
     keys = jax.vmap(lambda i: jax.random.fold_in(base, i))(jnp.arange(1, num_tokens)) if num_tokens > 1 else None
@@ -167,10 +185,13 @@ def generate_batch(
     token, cache = prefill(params, cache, jnp.asarray(padded), jnp.asarray(lengths), jax.random.fold_in(base, 0))
     out = [np.asarray(token)]
     run = None  # compiled before the clock starts (the scan's length is static)
-    if num_tokens > 1:
-        run = (step if on_token else decode_all).lower(params, cache, token, keys[0] if on_token else keys).compile()
-    first = time.perf_counter()
     stops = {int(i) for i in stop_ids}
+    stop = (jnp.asarray(sorted(stops), jnp.int32),) if stops else ()
+    if num_tokens > 1:
+        args = (keys[0],) if on_token else (keys, *stop)
+        run = (step if on_token else decode_until_stop if stops else decode_all).lower(params, cache, token, *args)
+        run = run.compile()
+    first = time.perf_counter()
     if on_token:
         for i in range(num_tokens):
             if i > 0:
@@ -181,12 +202,12 @@ def generate_batch(
             on_token(int(out[-1][0]))
         tokens = np.stack(out + [out[-1]] * (num_tokens - len(out)), axis=1)  # after a stop: the stop id
     elif run is not None:
-        rest, cache = run(params, cache, token, keys)
+        rest, cache, steps = run(params, cache, token, keys, *stop)
         tokens = np.concatenate([out[0][:, None], np.asarray(rest)], axis=1)
     else:
         tokens = out[0][:, None]
     end = time.perf_counter()
-    made = len(out) if on_token else num_tokens  # tokens per row the device made (after the prefill's first)
+    made = len(out) if on_token or run is None else 1 + int(steps)  # tokens per row made (the prefill's first too)
     ends = [num_tokens] * b
     tokens = np.array(tokens, np.int32)  # a writable copy
     for r in range(b):
@@ -198,6 +219,7 @@ def generate_batch(
         "prompt_tokens": [int(n) for n in lengths],
         "new_tokens": num_tokens,
         "lengths": ends,  # each row's new tokens before its stop id (num_tokens: none drawn)
+        "decode_steps": made,  # tokens per row made: fewer than new_tokens once every row has stopped
         "prefill_and_compile_s": first - start,  # the prompts' forward pass and the compiles
         "tokens_per_s": b * (made - 1) / (end - first) if made > 1 else float("nan"),
         "cache_bytes": cache.nbytes,

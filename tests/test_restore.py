@@ -114,7 +114,14 @@ def test_a_row_ends_at_its_first_stop_id_batched_and_streamed():
         end = int(hits[0]) if hits.size else 9
         assert stats["lengths"][r] == end and stopped[r, :end].tolist() == free[r, :end].tolist()
         assert (stopped[r, end:] == stop).all()
-    assert stats["lengths"][0] <= 4
+    assert stats["lengths"][0] <= 4 and stats["decode_steps"] == min(9, max(stats["lengths"]) + 1)
+    both = [stop, int(free[1, 2])]  # every row stops by place 4: the loop ends there, its tokens unchanged
+    early, stats = generate_batch(model, params, prompts, 9, temperature=1.0, seed=4, stop_ids=both)
+    assert max(stats["lengths"]) <= 4 and stats["decode_steps"] == max(stats["lengths"]) + 1
+    for r in range(2):
+        end = int(np.flatnonzero(np.isin(free[r], both))[0])
+        assert stats["lengths"][r] == end and early[r, :end].tolist() == free[r, :end].tolist()
+        assert (early[r, end:] == free[r, end]).all()
     alone, _ = generate(model, params, prompts[0], 9, temperature=1.0, seed=4)  # one row draws other samples
     end = int(np.flatnonzero(alone == alone[3])[0])
     seen = []
