@@ -10,7 +10,8 @@ template writes them itself.
 
 Templates come from the Hub and are untrusted code: they run in Jinja's immutable sandbox, with the environment
 transformers gives them (``trim_blocks``, ``lstrip_blocks``, loop controls, a ``tojson`` that keeps non-ASCII
-text, ``raise_exception``, ``strftime_now``), so that the same template gives the same text in both.
+text, ``raise_exception``, ``strftime_now``, the ``generation`` tag), so that the same template gives the same
+text in both.
 """
 
 from __future__ import annotations
@@ -82,6 +83,7 @@ def render(template: str, messages: list[dict], tokens: dict[str, str], add_gene
     does not parse, reaches outside the sandbox or raises is refused in one line."""
     import jinja2
     import jinja2.ext
+    import jinja2.nodes
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(message):
@@ -91,7 +93,20 @@ def render(template: str, messages: list[dict], tokens: dict[str, str], add_gene
         # jinja's own tojson escapes HTML characters (<, >, &), which would change a prompt's text
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    class Generation(jinja2.ext.Extension):
+        """``{% generation %}...{% endgeneration %}``, which templates put around the assistant's part (transformers
+        tracks it for training masks): rendered as its body."""
+
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.Scope(body).set_lineno(lineno)
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, Generation]
+    )
     env.filters["tojson"] = tojson
     env.globals |= {"raise_exception": raise_exception, "strftime_now": lambda f: datetime.datetime.now().strftime(f)}
     try:

@@ -34,6 +34,9 @@ def test_render_is_jinja_with_transformers_environment():
     )
     out = render(template, conversation("café <b>", system="s"), {"bos_token": "<s>"})
     assert out == '<s>{"role": "user", "content": "café <b>"}1True'
+    turns = [*conversation("q"), {"role": "assistant", "content": "a"}]  # transformers' training-mask tag
+    template = "{% for m in messages %}{% generation %}[{{ m.content }}]{% endgeneration %}{% endfor %}"
+    assert render(template, turns, {}) == "[q][a]"
 
 
 @pytest.mark.parametrize(

@@ -647,7 +647,9 @@ def test_chat_sample_as_transformers_apply_chat_template_and_generate(folders, t
         "{% for m in messages %}\n"
         "    {% if m['role'] == 'system' %}{% set ns.system = m['content'] + ' ' %}{% continue %}{% endif %}\n"
         "    {% if m['role'] not in ['user', 'assistant'] %}{{ raise_exception('role ' + m['role']) }}{% endif %}\n"
-        "<|im_start|>{{ m['role'] }}\n{{ ns.system if loop.index == 2 else '' }}{{ m['content'] | trim }}<|im_end|>\n"
+        "<|im_start|>{{ m['role'] }}\n{{ ns.system if loop.index == 2 else '' }}"
+        "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] | trim }}{% endgeneration %}\n"
+        "    {% else %}{{ m['content'] | trim }}{% endif %}<|im_end|>\n"
         "{% endfor %}\n"
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     )
@@ -661,6 +663,10 @@ def test_chat_sample_as_transformers_apply_chat_template_and_generate(folders, t
     ids = ref.apply_chat_template(messages, add_generation_prompt=True)["input_ids"]
     assert text == "<s><|im_start|>user\nw9 w10 w8 w12 w20<|im_end|>\n<|im_start|>assistant\n"
     assert ids == [1, 2, 5, 9, 10, 8, 12, 20, 3, 2, 6] and render(template, messages, read_folder(folder)[1]) == text
+    turns = [*messages, {"role": "assistant", "content": "w11"}, {"role": "user", "content": "w13"}]
+    assert render(template, turns, read_folder(folder)[1]) == ref.apply_chat_template(
+        turns, tokenize=False, add_generation_prompt=True
+    )
 
     with torch.no_grad():  # eos: an id the model never draws, so all 5 tokens
         new = ref_model.generate(torch.tensor([ids]), max_new_tokens=5, do_sample=False, eos_token_id=V + 1,
