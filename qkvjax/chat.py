@@ -40,8 +40,11 @@ def read_folder(folder: str) -> tuple[str | None, dict[str, str]]:
         file = inside(folder, name, "tokenizer file")
         if (size := os.path.getsize(file)) > MAX_FILE_BYTES:
             raise ValueError(f"{file} has {size:,} bytes; allowed: at most {MAX_FILE_BYTES:,}")
-        with open(file, encoding="utf-8") as f:
-            return f.read()
+        try:
+            with open(file, encoding="utf-8") as f:
+                return f.read()
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{file} is not UTF-8 text: {e.reason} at byte {e.start}") from None
 
     def parsed(name: str) -> dict:
         text = read(name)

@@ -83,6 +83,9 @@ def test_read_folder_refuses_in_one_line(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": 7}))
     with pytest.raises(ValueError, match=r"chat_template is a int; allowed: a Jinja template string"):
         read_folder(str(tmp_path))
+    (tmp_path / "tokenizer_config.json").write_bytes(b'{"chat_template": "\xff"}')
+    with pytest.raises(ValueError, match=r"tokenizer_config.json is not UTF-8 text: invalid start byte at byte 19"):
+        read_folder(str(tmp_path))
     (tmp_path / "tokenizer_config.json").unlink()
     (tmp_path / "chat_template.jinja").symlink_to("/etc/hostname")
     with pytest.raises(ValueError, match=r"points outside|symbolic link"):
