@@ -80,8 +80,10 @@ DECODE_LEVERS = {
     "graphs_while_cond": ("--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL", 1, False),
     "unroll_8": ("", 8, True),  # a loop iteration, and its condition read on the host, per 8 tokens
 }
-SAMPLE_ROWS = ("1", "64")  # batch sizes
-SMOKE_SAMPLE_ROWS = ("1", "8")
+# batch sizes; "+eos": the same row given a stop id no row draws (vocab_size), so generate_batch runs its while
+# loop, which ends once every row has stopped, for the whole length: what that loop costs against the scan
+SAMPLE_ROWS = ("1", "64", "64+eos")
+SMOKE_SAMPLE_ROWS = ("1", "8", "8+eos")
 # most wanted first; "/xla": XLA's attention instead of cuDNN's; "/auto": the implementation left unset, as a user
 # runs it (cuDNN's where jax takes the call); "+rope": MLA's decoupled rotary part
 SPEED_ROWS = ("separate", "separate/auto", "flax", "shared_kv", "gqa", "shared_qk", "mla", "mla+rope", "separate/xla")
@@ -606,9 +608,13 @@ def section_sample(args) -> dict:
     # one program whose layers pick their key prefix per token with a lax.switch, as on every visit
     wanted = args.sample_rows.split(",") if args.sample_rows else SMOKE_SAMPLE_ROWS if args.smoke else SAMPLE_ROWS
     for name in wanted:
-        batch = int(name)
-        prompts = [rng.integers(0, cfg.model.vocab_size, prompt_len) for _ in range(batch)]
-        tokens, stats = generate_batch(model, params, prompts, new, seed=2, scan_unroll=args.scan_unroll)  # no compiles
+        batch, eos = int(name.split("+")[0]), name.endswith("+eos")
+        draw = np.random.default_rng(batch)  # a row and its +eos twin decode the same prompts
+        prompts = [draw.integers(0, cfg.model.vocab_size, prompt_len) for _ in range(batch)]
+        stops = (cfg.model.vocab_size,) if eos else ()
+        tokens, stats = generate_batch(
+            model, params, prompts, new, seed=2, scan_unroll=args.scan_unroll, stop_ids=stops
+        )  # no compiles
         mean_filled = prompt_len + new / 2
         bytes_per_step = param_bytes + batch * mean_filled * kv_cache_bytes_per_token(cfg.model)
         floor = batch * bandwidth / bytes_per_step if bandwidth else None
@@ -619,7 +625,12 @@ def section_sample(args) -> dict:
             "fraction_of_floor": stats["tokens_per_s"] / floor if floor else None,
             "prefill_and_compile_s": stats["prefill_and_compile_s"],
             "tokens_sha256": hashlib.sha256(np.asarray(tokens).tobytes()).hexdigest()[:16],  # agree across runs?
+            "decode_steps": stats["decode_steps"],
         }
+        twin = rows.get(str(batch)) if eos else None
+        if twin:  # the while loop against the scan, measured in this process
+            rows[name] |= {"x_scan": stats["tokens_per_s"] / twin["tokens_per_s"],
+                           "same_tokens": rows[name]["tokens_sha256"] == twin["tokens_sha256"]}  # fmt: skip
         print(f"sample b{name}: {stats['tokens_per_s']:,.0f} tok/s (floor {floor or 0:,.0f})", flush=True)
         _save(args, result)  # a row kept if the next one runs out of time
     if args.profile:  # batch 1 once more under the profiler, apart from the timed rows (tracing slows them)
@@ -916,7 +927,8 @@ def table(m: dict) -> str:
     if "sample" in m:
         for b, r in m["sample"]["rows"].items():
             frac = f"{100 * r['fraction_of_floor']:.0f}% of floor" if r.get("fraction_of_floor") else ""
-            lines.append(f"sample b{b}: {r['tokens_per_s']:,.0f} tok/s {frac}")
+            twin = f", x{r['x_scan']:.2f} the scan, same tokens: {r['same_tokens']}" if "x_scan" in r else ""
+            lines.append(f"sample b{b}: {r['tokens_per_s']:,.0f} tok/s {frac}{twin}")
     for name, r in m.get("levers", {}).get("rows", {}).items():
         if "error" in r:
             lines.append(f"lever {name}: ERROR {r['error']}")

@@ -49,8 +49,11 @@ def test_gpu_check_smoke_runs_the_measuring_sections_in_ci(tmp_path):
     assert speed["tokens_per_s"] > 0 and speed["init_s"] > 0 and speed["warmup_s"] > 0 and speed["mfu"] > 0
     auto = out["speed"]["rows"]["separate/auto"]  # the implementation unset, as a user runs it; no cuDNN here
     assert auto["implementation"] is None and auto["cudnn_attention_calls"] == speed["cudnn_attention_calls"] == 0
-    assert set(out["sample"]["rows"]) == {"1", "8"}
-    assert all(0 < r["fraction_of_floor"] for r in out["sample"]["rows"].values())
+    rows = out["sample"]["rows"]
+    assert set(rows) == {"1", "8", "8+eos"} and all(0 < r["fraction_of_floor"] for r in rows.values())
+    # a stop id no row draws: the while loop runs the whole length and makes the scan's tokens
+    assert rows["8+eos"]["same_tokens"] and rows["8+eos"]["decode_steps"] == rows["8"]["decode_steps"] == 16
+    assert rows["8+eos"]["x_scan"] > 0
 
 
 def test_a_speed_row_that_fails_is_recorded_and_the_rows_after_it_still_run(tmp_path, monkeypatch):
