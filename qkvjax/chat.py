@@ -32,19 +32,14 @@ def read_folder(folder: str) -> tuple[str | None, dict[str, str]]:
     """(chat template or None, special-token strings) of a Hugging Face model folder, where transformers'
     ``AutoTokenizer`` finds them: ``chat_template.jinja`` before ``tokenizer_config.json``'s ``chat_template``;
     the token strings from ``tokenizer_config.json``, then ``special_tokens_map.json`` for those it lacks."""
-    from qkvjax.hf.folder import inside
+    from qkvjax.hf.folder import read_bounded
 
     def read(name: str) -> str | None:
-        if not os.path.lexists(os.path.join(folder, name)):
-            return None
-        file = inside(folder, name, "tokenizer file")
-        if (size := os.path.getsize(file)) > MAX_FILE_BYTES:
-            raise ValueError(f"{file} has {size:,} bytes; allowed: at most {MAX_FILE_BYTES:,}")
+        data = read_bounded(folder, name, "tokenizer file", MAX_FILE_BYTES)
         try:
-            with open(file, encoding="utf-8") as f:
-                return f.read()
+            return None if data is None else data.decode("utf-8")
         except UnicodeDecodeError as e:
-            raise ValueError(f"{file} is not UTF-8 text: {e.reason} at byte {e.start}") from None
+            raise ValueError(f"{os.path.join(folder, name)} is not UTF-8 text: {e.reason} at byte {e.start}") from None
 
     def parsed(name: str) -> dict:
         text = read(name)

@@ -132,13 +132,17 @@ def load_config(workdir) -> Config:
     return from_dict(Config, json.loads(file.read_text()))
 
 
+def special_tokens(workdir) -> dict:
+    """An imported model's ``special_tokens.json``: its bos/eos/pad ids and token strings ({} for a run trained
+    here, which has none)."""
+    file = path(workdir) / SPECIAL_IDS_FILE
+    return json.loads(file.read_text()) if file.exists() else {}
+
+
 def stop_ids(workdir) -> tuple[int, ...]:
     """The token ids that end a sequence: an imported model's ``eos_token_id`` (one id or a list, as Hugging Face
     configs give it); none for a run trained here (its text is a stream with no end token)."""
-    file = path(workdir) / SPECIAL_IDS_FILE
-    if not file.exists():
-        return ()
-    eos = json.loads(file.read_text()).get("eos_token_id")
+    eos = special_tokens(workdir).get("eos_token_id")
     return tuple(int(i) for i in ([] if eos is None else eos if isinstance(eos, list) else [eos]))
 
 
@@ -150,9 +154,7 @@ def chat_template(workdir) -> tuple[str, dict[str, str]] | None:
     file = path(workdir) / CHAT_TEMPLATE_FILE
     if not file.exists():
         return None
-    ids = path(workdir) / SPECIAL_IDS_FILE
-    special = json.loads(ids.read_text()) if ids.exists() else {}
-    strings = {k: v for k, v in special.items() if k in SPECIAL_TOKENS and isinstance(v, str)}
+    strings = {k: v for k, v in special_tokens(workdir).items() if k in SPECIAL_TOKENS and isinstance(v, str)}
     return file.read_text(encoding="utf-8"), strings
 
 

@@ -135,7 +135,7 @@ def import_folder(folder: str, workdir: str, max_len: int | None = None):
 def export_workdir(workdir: str, folder: str, fmt: str | None = None, step: int | None = None) -> str:
     """Writes a workdir's model (its newest checkpoint, or ``step``) as a Hugging Face folder; returns the format."""
     from qkvjax.evaluate import restore_params
-    from qkvjax.workdir import chat_template, load_config, path, require_empty, whole_or_absent
+    from qkvjax.workdir import chat_template, load_config, path, require_empty, special_tokens, whole_or_absent
 
     model = load_config(workdir).model  # every refusal before anything is restored (resume keeps the model)
     fmt = fmt or infer_format(model)
@@ -144,9 +144,8 @@ def export_workdir(workdir: str, folder: str, fmt: str | None = None, step: int 
     _, params, config, _ = restore_params(workdir, step)
     hf, tensors = export(config.model, jax.tree.map(np.asarray, nn.meta.unbox(params)), fmt)
     tokenizer = checked_tokenizer(os.fspath(path(workdir))) if config.data.tokenizer else None
-    ids_file = path(workdir) / SPECIAL_IDS_FILE
-    if ids_file.exists():  # the imported model's bos/eos/pad ids, so that generate() stops where it did
-        hf |= {k: v for k, v in json.loads(ids_file.read_text()).items() if k in SPECIAL_IDS}
+    # the imported model's bos/eos/pad ids, so that generate() stops where it did
+    hf |= {k: v for k, v in special_tokens(workdir).items() if k in SPECIAL_IDS}
     chat = chat_template(workdir)  # apply_chat_template reads it, and the token strings, from tokenizer_config.json
     chat_config = chat and {**chat[1], "chat_template": chat[0]}
     if fmt == "bert":

@@ -63,17 +63,25 @@ def inside(folder: str, name: str, what: str) -> str:
     return file
 
 
+def read_bounded(folder: str, name: str, what: str, max_bytes: int) -> bytes | None:
+    """The bytes of ``folder/name`` (None if there is none): a regular file inside the folder (:func:`inside`) of
+    at most ``max_bytes``; anything else is refused in one line."""
+    if not os.path.lexists(os.path.join(folder, name)):
+        return None
+    file = inside(folder, name, what)
+    if (size := os.path.getsize(file)) > max_bytes:
+        raise ValueError(f"{file} has {size:,} bytes; allowed: at most {max_bytes:,}")
+    with open(file, "rb") as f:
+        return f.read()
+
+
 def checked_tokenizer(folder: str) -> bytes | None:
     """The bytes of ``folder/tokenizer.json`` after parsing them with ``tokenizers`` (None if there is none):
     a regular file inside the folder, under MAX_TOKENIZER_BYTES; anything else is refused in one line."""
-    if not os.path.lexists(os.path.join(folder, TOKENIZER)):
+    data = read_bounded(folder, TOKENIZER, "tokenizer", MAX_TOKENIZER_BYTES)
+    if data is None:
         return None
-    file = inside(folder, TOKENIZER, "tokenizer")
-    size = os.path.getsize(file)
-    if size > MAX_TOKENIZER_BYTES:
-        raise ValueError(f"{file} has {size:,} bytes; allowed: at most {MAX_TOKENIZER_BYTES:,}")
-    with open(file, "rb") as f:
-        data = f.read()
+    file = os.path.join(folder, TOKENIZER)
     from tokenizers import Tokenizer
 
     try:
