@@ -6,7 +6,9 @@ template that ships with its tokenizer: ``chat_template.jinja`` in the folder, o
 keeps it in the workdir with the tokenizer's special-token strings (``bos_token``, ``eos_token``, ...), which
 templates refer to; ``qkvjax sample --chat`` renders each prompt as a user message (after an optional system
 message) with ``add_generation_prompt=True`` and encodes the text without adding special tokens, since the
-template writes them itself.
+template writes them itself. ``--messages FILE`` gives earlier turns (a JSON list in OpenAI's message format, which
+``apply_chat_template`` takes) that each prompt follows; a file ending in an assistant turn, without ``--prompt``,
+is that reply begun, which the model goes on with (``continue_final_message``).
 
 Templates come from the Hub and are untrusted code: they run in Jinja's immutable sandbox, with the environment
 transformers gives them (``trim_blocks``, ``lstrip_blocks``, loop controls, a ``tojson`` that keeps non-ASCII
@@ -26,6 +28,8 @@ SPECIAL_TOKENS_MAP = "special_tokens_map.json"  # older folders name the special
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 MAX_TEMPLATE_BYTES = 1 << 20  # the largest templates on the Hub (tool use, reasoning) are tens of kB
 MAX_FILE_BYTES = 64 << 20  # a tokenizer_config.json may list every added token (Llama 3's: 50 kB)
+MAX_MESSAGES_BYTES = 16 << 20  # a conversation longer than any model's context, still read at once
+CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # transformers' marker: where the final message's text ends
 
 
 def read_folder(folder: str) -> tuple[str | None, dict[str, str]]:
@@ -69,16 +73,42 @@ def read_folder(folder: str) -> tuple[str | None, dict[str, str]]:
     return template, tokens
 
 
-def conversation(prompt: str, system: str | None = None) -> list[dict[str, str]]:
-    """One user turn, after a system turn when ``system`` is given (OpenAI's message format, which templates read)."""
+def read_messages(path: str) -> list[dict]:
+    """The turns of a conversation file: a JSON list of objects with string ``role`` and ``content`` (other keys,
+    such as ``name``, are passed to the template as they are)."""
+    try:
+        if os.path.getsize(path) > MAX_MESSAGES_BYTES:
+            raise ValueError(f"--messages {path} has {os.path.getsize(path):,} bytes; allowed: at most "
+                             f"{MAX_MESSAGES_BYTES:,}")  # fmt: skip
+        with open(path, encoding="utf-8") as f:
+            turns = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"--messages {path} is not JSON text: {e}") from None
+    if not isinstance(turns, list):
+        raise ValueError(f"--messages {path} holds a {type(turns).__name__}; allowed: a list of turns "
+                         '[{"role": ..., "content": ...}, ...]')  # fmt: skip
+    for i, turn in enumerate(turns):
+        if not (isinstance(turn, dict) and all(isinstance(turn.get(k), str) for k in ("role", "content"))):
+            raise ValueError(f"--messages {path}: turn {i} is {json.dumps(turn)[:80]}; allowed: an object with "
+                             'string "role" and "content"')  # fmt: skip
+    return turns
+
+
+def conversation(prompt: str, system: str | None = None, history: list[dict] = ()) -> list[dict]:
+    """A system turn when ``system`` is given, the ``history`` turns, then ``prompt`` as the user's turn (OpenAI's
+    message format, which templates read)."""
     return ([{"role": "system", "content": system}] if system is not None else []) + [
-        {"role": "user", "content": prompt}
+        *history,
+        {"role": "user", "content": prompt},
     ]
 
 
-def render(template: str, messages: list[dict], tokens: dict[str, str], add_generation_prompt: bool = True) -> str:
-    """The text of ``messages`` in the model's format, ending where the assistant's reply begins; a template that
-    does not parse, reaches outside the sandbox or raises is refused in one line."""
+def render(template: str, messages: list[dict], tokens: dict[str, str], continue_final: bool = False) -> str:
+    """The text of ``messages`` in the model's format, ending where the assistant's reply begins
+    (``add_generation_prompt``); with ``continue_final``, the last message is that reply begun, and the text ends
+    right after its content, as transformers' ``continue_final_message`` cuts it (so no end-of-turn token closes
+    it). A template that does not parse, reaches outside the sandbox, raises, or drops the text to continue is
+    refused in one line."""
     import jinja2
     import jinja2.ext
     import jinja2.nodes
@@ -107,10 +137,21 @@ def render(template: str, messages: list[dict], tokens: dict[str, str], add_gene
     )
     env.filters["tojson"] = tojson
     env.globals |= {"raise_exception": raise_exception, "strftime_now": lambda f: datetime.datetime.now().strftime(f)}
+    if continue_final:  # mark where the final message's text ends, to cut there after rendering
+        final = messages[-1]["content"]
+        messages = [*messages[:-1], {**messages[-1], "content": final + CONTINUE_TAG}]
     try:
         # tools and documents are None as transformers passes them (a template may test `tools is not none`)
         compiled = env.from_string(template)
-        return compiled.render(messages=messages, tools=None, documents=None,
-                               add_generation_prompt=add_generation_prompt, **tokens)  # fmt: skip
+        text = compiled.render(messages=messages, tools=None, documents=None,
+                               add_generation_prompt=not continue_final, **tokens)  # fmt: skip
     except jinja2.exceptions.TemplateError as e:  # syntax errors, sandbox refusals and raise_exception alike
         raise ValueError(f"the model's chat template failed ({type(e).__name__}): {e}") from None
+    if not continue_final:
+        return text
+    if final.strip() not in text or CONTINUE_TAG.strip() not in text:
+        raise ValueError("the model's chat template does not write the final assistant turn's text as given, so it "
+                         "cannot be continued; allowed: a conversation ending in a user turn")  # fmt: skip
+    at = text.rindex(CONTINUE_TAG.strip())
+    # a template that keeps spacing writes the whole marker; one that trims it (`| trim`) loses the trailing space
+    return text[:at] if text[at : at + len(CONTINUE_TAG)] == CONTINUE_TAG else text[:at].rstrip()

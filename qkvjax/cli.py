@@ -101,15 +101,26 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _chat_prompts(args: argparse.Namespace, chat) -> list[str]:
-    """Each --prompt as one user turn (after --system's) in the model's chat template, ready for its reply."""
-    from qkvjax.chat import conversation, render
+    """Each --prompt as the user's turn after --system's and --messages' turns, in the model's chat template, ready
+    for its reply; without --prompt, the --messages conversation itself, continued when it ends in the assistant's
+    turn (a reply begun)."""
+    from qkvjax.chat import conversation, read_messages, render
 
     if chat is None:
         raise ValueError(
             f"--chat: {args.workdir} has no chat template (qkvjax import keeps one from a model folder's "
             "chat_template.jinja or tokenizer_config.json); allowed: a prompt as typed, without --chat"
         )
-    return [render(chat[0], conversation(p, args.system), chat[1]) for p in args.prompt]
+    template, tokens = chat
+    history = read_messages(args.messages) if args.messages is not None else []
+    if args.system is not None and any(turn["role"] == "system" for turn in history):
+        raise ValueError(f"--system and a system turn in --messages {args.messages}; allowed: one of them")
+    if args.prompt:
+        return [render(template, conversation(p, args.system, history), tokens) for p in args.prompt]
+    if not history:
+        raise ValueError(f"--messages {args.messages} holds no turns; allowed: at least one, or a --prompt")
+    turns = ([{"role": "system", "content": args.system}] if args.system is not None else []) + history
+    return [render(template, turns, tokens, continue_final=turns[-1]["role"] == "assistant")]
 
 
 def _sample(args: argparse.Namespace) -> int:
@@ -125,8 +136,11 @@ def _sample(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(saved.data.tokenizer, args.workdir)
     if saved.data.tokenizer is not None:
         check_vocab(tokenizer, saved.model.vocab_size)
-    if args.system is not None and not args.chat:
-        raise ValueError("--system is a chat turn; allowed: with --chat only")
+    for flag, value in (("--system", args.system), ("--messages", args.messages)):
+        if value is not None and not args.chat:
+            raise ValueError(f"{flag} gives chat turns; allowed: with --chat only")
+    if not args.prompt and args.messages is None:
+        raise ValueError("sample needs a --prompt TEXT (or, with --chat, a --messages FILE); allowed: either")
     texts = _chat_prompts(args, chat_template(args.workdir)) if args.chat else args.prompt
     # refuse an empty prompt before restoring anything; a rendered template writes its own special tokens
     prompts = [encode(p, tokenizer, add_special_tokens=not args.chat) for p in texts]
@@ -470,7 +484,7 @@ def _run_commands() -> tuple[Command, ...]:
         )),
         Command("sample", _sample, "generate text from a checkpoint with the KV cache", (
             WORKDIR,
-            opt("--prompt", required=True, action="append",
+            opt("--prompt", action="append",
                 help="text to continue (bytes; prompt + new tokens <= max_len); repeat it to decode several prompts "
                 "of any lengths in one batch (one prompt is streamed as it is made)"),
             opt("--num-tokens", type=int, default=200, help="bytes to generate"),
@@ -483,6 +497,10 @@ def _run_commands() -> tuple[Command, ...]:
                 help="an imported instruct model: each prompt is a user turn in its chat template (as transformers' "
                 "apply_chat_template with add_generation_prompt), so the model answers it"),
             opt("--system", default=None, help="with --chat: a system turn before each prompt"),
+            opt("--messages", default=None, metavar="FILE",
+                help="with --chat: a JSON list of earlier turns ([{\"role\": \"user\", \"content\": ...}, ...]) "
+                "before each prompt; without --prompt, the conversation itself is answered, or continued when its "
+                "last turn is the assistant's (transformers' continue_final_message)"),
             opt("--ignore-eos", action="store_true",
                 help="go on past an imported model's end-of-sequence token (by default a row ends at it)"),
             STEP,

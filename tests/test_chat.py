@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from qkvjax.chat import conversation, read_folder, render
+from qkvjax.chat import conversation, read_folder, read_messages, render
 
 CHATML = (  # trim_blocks and lstrip_blocks decide every line break and indent here
     "{% for message in messages %}\n"
@@ -26,7 +26,6 @@ def test_render_is_jinja_with_transformers_environment():
     assert (
         text == "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi there<|im_end|>\n<|im_start|>assistant\n"
     )
-    assert render(CHATML, conversation("x"), {}, add_generation_prompt=False) == "<|im_start|>user\nx<|im_end|>\n"
     # tokens by name, loop controls, namespace, tojson keeping non-ASCII and < > as they are, tools passed as none
     template = (
         "{{ bos_token }}{% set ns = namespace(n=0) %}{% for m in messages %}{% if m.role == 'system' %}{% continue %}"
@@ -37,6 +36,36 @@ def test_render_is_jinja_with_transformers_environment():
     turns = [*conversation("q"), {"role": "assistant", "content": "a"}]  # transformers' training-mask tag
     template = "{% for m in messages %}{% generation %}[{{ m.content }}]{% endgeneration %}{% endfor %}"
     assert render(template, turns, {}) == "[q][a]"
+
+
+def test_a_begun_reply_is_continued_where_its_text_ends():
+    turns = [*conversation("hi", history=[{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]),
+             {"role": "assistant", "content": "Sure, "}]  # fmt: skip
+    text = render(CHATML, turns, {}, continue_final=True)  # spacing kept: cut right after "Sure, "
+    turn = "<|im_start|>{}\n{}<|im_end|>\n".format
+    assert text == turn("user", "q") + turn("assistant", "a") + turn("user", "hi") + "<|im_start|>assistant\nSure, "
+    trimming = "{% for m in messages %}<{{ m.role }}>{{ m.content | trim }}</>{% endfor %}"  # the marker's space too
+    assert render(trimming, turns[-2:], {}, continue_final=True) == "<user>hi</><assistant>Sure,"
+    dropping = "{% for m in messages if m.role == 'user' %}{{ m.content }}{% endfor %}"  # never writes replies
+    with pytest.raises(ValueError, match=r"does not write the final assistant turn's text.*allowed: a conversation"):
+        render(dropping, turns, {}, continue_final=True)
+
+
+def test_read_messages_takes_openai_turns_and_refuses_in_one_line(tmp_path):
+    file = tmp_path / "chat.json"
+    turns = [{"role": "system", "content": "s"}, {"role": "user", "content": "é", "name": "ann"}]
+    file.write_text(json.dumps(turns))
+    assert read_messages(str(file)) == turns  # other keys go to the template as they are
+    for content, match in (
+        ("{not json", r"chat.json is not JSON text"),
+        (json.dumps({"role": "user", "content": "x"}), r"holds a dict; allowed: a list of turns"),
+        (json.dumps([turns[0], {"role": "user", "content": [{"type": "text"}]}]),
+         r'turn 1 is \{"role": "user", "content": \[.*allowed: an object with string "role" and "content"'),
+    ):  # fmt: skip
+        file.write_text(content)
+        with pytest.raises(ValueError, match=match) as e:
+            read_messages(str(file))
+        assert "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize(

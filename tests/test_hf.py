@@ -681,6 +681,21 @@ def test_chat_sample_as_transformers_apply_chat_template_and_generate(folders, t
     head = tk.decode(ids, skip_special_tokens=False)  # the rendered prompt, then what the new tokens add to it
     assert capsys.readouterr().out == text + tk.decode(ids + new, skip_special_tokens=False)[len(head) :]
 
+    # a conversation file ending in a reply begun: continued where its (trimmed) text ends, as continue_final_message
+    begun = [turns[-1], {"role": "assistant", "content": " w14 w15 "}]  # the context is 17 tokens
+    (tmp_path / "chat.json").write_text(json.dumps(begun))
+    cont_text = ref.apply_chat_template([messages[0], *begun], tokenize=False, continue_final_message=True)
+    cont_ids = ref.apply_chat_template([messages[0], *begun], continue_final_message=True)["input_ids"]
+    assert cont_text.endswith("<|im_start|>assistant\nw14 w15") and cont_ids[-2:] == [14, 15]
+    assert render(template, [messages[0], *begun], read_folder(folder)[1], continue_final=True) == cont_text
+    with torch.no_grad():
+        cont_new = ref_model.generate(torch.tensor([cont_ids]), max_new_tokens=5, do_sample=False,
+                                      eos_token_id=V + 1, pad_token_id=0)[0, len(cont_ids) :].tolist()  # fmt: skip
+    chat = ["sample", "--workdir", w, "--chat", "--messages", str(tmp_path / "chat.json"), "--system", "w9 w10"]
+    assert main([*chat, "--num-tokens", "5", "--temperature", "0", "--ignore-eos"]) == 0
+    head = tk.decode(cont_ids, skip_special_tokens=False)
+    assert capsys.readouterr().out == cont_text + tk.decode(cont_ids + cont_new, skip_special_tokens=False)[len(head) :]
+
     converted = str(tmp_path / "kv")  # a retrofit keeps what the model came with
     assert main(["convert", "--workdir", w, "--to", "shared_kv", "--out", converted]) == 0
     assert chat_template(converted) == chat_template(w) == (template, {"bos_token": "<s>", "eos_token": "<|im_end|>"})

@@ -256,6 +256,8 @@ def test_convert_to_mla_reports_errors_and_uptrains_from_its_config_json(run, tm
         (["sample", "--workdir={run}", "--prompt=hi", "--top-p=1.5"], r"top_p=1.5; allowed"),
         (["sample", "--workdir={run}", "--prompt=hi", "--chat"], r"--chat: .* has no chat template.*allowed: a prompt"),
         (["sample", "--workdir={run}", "--prompt=hi", "--system=be brief"], r"--system .*allowed: with --chat only"),
+        (["sample", "--workdir={run}", "--prompt=hi", "--messages=c.json"], r"--messages .*allowed: with --chat only"),
+        (["sample", "--workdir={run}"], r"needs a --prompt TEXT \(or, with --chat, a --messages FILE\)"),
         (["sample", "--workdir={run}", "--prompt=" + "x" * 40], r"the prompt has 40 tokens.*at most 31 tokens"),
         (["eval", "--workdir={run}", "--output={empty}/no/such/folder/r.json"], r"folder .* does not exist"),
     ],
