@@ -386,7 +386,12 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     that is laid out already (the config field list) is kept as written."""
 
     def _get_help_string(self, action):
-        if "default" in (action.help or "").lower() or action.required or action.default in (None, False):
+        if (
+            "default" in (action.help or "").lower()
+            or action.required
+            or action.default is None
+            or action.default is False
+        ):
             return action.help  # said already, or nothing to say (a flag off, an option with no value)
         return super()._get_help_string(action)
 
@@ -485,9 +490,10 @@ def _run_commands() -> tuple[Command, ...]:
         Command("sample", _sample, "generate text from a checkpoint with the KV cache", (
             WORKDIR,
             opt("--prompt", action="append",
-                help="text to continue (bytes; prompt + new tokens <= max_len); repeat it to decode several prompts "
-                "of any lengths in one batch (one prompt is streamed as it is made)"),
-            opt("--num-tokens", type=int, default=200, help="bytes to generate"),
+                help="text to continue (in the run's tokens, bytes without a tokenizer: prompt + new tokens <= "
+                "max_len); repeat it to decode several prompts of any lengths in one batch (one prompt is streamed as "
+                "it is made)"),
+            opt("--num-tokens", type=int, default=200, help="tokens to generate (bytes without a tokenizer)"),
             opt("--temperature", type=float, default=0.8, help="0 = greedy"),
             opt("--top-k", type=int, default=40, help="0 = no top-k cut"),
             opt("--top-p", type=float, default=1.0,

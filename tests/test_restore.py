@@ -339,7 +339,7 @@ def test_every_cli_option_is_documented_with_its_default(capsys):
             shown = " ".join((formatter._get_help_string(action) % {"default": action.default}).split())
             assert shown in text, (name, action.option_strings)
             assert shown.lower().count("default") <= 1, (name, shown)  # never "(default: x) (default: x)"
-            if action.default not in (None, False) and not action.required:
+            if action.default is not None and action.default is not False and not action.required:  # 0 named too
                 assert "default" in shown.lower(), (name, action.option_strings)  # a value is always named
                 if "(default: " in shown:
                     assert f"(default: {action.default})" in shown, (name, shown)
