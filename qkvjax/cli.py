@@ -141,12 +141,16 @@ def _sample(args: argparse.Namespace) -> int:
             raise ValueError(f"{flag} gives chat turns; allowed: with --chat only")
     if not args.prompt and args.messages is None:
         raise ValueError("sample needs a --prompt TEXT (or, with --chat, a --messages FILE); allowed: either")
-    texts = _chat_prompts(args, chat_template(args.workdir)) if args.chat else args.prompt
+    chat = chat_template(args.workdir)
+    texts = _chat_prompts(args, chat) if args.chat else args.prompt
     # refuse an empty prompt before restoring anything; a rendered template writes its own special tokens
     prompts = [encode(p, tokenizer, add_special_tokens=not args.chat) for p in texts]
     model, params, config, step = restore_params(args.workdir, args.step)
     top_k = None if args.top_k == 0 else args.top_k
     check_request(model, prompts, args.num_tokens, args.temperature, top_k, args.top_p)  # before the prompt is echoed
+    if chat is not None and not args.chat:  # an instruct model given raw text continues it rather than answer
+        print(f"note: {args.workdir} has a chat template: --chat writes each prompt as a user turn in it; the prompt "
+              "is continued as typed", file=sys.stderr)  # fmt: skip
     limit = None
     if saved.data.tokenizer is None and config.model.vocab_size > 256:  # decided before the first token is shown
         limit = 256

@@ -677,9 +677,13 @@ def test_chat_sample_as_transformers_apply_chat_template_and_generate(folders, t
     assert main(["info", "--workdir", w]) == 0
     assert "chat template: `sample --chat`" in capsys.readouterr().out
     sample = ["sample", "--workdir", w, "--prompt", " w8 w12 w20 ", "--system", "w9 w10", "--num-tokens", "5"]
+    assert main([*sample[:-4], "--num-tokens", "1"]) == 0  # raw text to an instruct model: --chat is named
+    assert "has a chat template: --chat writes each prompt as a user turn" in capsys.readouterr().err
     assert main([*sample, "--chat", "--temperature", "0", "--ignore-eos"]) == 0
     head = tk.decode(ids, skip_special_tokens=False)  # the rendered prompt, then what the new tokens add to it
-    assert capsys.readouterr().out == text + tk.decode(ids + new, skip_special_tokens=False)[len(head) :]
+    printed = capsys.readouterr()
+    assert printed.out == text + tk.decode(ids + new, skip_special_tokens=False)[len(head) :]
+    assert "has a chat template" not in printed.err
 
     # a conversation file ending in a reply begun: continued where its (trimmed) text ends, as continue_final_message
     begun = [turns[-1], {"role": "assistant", "content": " w14 w15 "}]  # the context is 17 tokens
