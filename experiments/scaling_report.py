@@ -8,7 +8,9 @@ ranking at one shared rate against each scheme's own, epochs and overfitting: ea
 its validation loss, since at many epochs a tie that fits the training text worse can still generalise as well;
 the conversion to per-token units)
 and ``delta_vs_params.png`` (the difference against parameters, log axis, one line per scheme, with a fitted
-trend in log parameters where three sizes are in) and ``frontier.png`` (final loss against training compute).
+trend in log parameters where three sizes are in; two panels: the schemes that keep ``separate``'s K/V cache, and
+those that shrink it, each named with its fraction of the cache) and ``frontier.png`` (final loss against
+training compute).
 Speed is not taken from the sweep (its runs share the machine with other work): ``summary.md``'s speed table
 copies each variant's train-step tokens/s at each size from a benchmark run (``--speed``, by default
 ``benchmarks/results/scaling_speed_cpu_deferred.json`` from ``benchmarks/scaling_speed.py``), with its command,
@@ -448,6 +450,40 @@ def _shared_rate_ranking(rows: list[dict], best: dict) -> list[tuple]:
     return out
 
 
+def cache_fractions(cells: dict, corpus: str) -> dict[str, float]:
+    """Each scheme's K/V cache bytes per token as a fraction of ``separate``'s at the same size (on ``corpus``)."""
+    out = {}
+    for c, size, v in cells:
+        ref = cells.get((c, size, "separate"))
+        if c == corpus and v != "separate" and ref:
+            kv = int(next(iter(cells[c, size, v].values()))["kv_cache_bytes_per_token"])
+            out[v] = kv / int(next(iter(ref.values()))["kv_cache_bytes_per_token"])
+    return out
+
+
+def _draw_delta(ax, cells: dict, corpus: str, variant: str, name: str) -> None:
+    """One scheme's Δ against ``separate`` by size: mean and 95% interval per size, and its fitted trend."""
+    entries = [paired(cells, c, s, v) for c, s, v in cells if c == corpus and v == variant]
+    done = sorted((e for e in entries if e and "delta" in e), key=lambda e: e["ref_params"])  # small to large
+    if not done:
+        return
+    # a 2-seed t interval (t = 12.7) would set the axis for everyone and says little: drawn from 3 seeds
+    pts = [(e["ref_params"], e["delta"], e.get("ci") if e["delta_n"] >= 3 else None) for e in done]
+    color = variant_color(variant)
+    xs, ys = [p for p, _, _ in pts], [d for _, d, _ in pts]
+    err = [[d - ci[0] if ci else 0 for _, d, ci in pts], [ci[1] - d if ci else 0 for _, d, ci in pts]]
+    label = f"{name}: seeds {'/'.join(str(e['delta_n']) for e in done)}"  # 1 or 2 seeds: no interval drawn
+    fit = trend([(e["ref_params"], d) for e in done for d in e["diffs"]])
+    if fit and fit["sizes"] >= 3:  # through two sizes the line would only repeat the segment
+        label += f", trend {fit['slope']:+.3f} ± {fit['se']:.3f} per 10x"
+        grid = [min(xs) * (max(xs) / min(xs)) ** (k / 40) for k in range(41)]
+        line, lo, hi = zip(*(trend_band(fit, math.log10(g)) for g in grid), strict=True)
+        ax.plot(grid, line, color=color, ls="--", lw=0.8)
+        ax.fill_between(grid, lo, hi, color=color, alpha=0.07, lw=0)
+    dodge = 1.025 ** (VARIANT_ORDER.index(variant) - len(VARIANT_ORDER) / 2)  # schemes side by side at a size
+    ax.errorbar([x * dodge for x in xs], ys, yerr=err, marker="o", ms=5, capsize=3, color=color, label=label)
+
+
 def plot(rows: list[dict], out: Path) -> list[Path]:
     plt = report.pyplot()
 
@@ -456,38 +492,32 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
     corpus = "shakespeare" if "shakespeare" in corpora or not corpora else corpora[0]  # the folder's own corpus
     title = CORPUS_TITLES.get(corpus, corpus)
     written = []
-    fig, ax = plt.subplots(figsize=(10, 5))
-    for variant in (v for v in VARIANT_ORDER if v != "separate"):
-        entries = [paired(cells, c, s, v) for c, s, v in cells if c == corpus and v == variant]
-        done = sorted((e for e in entries if e and "delta" in e), key=lambda e: e["ref_params"])  # small to large
-        if not done:
-            continue
-        # a 2-seed t interval (t = 12.7) would set the axis for everyone and says little: drawn from 3 seeds
-        pts = [(e["ref_params"], e["delta"], e.get("ci") if e["delta_n"] >= 3 else None) for e in done]
-        color = variant_color(variant)
-        xs, ys = [p for p, _, _ in pts], [d for _, d, _ in pts]
-        err = [[d - ci[0] if ci else 0 for _, d, ci in pts], [ci[1] - d if ci else 0 for _, d, ci in pts]]
-        label = f"{variant}: seeds {'/'.join(str(e['delta_n']) for e in done)}"  # 1 or 2 seeds: no interval drawn
-        fit = trend([(e["ref_params"], d) for e in done for d in e["diffs"]])
-        if fit and fit["sizes"] >= 3:  # through two sizes the line would only repeat the segment
-            label += f", trend {fit['slope']:+.3f} ± {fit['se']:.3f} per 10x"
-            grid = [min(xs) * (max(xs) / min(xs)) ** (k / 40) for k in range(41)]
-            line, lo, hi = zip(*(trend_band(fit, math.log10(g)) for g in grid), strict=True)
-            ax.plot(grid, line, color=color, ls="--", lw=0.8)
-            ax.fill_between(grid, lo, hi, color=color, alpha=0.07, lw=0)
-        dodge = 1.025 ** (VARIANT_ORDER.index(variant) - len(VARIANT_ORDER) / 2)  # schemes side by side at a size
-        ax.errorbar([x * dodge for x in xs], ys, yerr=err, marker="o", ms=5, capsize=3, color=color, label=label)
-    ax.axhline(0, color="black", lw=0.8)
-    ax.set_xscale("log")
-    ax.set_xlabel("parameters (separate's at each size; log; the schemes drawn side by side)")
-    ax.set_ylabel("Δ final validation loss vs separate (nats/byte)")
+    # two panels, split by the data: the ties that keep separate's K/V cache, and the schemes that shrink it (their
+    # question is a cost per byte saved); eleven schemes on one axis hid each other's intervals
+    ratio = cache_fractions(cells, corpus)
+    groups = [[v for v in VARIANT_ORDER if v in ratio and keep(ratio[v])]
+              for keep in (lambda r: r >= 1, lambda r: r < 1)]  # fmt: skip
+    groups = [g for g in groups if g]
+    fig, axes = plt.subplots(1, max(len(groups), 1), figsize=(6.5 * max(len(groups), 1), 6.2), sharey=True,
+                             squeeze=False)  # fmt: skip
+    for ax, group in zip(axes[0], groups, strict=False):
+        smaller = ratio[group[0]] < 1
+        ax.set_title("a smaller K/V cache than separate's (its fraction named)" if smaller
+                     else "the same K/V cache as separate's", fontsize=9)  # fmt: skip
+        for variant in group:
+            _draw_delta(ax, cells, corpus, variant, f"{variant} (x{ratio[variant]:.2f})" if smaller else variant)
+        ax.axhline(0, color="black", lw=0.8)
+        ax.set_xscale("log")
+        ax.set_xlabel("parameters (separate's at each size; log; the schemes drawn side by side)", fontsize=9)
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.13), title="seeds small to large",
+                  title_fontsize=8)  # fmt: skip
+    axes[0][0].set_ylabel("Δ final validation loss vs separate (nats/byte)")
     sizes = len({s for c, s, v in cells if c == corpus and "delta" in (paired(cells, c, s, v) or {})})
     so_far = " so far" if sizes < 3 else ""
-    ax.set_title(f"Tying penalty against model size: {title}, {sizes} of 3 sizes{so_far}\n"
-                 "mean over seeds with 95% t intervals (3 or more seeds)\n"
-                 "dashed: least-squares trend through every seed's Δ; shaded: its 95% band", fontsize=9)  # fmt: skip
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1), title="seeds small to large", title_fontsize=8)
+    fig.suptitle(f"Tying penalty against model size: {title}, {sizes} of 3 sizes{so_far}; mean over seeds with 95% "
+                 "t intervals (3 or more seeds)\ndashed: least-squares trend through every seed's Δ; shaded: its 95% "
+                 "band", fontsize=10)  # fmt: skip
     fig.tight_layout()
     written.append(out / "delta_vs_params.png")
     fig.savefig(written[-1], dpi=120)

@@ -300,11 +300,11 @@ def test_the_report_pairs_seeds_and_fits_the_trend_through_every_seed(tmp_path):
             base = 2.0 - 0.3 * np.log10(params) + 0.02 * rng.standard_normal()  # shared by both: paired
             delta = 0.40 - 0.06 * np.log10(params) + 0.003 * rng.standard_normal()
             truth.append((np.log10(params), delta))
-            for variant, loss in (("separate", base), ("shared_kv", base + delta)):
+            for variant, loss, kv in (("separate", base, 96), ("shared_kv", base + delta, 48)):
                 rows.append({"stage": "final", "corpus": "shakespeare", "size": str(size), "variant": variant,
                              "seed": str(seed), "learning_rate": "0.004", "params": str(params), "epochs": "1.5",
-                             "tokens": str(10 * params), "kv_cache_bytes_per_token": "96", "final_val_loss": str(loss),
-                             "best_eval_loss": str(loss), "last_eval_loss": str(loss),
+                             "tokens": str(10 * params), "kv_cache_bytes_per_token": str(kv),
+                             "final_val_loss": str(loss), "best_eval_loss": str(loss), "last_eval_loss": str(loss),
                              "run": f"{variant}-{size}-{seed}", "tokens_per_s": "1000"})  # fmt: skip
     cells = scaling_report.finals(rows)
     e = scaling_report.paired(cells, "shakespeare", 96, "shared_kv")
@@ -334,6 +334,10 @@ def test_the_report_pairs_seeds_and_fits_the_trend_through_every_seed(tmp_path):
     assert docs_summary.count("## Trend of Δ with size") == 1 and "(Python documentation)" in docs_summary
     one_seed = [r for r in rows if r["size"] != "160" or r["seed"] == "0"]  # a size begun: one seed so far
     assert "nan" not in scaling_report.summary_markdown(one_seed)
+    # the plot's panels: the schemes keeping separate's cache, and those shrinking it (named with the fraction)
+    rows += [r | {"variant": "shared_qk"} for r in rows if r["variant"] == "separate"]  # a tie keeping the cache
+    fractions = scaling_report.cache_fractions(scaling_report.finals(rows), "shakespeare")
+    assert fractions == {"shared_kv": 0.5, "shared_qk": 1.0}
     for png in scaling_report.plot(rows, tmp_path):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
