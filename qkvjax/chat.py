@@ -94,12 +94,13 @@ def read_messages(path: str) -> list[dict]:
     return turns
 
 
-def conversation(prompt: str, system: str | None = None, history: list[dict] = ()) -> list[dict]:
-    """A system turn when ``system`` is given, the ``history`` turns, then ``prompt`` as the user's turn (OpenAI's
-    message format, which templates read)."""
-    return ([{"role": "system", "content": system}] if system is not None else []) + [
+def conversation(prompt: str | None, system: str | None = None, history: list[dict] = ()) -> list[dict]:
+    """A system turn when ``system`` is given, the ``history`` turns, then ``prompt`` as the user's turn when given
+    (OpenAI's message format, which templates read)."""
+    return [
+        *([{"role": "system", "content": system}] if system is not None else []),
         *history,
-        {"role": "user", "content": prompt},
+        *([{"role": "user", "content": prompt}] if prompt is not None else []),
     ]
 
 

@@ -119,7 +119,7 @@ def _chat_prompts(args: argparse.Namespace, chat) -> list[str]:
         return [render(template, conversation(p, args.system, history), tokens) for p in args.prompt]
     if not history:
         raise ValueError(f"--messages {args.messages} holds no turns; allowed: at least one, or a --prompt")
-    turns = ([{"role": "system", "content": args.system}] if args.system is not None else []) + history
+    turns = conversation(None, args.system, history)
     return [render(template, turns, tokens, continue_final=turns[-1]["role"] == "assistant")]
 
 
