@@ -74,14 +74,16 @@ def read_folder(folder: str) -> tuple[str | None, dict[str, str]]:
 
 
 def read_messages(path: str) -> list[dict]:
-    """The turns of a conversation file: a JSON list of objects with string ``role`` and ``content`` (other keys,
-    such as ``name``, are passed to the template as they are)."""
+    """The turns of a conversation file (``-``: standard input): a JSON list of objects with string ``role`` and
+    ``content`` (other keys, such as ``name``, are passed to the template as they are)."""
+    import sys
+
     try:
-        if os.path.getsize(path) > MAX_MESSAGES_BYTES:
-            raise ValueError(f"--messages {path} has {os.path.getsize(path):,} bytes; allowed: at most "
-                             f"{MAX_MESSAGES_BYTES:,}")  # fmt: skip
-        with open(path, encoding="utf-8") as f:
-            turns = json.load(f)
+        with open(sys.stdin.fileno() if path == "-" else path, "rb", closefd=path != "-") as f:
+            data = f.read(MAX_MESSAGES_BYTES + 1)  # a pipe has no size to ask first
+        if len(data) > MAX_MESSAGES_BYTES:
+            raise ValueError(f"--messages {path} has more than {MAX_MESSAGES_BYTES:,} bytes; allowed: at most that")
+        turns = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"--messages {path} is not JSON text: {e}") from None
     if not isinstance(turns, list):

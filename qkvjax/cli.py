@@ -508,9 +508,9 @@ def _run_commands() -> tuple[Command, ...]:
                 "apply_chat_template with add_generation_prompt), so the model answers it"),
             opt("--system", default=None, help="with --chat: a system turn before each prompt"),
             opt("--messages", default=None, metavar="FILE",
-                help="with --chat: a JSON list of earlier turns ([{\"role\": \"user\", \"content\": ...}, ...]) "
-                "before each prompt; without --prompt, the conversation itself is answered, or continued when its "
-                "last turn is the assistant's (transformers' continue_final_message)"),
+                help="with --chat: a JSON list of earlier turns ([{\"role\": \"user\", \"content\": ...}, ...]; - "
+                "reads it from standard input) before each prompt; without --prompt, the conversation itself is "
+                "answered, or continued when its last turn is the assistant's (continue_final_message)"),
             opt("--ignore-eos", action="store_true",
                 help="go on past an imported model's end-of-sequence token (by default a row ends at it)"),
             STEP,

@@ -51,11 +51,18 @@ def test_a_begun_reply_is_continued_where_its_text_ends():
         render(dropping, turns, {}, continue_final=True)
 
 
-def test_read_messages_takes_openai_turns_and_refuses_in_one_line(tmp_path):
+def test_read_messages_takes_openai_turns_and_refuses_in_one_line(tmp_path, monkeypatch):
     file = tmp_path / "chat.json"
     turns = [{"role": "system", "content": "s"}, {"role": "user", "content": "é", "name": "ann"}]
     file.write_text(json.dumps(turns))
     assert read_messages(str(file)) == turns  # other keys go to the template as they are
+    with open(file) as stdin:  # "-": standard input, as a pipe gives it
+        monkeypatch.setattr("sys.stdin", stdin)
+        assert read_messages("-") == turns
+    monkeypatch.setattr("qkvjax.chat.MAX_MESSAGES_BYTES", len(file.read_bytes()) - 1)
+    with pytest.raises(ValueError, match=r"chat.json has more than [0-9,]+ bytes; allowed: at most that"):
+        read_messages(str(file))
+    monkeypatch.undo()
     for content, match in (
         ("{not json", r"chat.json is not JSON text"),
         (json.dumps({"role": "user", "content": "x"}), r"holds a dict; allowed: a list of turns"),
