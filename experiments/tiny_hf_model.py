@@ -2,7 +2,9 @@
 a text file with the ``tokenizers`` library, and a model of that vocabulary with random weights (GPT-2, Llama,
 Qwen3, DeepSeek-V2 with MLA, or Gemma 4 with K = V full layers and K/V-sharing last layers),
 saved with transformers' ``save_pretrained`` (needs the ``hf`` and ``bench`` extras). Stands in for a downloaded
-checkpoint (``huggingface-cli download gpt2``, ``Qwen/Qwen2-0.5B``, ...), which works the same way.
+checkpoint (``huggingface-cli download gpt2``, ``Qwen/Qwen2-0.5B``, ...), which works the same way. ``--chat`` makes
+it stand in for an instruct one (``Qwen/Qwen2.5-0.5B-Instruct``): ChatML's turn tokens in the vocabulary, their
+template and end-of-turn token in ``tokenizer_config.json``, as such folders ship them.
 
     python experiments/tiny_hf_model.py --arch llama --corpus ../shared/data/tinyshakespeare/input.txt \\
         --out runs/hf_tiny_llama
@@ -11,16 +13,24 @@ checkpoint (``huggingface-cli download gpt2``, ``Qwen/Qwen2-0.5B``, ...), which 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 
+CHATML = (  # the layout of Qwen2.5-Instruct's turns (its template also handles tools; this one does not)
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + "
+    "'\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+CHAT_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
-def tokenizer(corpus: str, vocab_size: int):
+
+def tokenizer(corpus: str, vocab_size: int, special_tokens: list[str] = ()):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  special_tokens=list(special_tokens))  # fmt: skip
     tok.train([corpus], trainer)
     return tok
 
@@ -58,11 +68,19 @@ def main() -> None:
     parser.add_argument("--out", required=True, help="the model folder to write")
     parser.add_argument("--vocab-size", type=int, default=512)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--chat", action="store_true", help="an instruct model's files: ChatML tokens and template")
     args = parser.parse_args()
-    tok = tokenizer(args.corpus, args.vocab_size)
+    tok = tokenizer(args.corpus, args.vocab_size, CHAT_TOKENS if args.chat else ())
     m = model(args.arch, tok.get_vocab_size(), args.seed)
+    if args.chat:  # generate (and qkvjax sample) end a reply at the end-of-turn token
+        m.generation_config.eos_token_id = tok.token_to_id("<|im_end|>")
     m.save_pretrained(args.out)
     tok.save(os.path.join(args.out, "tokenizer.json"))
+    if args.chat:
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>",
+                  "pad_token": "<|endoftext|>", "chat_template": CHATML}  # fmt: skip
+        with open(os.path.join(args.out, "tokenizer_config.json"), "w") as f:
+            json.dump(config, f, indent=2)
     n = sum(p.numel() for p in m.parameters())
     print(f"wrote {args.out}: {args.arch}, vocabulary {tok.get_vocab_size()}, {n:,} parameters")
 

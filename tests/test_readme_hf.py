@@ -72,7 +72,7 @@ def test_the_engines_block_runs_as_written(tmp_path, corpus):
     pytest.importorskip("transformers", reason="the hf extra makes the tiny Qwen3, DeepSeek-V2 and Gemma 4 folders")
     clone = fresh_clone(tmp_path, Path(sys.prefix), Path(corpus).parents[2])
     commands = ["source .venv/bin/activate", *block("hf-engines")]
-    assert len(commands) == 1 + 14
+    assert len(commands) == 1 + 16
     rows = run_commands(commands, clone, env={**os.environ, "XLA_FLAGS": xla_flags(1)})
     failed = [r for r in rows if r["returncode"]]
     assert not failed, f"{failed[0]['command']}\n{failed[0]['stdout'][-2000:]}\n{failed[0]['stderr'][-2000:]}"
@@ -84,5 +84,9 @@ def test_the_engines_block_runs_as_written(tmp_path, corpus):
         ("hf_llama_mla", "deepseek_v2"),
     ):
         assert json.loads((runs / folder / "config.json").read_text())["model_type"] == model_type
+    chat = next(r["stdout"] for r in rows if "--chat --system" in r["command"])  # the rendered turns, then the reply
+    assert chat.startswith("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWho is Romeo?<|im_end|>\n"
+                           "<|im_start|>assistant\n"), chat  # fmt: skip
+    assert "chat_template" in json.loads((runs / "hf_qwen3" / "tokenizer_config.json").read_text())
     analyze = next(r["stdout"] for r in rows if r["command"].startswith("qkvjax analyze"))
     assert "shared_kv (K = V), reads layer 1's K/V" in analyze  # Gemma 4's last layer, named as it is
