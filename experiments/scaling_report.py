@@ -454,10 +454,9 @@ def cache_fractions(cells: dict, corpus: str) -> dict[str, float]:
     """Each scheme's K/V cache bytes per token as a fraction of ``separate``'s at the same size (on ``corpus``)."""
     out = {}
     for c, size, v in cells:
-        ref = cells.get((c, size, "separate"))
+        ref = paired(cells, c, size, "separate")
         if c == corpus and v != "separate" and ref:
-            kv = int(next(iter(cells[c, size, v].values()))["kv_cache_bytes_per_token"])
-            out[v] = kv / int(next(iter(ref.values()))["kv_cache_bytes_per_token"])
+            out[v] = paired(cells, c, size, v)["kv"] / ref["kv"]
     return out
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import sys
 
 TEMPLATE_FILE = "chat_template.jinja"  # where transformers >= 4.43 saves a single template
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -76,8 +77,6 @@ def read_folder(folder: str) -> tuple[str | None, dict[str, str]]:
 def read_messages(path: str) -> list[dict]:
     """The turns of a conversation file (``-``: standard input): a JSON list of objects with string ``role`` and
     ``content`` (other keys, such as ``name``, are passed to the template as they are)."""
-    import sys
-
     try:
         with open(sys.stdin.fileno() if path == "-" else path, "rb", closefd=path != "-") as f:
             data = f.read(MAX_MESSAGES_BYTES + 1)  # a pipe has no size to ask first
