@@ -5,11 +5,11 @@ on Tiny Shakespeare and a second corpus; resumable.
         [--sizes 48,96,160] [--seeds 0,1,2] [--corpus FILE] [--second-corpus FILE] [--plan-only]
 
 Protocol (``size_config``): a GPT-2-style byte-level decoder, 4 layers, 4 heads of width D/4, MLP 4D, context 128,
-batch 16, learned positions; AdamW (weight decay 0.1, b2 0.99), 5% warmup, cosine to 10%. A size is its width D
-(default 48, 96, 160: 0.13M, 0.48M and 1.29M parameters for ``separate``, a 10x span; 160 rather than 192
-keeps a large run near 25 minutes on a 2-core CPU instead of 45). Every run at a size sees the
-same number of tokens, ``--tokens-per-param`` (10) x ``separate``'s parameters at that size x ``--token-scale``,
-so tied schemes, having fewer parameters, see slightly more than 10 per parameter. The final loss is the mean
+batch 16, learned positions (``--positions rope``: rotary ones, no table); AdamW (weight decay 0.1, b2 0.99), 5%
+warmup, cosine to 10%. A size is its width D (default 48, 96, 160: 0.13M, 0.48M and 1.29M parameters for ``separate``,
+a 10x span; 160 rather than 192 keeps a large run near 25 minutes on a 2-core CPU instead of 45). Every run at a size
+sees the same number of tokens, ``--tokens-per-param`` (10) x ``separate``'s parameters at that size x ``--token-
+scale``, so tied schemes, having fewer parameters, see slightly more than 10 per parameter. The final loss is the mean
 next-byte cross-entropy over the whole validation split.
 
 Variants (``VARIANTS``: data, not branches): the tying schemes of the registry plus ``gqa`` (``separate`` with N/2
@@ -66,6 +66,7 @@ from experiments.ladder import (  # noqa: F401  (the ladder's names, read here a
     DEFAULT_SIZES,
     NUM_HEADS,
     NUM_LAYERS,
+    POSITIONS,
     SHARED_LR,
     VARIANTS,
     size_config,
@@ -124,12 +125,13 @@ class Sweep:
 
     def tokens(self, size: int) -> int:
         reference = size_config(size, "separate", 1e-3, 0, 1, self.corpora["primary"][1], self.args.layers,
-                                self.args.context)  # fmt: skip
+                                self.args.context, self.args.positions)  # fmt: skip
         return max(1, round(self.args.tokens_per_param * param_count(reference.model) * self.args.token_scale))
 
     def run(self, stage, corpus, size, variant, lr, seed) -> Run:
         name, data = self.corpora[corpus]
-        config = size_config(size, variant, lr, seed, self.tokens(size), data, self.args.layers, self.args.context)
+        config = size_config(size, variant, lr, seed, self.tokens(size), data, self.args.layers, self.args.context,
+                             self.args.positions)  # fmt: skip
         return Run(stage, name, size, variant, lr, seed, config)
 
     def done(self, run: Run) -> dict | None:
@@ -306,7 +308,8 @@ def check_protocol(sweep: Sweep) -> None:
                 "tokens_per_param": a.tokens_per_param, "token_scale": a.token_scale,
                 "primary": sweep.corpora["primary"][0], "lr_grid": list(a.lr_grid),
                 "learning_rate": a.learning_rate,
-                "sweep_seeds": None if a.sweep_seeds == [0] else list(a.sweep_seeds)}  # fmt: skip
+                "sweep_seeds": None if a.sweep_seeds == [0] else list(a.sweep_seeds),
+                "positions": None if a.positions == "learned" else a.positions}  # fmt: skip
     path = sweep.out / PROTOCOL_FILE
     if path.exists():
         old = json.loads(path.read_text())["protocol"]  # a field added since then reads as None (its default)
@@ -526,6 +529,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seeds for the variants outside the five main ones (default: all of --seeds)")  # fmt: skip
     p.add_argument("--layers", type=_positive(int), default=NUM_LAYERS, help=f"default: {NUM_LAYERS}")
     p.add_argument("--context", type=_positive(int), default=CONTEXT, help=f"default: {CONTEXT}")
+    p.add_argument("--positions", choices=POSITIONS, default="learned",
+                   help="learned: an absolute table (default); rope: rotary positions in every layer, no table, "
+                   "a latent's rotary key taken out of its rank")  # fmt: skip
     p.add_argument("--corpus", default=None, help="any UTF-8 text instead of Tiny Shakespeare")
     p.add_argument("--second-corpus", default=None, help=f"default: {SECOND_CORPUS} (build_corpus.py)")
     p.add_argument("--source-path", default=None, help="local Tiny Shakespeare (default: ../shared's copy)")
@@ -554,6 +560,12 @@ def check_args(args) -> None:
     for size in args.sizes:
         if size < NUM_HEADS or size % NUM_HEADS:
             raise ValueError(f"--sizes: {size}; allowed: a multiple of {NUM_HEADS} (the heads), at least {NUM_HEADS}")
+    for size in args.sizes:  # every model the sweep may build, built now: its config's own check, before any write
+        for variant in dict.fromkeys([*args.variants, *args.large_variants]):
+            try:
+                size_config(size, variant, 1e-3, 0, 1, DataConfig(), args.layers, args.context, args.positions)
+            except ValueError as e:
+                raise ValueError(f"--sizes {size}, variant {variant}, --positions {args.positions}: {e}") from None
     if len(set(args.seeds)) != len(args.seeds) or min(args.seeds) < 0:
         raise ValueError(f"--seeds={args.seeds}; allowed: distinct integers >= 0")
     if not args.sweep_seeds or not set(args.sweep_seeds) <= set(args.seeds):

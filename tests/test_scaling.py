@@ -62,6 +62,27 @@ def test_ladder_pairs_share_the_cache_or_parameters_their_comparisons_assume():
     assert extra == 96**2 + 96 // 2, extra
 
 
+def test_under_rotary_positions_every_variant_rotates_and_keeps_its_cache():
+    """``positions="rope"``: rotary positions in every layer and no position table; a latent's decoupled rotary key
+    (H_r = H / 2, DeepSeek-V2's) comes out of its rank, so each variant caches what it caches with learned positions
+    (the comparisons at equal cache hold under either); the parameters flax creates are the ones counted."""
+    from qkvjax.models.lm import kv_cache_bytes_per_token
+
+    for size in (48, 160):
+        for variant in (v for v in scaling.VARIANTS if not v.startswith("bilinear")):  # bilinear cannot rotate
+            learned = scaling.size_config(size, variant, 1e-3, 0, 1, DataConfig()).model
+            rope = scaling.size_config(size, variant, 1e-3, 0, 1, DataConfig(), positions="rope").model
+            assert rope.attention.rope and not rope.learned_positions and learned.learned_positions, variant
+            assert kv_cache_bytes_per_token(rope) == kv_cache_bytes_per_token(learned), (size, variant)
+            if size == 48:
+                shapes = jax.eval_shape(DecoderLM(rope).init, jax.random.PRNGKey(0), jax.numpy.zeros((1, 5), "int32"))
+                assert param_count(rope) == sum(x.size for x in jax.tree.leaves(shapes)), variant
+    half = scaling.size_config(160, "mla_half", 1e-3, 0, 1, DataConfig(), positions="rope").model.attention
+    assert (half.kv_rank, half.rope_dim) == (60, 20)  # R = 3 D / 8 beside H / 2: D / 2 per token, as with a table
+    with pytest.raises(ValueError, match="positions='alibi'; allowed: learned, rope"):
+        scaling.size_config(160, "separate", 1e-3, 0, 1, DataConfig(), positions="alibi")
+
+
 def test_every_ladder_variant_has_a_place_and_a_colour_of_its_own_in_the_report():
     """The report orders (and colours) only the variants in VARIANT_ORDER: a variant left out would train and
     never be reported; a colour shared by two variants would merge them in the plots; a head-to-head row must
@@ -153,6 +174,19 @@ def test_the_sweep_end_to_end_survives_a_sigkill_and_resumes(tmp_path, small_tex
         ("--token-scale", "-1", "allowed: a finite number > 0"),
         ("--sizes", "8,8,16", "three distinct widths"),
         ("--sizes", "8,10,16", "10; allowed: a multiple of 4"),
+        (
+            "--sizes",
+            "8,12,16 --variants separate --positions rope",
+            "--sizes 12, variant separate, --positions rope: rope=True needs an even head_dim; got head_dim=3",
+        ),
+        (
+            "--sizes",
+            "16,32,56 --variants separate,mla --positions rope",
+            "--sizes 56, variant mla, --positions rope: "
+            "the decoupled rotary width of scheme 'mla' must be even; got rope_head_dim=7",
+        ),
+        ("--variants", "separate,bilinear --positions rope", "variant bilinear, --positions rope:"),
+        ("--positions", "relative", "argument --positions: invalid choice: 'relative'"),
         ("--sizes", "8,16", "three distinct widths"),
         ("--stages", "lr-huge", "unknown stage 'lr-huge'"),
         ("--large-variants", "separate,bilinear_param", "unknown --large-variants value 'bilinear_param'"),
@@ -161,7 +195,7 @@ def test_the_sweep_end_to_end_survives_a_sigkill_and_resumes(tmp_path, small_tex
 def test_bad_arguments_are_refused_before_anything_is_written(tmp_path, capsys, flag, value, match):
     out = tmp_path / "never"
     with pytest.raises(SystemExit) as e:
-        code = scaling.main(["--out", str(out), flag, value])
+        code = scaling.main(["--out", str(out), flag, *value.split()])
         raise SystemExit(code)
     assert e.value.code == 2
     assert match in capsys.readouterr().err
@@ -638,3 +672,19 @@ def test_the_report_picks_rates_on_the_sweep_seeds_mean_and_counts_their_runs_as
     rows += [row("lr-small", v, 0.002, s, x) for v, s, x in
              (("separate", 0, 2.5), ("separate", 1, 2.6), ("shared_kv", 0, 2.55), ("shared_kv", 1, 2.75))]  # fmt: skip
     assert "| docs | 48 | shared_kv | +0.050 | +0.100 |" in scaling_report.summary_markdown(rows)  # seed 1: +0.150
+
+
+def test_a_results_folder_refuses_a_sweep_under_other_positions(tmp_path, small_text):
+    """protocol.json pins the positions: a rotary sweep into a folder of learned-position runs would pair runs of
+    two protocols by name; a folder written before the field existed reads as learned."""
+    argv = ["--out", str(tmp_path), "--corpus", small_text, "--sizes", "8,16,24", "--variants", "separate"]
+    learned = scaling.build_parser().parse_args(argv)
+    scaling.check_protocol(scaling.Sweep(learned))
+    record = json.loads((tmp_path / scaling.PROTOCOL_FILE).read_text())
+    assert record["protocol"]["positions"] is None
+    rope = scaling.build_parser().parse_args([*argv, "--positions", "rope"])
+    with pytest.raises(ValueError, match=r"another protocol \(positions: None -> 'rope'\)"):
+        scaling.check_protocol(scaling.Sweep(rope))
+    del record["protocol"]["positions"]  # a folder from before the field: learned positions
+    (tmp_path / scaling.PROTOCOL_FILE).write_text(json.dumps(record))
+    scaling.check_protocol(scaling.Sweep(learned))
