@@ -51,7 +51,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 from experiments import budget, report
 from experiments.ladder import params_matched_mlp_dim
-from experiments.rows import append_rows, blank, csv_list, read_csv, replace_rows, row_spec, rows_file
+from experiments.rows import PROTOCOL_FILE, append_rows, blank, csv_list, read_csv, replace_rows, row_spec, rows_file
 from qkvjax.attention import SCHEMES
 from qkvjax.config import Config, apply_overrides, from_dict, load_config_file, to_dict
 from qkvjax.models.lm import kv_cache_bytes_per_token, param_count
@@ -82,7 +82,6 @@ RUN_COLUMNS = (
     "finished_at",
 )
 CURVE_COLUMNS = ("scheme", "matching", "seed", "step", "wall_s", "train_loss", "val_loss")
-PROTOCOL_FILE = "protocol.json"
 
 
 # ------------------------------------------------------------------------------------------------------------

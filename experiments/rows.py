@@ -7,6 +7,7 @@ and truncated before the next append), and a rerun resumes from what is there.
                                         written before columns were added at the end is rewritten with them)
     replace_rows(path, columns, rows)   the whole file, written beside it and renamed into place
     blank(value)                        a CSV cell ('' for None)
+    PROTOCOL_FILE                       the name of a results folder's record of the settings that made it
 
 and the command-line values every sweep takes: ``csv_list(kind)`` (``--seeds 0,1,2``) and ``rows_file``/``row_spec``
 (``--row NAME=KEY=VALUE;...``, a model per row).
@@ -19,6 +20,8 @@ import csv
 import io
 import os
 from pathlib import Path
+
+PROTOCOL_FILE = "protocol.json"
 
 
 def read_csv(path: Path) -> list[dict]:

@@ -71,7 +71,7 @@ from experiments.ladder import (  # noqa: F401  (the ladder's names, read here a
     VARIANTS,
     size_config,
 )
-from experiments.rows import append_rows, blank, csv_list, read_csv
+from experiments.rows import PROTOCOL_FILE, append_rows, blank, csv_list, read_csv
 from qkvjax.config import Config, DataConfig
 from qkvjax.models.lm import kv_cache_bytes_per_token, param_count
 from qkvjax.train.loop import Interrupted
@@ -94,7 +94,6 @@ RUN_COLUMNS = (
     "best_eval_loss", "last_eval_loss", "bits_per_byte", "tokens_per_s", "wall_s", "run", "finished_at", "device",
 )  # fmt: skip
 CURVE_COLUMNS = ("run", "step", "tokens", "wall_s", "train_loss", "val_loss")
-PROTOCOL_FILE = "protocol.json"
 
 
 @dataclasses.dataclass(frozen=True)

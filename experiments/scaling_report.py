@@ -32,7 +32,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 from experiments import report
 from experiments.report import detectable, t_quantile
-from experiments.rows import read_csv
+from experiments.rows import PROTOCOL_FILE, read_csv
 
 BYTES_PER_TOKEN = (3.5, 4.5)  # GPT-2-style BPE on English prose: the range used to convert to per-token units
 SHARED_LR = 2e-3
@@ -205,11 +205,15 @@ def train_delta(cells: dict, train: dict[str, float], corpus: str, size: int, va
     return statistics.fmean(diffs) if diffs and variant != "separate" else None
 
 
-def summary_markdown(rows: list[dict], curves: list[dict] = ()) -> str:
+POSITIONS_TEXT = {None: "learned absolute positions", "rope": "rotary positions in every layer, no position table"}
+
+
+def summary_markdown(rows: list[dict], curves: list[dict] = (), positions: str | None = None) -> str:
+    """The summary of a results folder's rows; ``positions``: its protocol's (None: learned, the default)."""
     cells = finals(rows)
     train = tail_train_loss(curves)
     best = best_rates(rows)
-    lines = [f"# Scaling sweep: {len(rows)} finished runs", ""]
+    lines = [f"# Scaling sweep: {len(rows)} finished runs", "", f"Models with {POSITIONS_TEXT[positions]}.", ""]
     means = sweep_means(rows)
     sweep = {cell: {lr: m for lr, (m, _) in by_lr.items()} for cell, by_lr in means.items()}
     if sweep:
@@ -399,10 +403,10 @@ HEAD_TO_HEAD = (
     ("shared_kv", "gqa", "K = V against GQA at the same cache bytes (half of separate's)"),
     ("bilinear_params", "bilinear", "The merged W_QK at separate's parameters (F = 3 D) against it at equal width"),
     ("reformer_qk", "shared_qk", "Reformer's attention (unit keys, no attending to oneself) against plain shared QK"),
-    ("mla", "gqa", "A rank-D latent K/V (MLA) against GQA at the same cache bytes"),
+    ("mla", "gqa", "A latent K/V (MLA) caching D per token and layer against GQA at the same cache bytes"),
     ("shared_qv", "shared_qk", "W^Q = W^V against W^Q = W^K, one tie each at equal parameters and cache"),
-    ("mla_half", "mqa", "A rank-D/2 latent K/V (MLA) against MQA at the same cache bytes (a quarter of separate's)"),
-    ("mla_half", "mla", "Halving MLA's latent rank (R = D/2 against R = D): what half the cache costs"),
+    ("mla_half", "mqa", "A latent K/V (MLA) caching D/2 against MQA at the same cache bytes (a quarter of separate's)"),
+    ("mla_half", "mla", "Halving MLA's latent (D/2 against D per token and layer): what half the cache costs"),
 )
 
 
@@ -570,7 +574,9 @@ def write_report(out: Path | str, speed: Path | None = SPEED) -> Path:
     rows = read_csv(out / "runs.csv")
     if not rows:
         raise ValueError(f"{out / 'runs.csv'} has no finished runs yet")
-    text = summary_markdown(rows, read_csv(out / "curves.csv"))
+    protocol = out / PROTOCOL_FILE
+    positions = json.loads(protocol.read_text())["protocol"].get("positions") if protocol.exists() else None
+    text = summary_markdown(rows, read_csv(out / "curves.csv"), positions)
     if speed is not None and speed.exists():
         text += "\n" + speed_markdown(speed)
     (out / "summary.md").write_text(text)

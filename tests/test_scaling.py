@@ -16,6 +16,7 @@ import jax
 import pytest
 
 from experiments import build_corpus, scaling
+from experiments.rows import PROTOCOL_FILE, append_rows
 from qkvjax.config import DataConfig
 from qkvjax.models.lm import DecoderLM, param_count
 from tests.helpers import REPO, xla_flags
@@ -374,6 +375,29 @@ def test_the_report_pairs_seeds_and_fits_the_trend_through_every_seed(tmp_path):
     assert fractions == {"shared_kv": 0.5, "shared_qk": 1.0}
     for png in scaling_report.plot(rows, tmp_path):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the folder's protocol names its positions at the summary's top (a folder without the field: learned)
+    fields = (
+        "stage",
+        "corpus",
+        "size",
+        "variant",
+        "seed",
+        "learning_rate",
+        "params",
+        "epochs",
+        "tokens",
+        "kv_cache_bytes_per_token",
+        "final_val_loss",
+        "best_eval_loss",
+        "last_eval_loss",
+        "run",
+        "tokens_per_s",
+    )
+    append_rows(tmp_path / "runs.csv", fields, rows)  # fmt: skip
+    for positions, text in ((None, "learned absolute positions"), ("rope", "rotary positions in every layer")):
+        (tmp_path / PROTOCOL_FILE).write_text(json.dumps({"protocol": {"positions": positions}}))
+        summary = scaling_report.write_report(tmp_path, speed=None).read_text()
+        assert summary.split("\n")[2] == f"Models with {text}" + ("." if positions is None else ", no position table.")
 
 
 def test_the_report_copies_speed_from_a_benchmark_file_and_refuses_a_missing_one(tmp_path, capsys):
@@ -680,11 +704,11 @@ def test_a_results_folder_refuses_a_sweep_under_other_positions(tmp_path, small_
     argv = ["--out", str(tmp_path), "--corpus", small_text, "--sizes", "8,16,24", "--variants", "separate"]
     learned = scaling.build_parser().parse_args(argv)
     scaling.check_protocol(scaling.Sweep(learned))
-    record = json.loads((tmp_path / scaling.PROTOCOL_FILE).read_text())
+    record = json.loads((tmp_path / PROTOCOL_FILE).read_text())
     assert record["protocol"]["positions"] is None
     rope = scaling.build_parser().parse_args([*argv, "--positions", "rope"])
     with pytest.raises(ValueError, match=r"another protocol \(positions: None -> 'rope'\)"):
         scaling.check_protocol(scaling.Sweep(rope))
     del record["protocol"]["positions"]  # a folder from before the field: learned positions
-    (tmp_path / scaling.PROTOCOL_FILE).write_text(json.dumps(record))
+    (tmp_path / PROTOCOL_FILE).write_text(json.dumps(record))
     scaling.check_protocol(scaling.Sweep(learned))
