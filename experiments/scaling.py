@@ -326,7 +326,8 @@ def check_protocol(sweep: Sweep) -> None:
     record = {
         "protocol": protocol,
         "corpora": corpora,
-        "command": "python " + shlex.join(["experiments/scaling.py", *sys.argv[1:]]),
+        # the sweep's command: a --plan-only first call (parallel_sweep.py's) plans the same sweep it names
+        "command": "python " + shlex.join(["experiments/scaling.py", *(a for a in sys.argv[1:] if a != "--plan-only")]),
         "machine": f"{platform.node()} ({platform.machine()}, {os.cpu_count()} cores, "
         f"jax {jax.__version__} on {jax.devices()[0].device_kind})",
         "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
