@@ -8,7 +8,8 @@ templates refer to; ``qkvjax sample --chat`` renders each prompt as a user messa
 message) with ``add_generation_prompt=True`` and encodes the text without adding special tokens, since the
 template writes them itself. ``--messages FILE`` gives earlier turns (a JSON list in OpenAI's message format, which
 ``apply_chat_template`` takes) that each prompt follows; a file ending in an assistant turn, without ``--prompt``,
-is that reply begun, which the model goes on with (``continue_final_message``).
+is that reply begun, which the model goes on with (``continue_final_message``). ``sample --chat --interactive``
+(:class:`Session`) takes the user's turns from standard input, a line each, and keeps every reply for the next.
 
 Templates come from the Hub and are untrusted code: they run in Jinja's immutable sandbox, with the environment
 transformers gives them (``trim_blocks``, ``lstrip_blocks``, loop controls, a ``tojson`` that keeps non-ASCII
@@ -22,6 +23,7 @@ import datetime
 import json
 import os
 import sys
+from typing import TextIO
 
 TEMPLATE_FILE = "chat_template.jinja"  # where transformers >= 4.43 saves a single template
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -157,3 +159,85 @@ def render(template: str, messages: list[dict], tokens: dict[str, str], continue
     at = text.rindex(CONTINUE_TAG.strip())
     # a template that keeps spacing writes the whole marker; one that trims it (`| trim`) loses the trailing space
     return text[:at] if text[at : at + len(CONTINUE_TAG)] == CONTINUE_TAG else text[:at].rstrip()
+
+
+class Session:
+    """A conversation on text streams: each line read is the user's turn, rendered after every turn so far (a
+    system turn first, when given) and answered; the reply is streamed as it is made and kept as the assistant's
+    turn. The whole conversation is rendered and encoded again each turn, as transformers' ``chat`` does (a
+    template may write earlier turns differently once a later one follows); the programs are compiled once per
+    bucket of ``PROMPT_BUCKET`` prompt tokens and reused (:func:`qkvjax.sample.generate_batch`). A turn whose text
+    leaves no room in the context is refused in one line, the conversation kept. Lines starting with ``/`` are
+    commands (:data:`COMMANDS`); turn ``i`` samples with seed ``seed + i``."""
+
+    COMMANDS = "/reset forgets the turns, /save FILE writes them (as --messages reads them), /exit or end of input ends"
+    PROMPT_BUCKET = 64
+
+    def __init__(self, model, params, tokenizer, template: str, special: dict[str, str], *, system: str | None = None,
+                 history: list[dict] = (), stop_ids=(), num_tokens: int = 200, seed: int = 0, **sampling):  # fmt: skip
+        from qkvjax.sample import check_request
+
+        self.model, self.params, self.tokenizer = model, params, tokenizer
+        self.template, self.special, self.system, self.history = template, special, system, list(history)
+        self.stop_ids, self.num_tokens, self.seed, self.sampling = stop_ids, num_tokens, seed, sampling
+        if num_tokens < 1:
+            raise ValueError(f"num_tokens={num_tokens}; allowed: >= 1 (each reply's most, cut to the context left)")
+        # the sampling settings, before the first line is read (a reply's length is cut to the room left)
+        check_request(model, [[0]], 1, sampling.get("temperature", 0.8), sampling.get("top_k"), sampling.get("top_p"))
+
+    def turns(self) -> list[dict]:
+        """The conversation so far, in the format ``--messages`` reads."""
+        return conversation(None, self.system, self.history)
+
+    def reply(self, line: str, write) -> str:
+        """The model's answer to ``line`` after the turns so far, each piece passed to ``write`` as it is made; the
+        two turns are kept."""
+        from qkvjax.sample import encode, generate
+
+        prompt = encode(render(self.template, conversation(line, self.system, self.history), self.special),
+                        self.tokenizer, add_special_tokens=False)  # fmt: skip
+        max_len = self.model.config.max_len
+        if len(prompt) >= max_len:
+            raise ValueError(f"the conversation with this turn has {len(prompt)} tokens; allowed: fewer than the "
+                             f"context, max_len={max_len} (/reset starts again)")  # fmt: skip
+        streamer = self.tokenizer.streamer(write, prompt)
+        turn = len(self.history) // 2
+        tokens, stats = generate(self.model, self.params, prompt, min(self.num_tokens, max_len - len(prompt)),
+                                 seed=self.seed + turn, on_token=streamer, stop_ids=self.stop_ids,
+                                 prompt_bucket=self.PROMPT_BUCKET, **self.sampling)  # fmt: skip
+        streamer.flush()
+        text = self.tokenizer.continuation(prompt.tolist(), tokens[: stats["lengths"]].tolist())
+        self.history += [{"role": "user", "content": line}, {"role": "assistant", "content": text}]
+        return text
+
+    def run(self, lines: TextIO, out: TextIO, notes: TextIO, name: str = "the model") -> None:
+        """Reads turns from ``lines`` until end of input or ``/exit``; replies go to ``out``, a line each, and the
+        prompts, notes and refusals to ``notes`` (so ``out`` holds the replies alone)."""
+
+        def write(piece: str) -> None:
+            out.write(piece)
+            out.flush()
+
+        print(f"chat with {name}, context {self.model.config.max_len} tokens: a line is your turn; {self.COMMANDS}",
+              file=notes)  # fmt: skip
+        while True:
+            print("> ", end="", file=notes, flush=True)
+            line = lines.readline()
+            command, _, rest = line.strip().partition(" ")
+            if not line or command in ("/exit", "/quit"):
+                return
+            if command == "/reset":
+                self.history = []
+            elif command == "/save" and rest.strip():
+                with open(rest.strip(), "w", encoding="utf-8") as f:
+                    f.write(json.dumps(self.turns(), ensure_ascii=False, indent=1) + "\n")
+                print(f"saved {len(self.turns())} turns to {rest.strip()}", file=notes)
+            elif command.startswith("/"):
+                print(f"unknown command {command!r}; allowed: {self.COMMANDS}", file=notes)
+            elif line.strip():
+                try:
+                    self.reply(line.rstrip("\n"), write)
+                except ValueError as e:  # a turn too long for the context: said, and the conversation goes on
+                    print(f"refused: {e}", file=notes)
+                    continue
+                write("\n")

@@ -100,27 +100,63 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
-def _chat_prompts(args: argparse.Namespace, chat) -> list[str]:
-    """Each --prompt as the user's turn after --system's and --messages' turns, in the model's chat template, ready
-    for its reply; without --prompt, the --messages conversation itself, continued when it ends in the assistant's
-    turn (a reply begun)."""
-    from qkvjax.chat import conversation, read_messages, render
-
+def _template(args: argparse.Namespace, chat) -> tuple[str, dict[str, str]]:
     if chat is None:
         raise ValueError(
             f"--chat: {args.workdir} has no chat template (qkvjax import keeps one from a model folder's "
             "chat_template.jinja or tokenizer_config.json); allowed: a prompt as typed, without --chat"
         )
-    template, tokens = chat
+    return chat
+
+
+def _history(args: argparse.Namespace) -> list[dict]:
+    """--messages' turns (none without it), refused beside --system when they hold a system turn."""
+    from qkvjax.chat import read_messages
+
     history = read_messages(args.messages) if args.messages is not None else []
     if args.system is not None and any(turn["role"] == "system" for turn in history):
         raise ValueError(f"--system and a system turn in --messages {args.messages}; allowed: one of them")
+    return history
+
+
+def _vocab_limit(saved, config) -> int | None:
+    """256 for a model whose text is bytes (no tokenizer) but whose table is wider, with a note; else None."""
+    if saved.data.tokenizer is not None or config.model.vocab_size <= 256:
+        return None
+    print(f"note: the model has {config.model.vocab_size} tokens and no tokenizer.json, so its text is bytes: only "
+          "ids 0-255 are drawn", file=sys.stderr)  # fmt: skip
+    return 256
+
+
+def _chat_prompts(args: argparse.Namespace, chat) -> list[str]:
+    """Each --prompt as the user's turn after --system's and --messages' turns, in the model's chat template, ready
+    for its reply; without --prompt, the --messages conversation itself, continued when it ends in the assistant's
+    turn (a reply begun)."""
+    from qkvjax.chat import conversation, render
+
+    template, tokens = _template(args, chat)
+    history = _history(args)
     if args.prompt:
         return [render(template, conversation(p, args.system, history), tokens) for p in args.prompt]
     if not history:
         raise ValueError(f"--messages {args.messages} holds no turns; allowed: at least one, or a --prompt")
     turns = conversation(None, args.system, history)
     return [render(template, turns, tokens, continue_final=turns[-1]["role"] == "assistant")]
+
+
+def _chat_session(args: argparse.Namespace, saved, tokenizer, stops, chat) -> int:
+    from qkvjax.chat import Session
+    from qkvjax.evaluate import restore_params
+
+    template, special = _template(args, chat)
+    history = _history(args)
+    model, params, config, step = restore_params(args.workdir, args.step)
+    session = Session(model, params, tokenizer, template, special, system=args.system, history=history, stop_ids=stops,
+                      num_tokens=args.num_tokens, temperature=args.temperature,
+                      top_k=None if args.top_k == 0 else args.top_k, top_p=args.top_p, seed=args.seed,
+                      vocab_limit=_vocab_limit(saved, config))  # fmt: skip
+    session.run(sys.stdin, sys.stdout, sys.stderr, f"{args.workdir} (step {step})")
+    return 0
 
 
 def _sample(args: argparse.Namespace) -> int:
@@ -136,12 +172,18 @@ def _sample(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(saved.data.tokenizer, args.workdir)
     if saved.data.tokenizer is not None:
         check_vocab(tokenizer, saved.model.vocab_size)
-    for flag, value in (("--system", args.system), ("--messages", args.messages)):
-        if value is not None and not args.chat:
+    for flag, value in (("--system", args.system), ("--messages", args.messages), ("--interactive", args.interactive)):
+        if value not in (None, False) and not args.chat:
             raise ValueError(f"{flag} gives chat turns; allowed: with --chat only")
-    if not args.prompt and args.messages is None:
-        raise ValueError("sample needs a --prompt TEXT (or, with --chat, a --messages FILE); allowed: either")
+    if args.interactive and (args.prompt or args.messages == "-"):
+        flag = "--prompt" if args.prompt else "--messages -"
+        raise ValueError(f"--interactive reads the user's turns from standard input; allowed: without {flag}")
+    if not args.prompt and args.messages is None and not args.interactive:
+        raise ValueError("sample needs a --prompt TEXT (or, with --chat, a --messages FILE or --interactive); "
+                         "allowed: one of them")  # fmt: skip
     chat = chat_template(args.workdir)
+    if args.interactive:
+        return _chat_session(args, saved, tokenizer, stops, chat)
     texts = _chat_prompts(args, chat) if args.chat else args.prompt
     # refuse an empty prompt before restoring anything; a rendered template writes its own special tokens
     prompts = [encode(p, tokenizer, add_special_tokens=not args.chat) for p in texts]
@@ -151,14 +193,7 @@ def _sample(args: argparse.Namespace) -> int:
     if chat is not None and not args.chat:  # an instruct model given raw text continues it rather than answer
         print(f"note: {args.workdir} has a chat template: --chat writes each prompt as a user turn in it; the prompt "
               "is continued as typed", file=sys.stderr)  # fmt: skip
-    limit = None
-    if saved.data.tokenizer is None and config.model.vocab_size > 256:  # decided before the first token is shown
-        limit = 256
-        print(
-            f"note: the model has {config.model.vocab_size} tokens and no tokenizer.json, so its text is bytes: only "
-            "ids 0-255 are drawn",
-            file=sys.stderr,
-        )
+    limit = _vocab_limit(saved, config)  # decided before the first token is shown
     stream = len(prompts) == 1
     streamer = tokenizer.streamer(lambda s: (sys.stdout.write(s), sys.stdout.flush()), prompts[0])
     if stream:
@@ -511,6 +546,9 @@ def _run_commands() -> tuple[Command, ...]:
                 help="with --chat: a JSON list of earlier turns ([{\"role\": \"user\", \"content\": ...}, ...]; - "
                 "reads it from standard input) before each prompt; without --prompt, the conversation itself is "
                 "answered, or continued when its last turn is the assistant's (continue_final_message)"),
+            opt("--interactive", action="store_true",
+                help="with --chat: a conversation on standard input, a line per turn, each reply kept for the next ("
+                "/reset, /save FILE, /exit); --system and --messages start it"),
             opt("--ignore-eos", action="store_true",
                 help="go on past an imported model's end-of-sequence token (by default a row ends at it)"),
             STEP,

@@ -93,52 +93,11 @@ def check_request(
             )
 
 
-def generate_batch(
-    model: DecoderLM,
-    params,
-    prompts: list[np.ndarray],
-    num_tokens: int,
-    *,
-    temperature: float = 0.8,
-    top_k: int | None = 40,
-    top_p: float | None = None,
-    seed: int = 0,
-    on_token: Callable[[int], None] | None = None,
-    vocab_limit: int | None = None,
-    scan_unroll: int = 1,
-    stop_ids: Sequence[int] = (),
-) -> tuple[np.ndarray, dict]:
-    """Continues each prompt (1-D int tokens, lengths may differ) by ``num_tokens``, all rows in one batch.
-
-    The prompts are right-padded into one prefill call; each row's cache then holds exactly its own prompt
-    (:class:`~qkvjax.models.lm.DecodeCache` keeps a length per row), so a row decodes as it would alone. With
-    ``on_token`` (one prompt only) every token is streamed as it is made, one jitted call per token; otherwise
-    all tokens are made on the device in one call (``lax.scan``), with no host round trip per token.
-    ``temperature``, ``top_k``, ``top_p``: what a token is drawn from (:func:`filter_logits`; ``temperature`` 0 is
-    greedy). ``vocab_limit``: only ids below it are drawn (text that is bytes needs ids < 256). The tokens are made in
-    one program whose layers pick the key prefix they read at run time (a ``lax.switch`` per layer and token;
-    programs with the prefix fixed per stretch of steps, no branch, were measured slower, x0.89-0.94, on this
-    project's CPU and on an H200, and were removed: benchmarks/README.md, "GPU: the third visit").
-    ``scan_unroll``: decode steps per iteration of the on-device loop (``lax.scan``'s ``unroll``): fewer loop
-    iterations, whose condition a GPU reads on the host, for a longer compile (the loop with stop ids takes one).
-    ``stop_ids``: a row ends at the first of them it draws (an imported model's ``eos_token_id``, as transformers'
-    ``generate`` stops): its later places hold that id, ``stats["lengths"]`` counts each row's tokens before it,
-    and ``on_token`` is not called for it; both loops end once every row has stopped (the batched one is then a
-    ``lax.while_loop``, the scan without stop ids; a row that stopped before the others goes on drawing,
-    discarded: rows decode independently).
-    Returns the new tokens (B, num_tokens) and statistics.
-    """
-    prompts = [np.asarray(p, np.int32) for p in prompts]
-    check_request(model, prompts, num_tokens, temperature, top_k, top_p)
-    if isinstance(scan_unroll, bool) or not isinstance(scan_unroll, int) or scan_unroll < 1:
-        raise ValueError(f"scan_unroll={scan_unroll!r}; allowed: an int >= 1 (decode steps per loop iteration)")
-    if on_token is not None and len(prompts) > 1:
-        raise ValueError("on_token streams one prompt; pass one prompt, or no on_token for several")
-    b = len(prompts)
-    lengths = np.array([len(p) for p in prompts], np.int32)
-    padded = np.zeros((b, int(lengths.max())), np.int32)
-    for i, p in enumerate(prompts):
-        padded[i, : len(p)] = p
+@functools.lru_cache(maxsize=8)
+def _programs(model: DecoderLM, temperature: float, top_k, top_p, vocab_limit, scan_unroll: int) -> tuple:
+    """The jitted prefill, one-token step and on-device loops of a model and its sampling settings, made once and
+    kept (a model is hashable by its config): a second call with the same shapes, as a conversation's next turn,
+    reuses their compiled programs instead of compiling them again."""
 
     @functools.partial(jax.jit, donate_argnums=1)  # the cache is updated in place
     def prefill(params, cache, tokens, lengths, key):
@@ -174,9 +133,68 @@ def generate_batch(
             token, cache = one(params, cache, token, keys[i])
             return i + 1, token, cache, done | jnp.isin(token, stop), out.at[:, i].set(token)
 
-        out = jnp.zeros((b, len(keys)), jnp.int32)  # (B, num_tokens - 1); places after every row's stop stay 0
+        out = jnp.zeros((token.shape[0], len(keys)), jnp.int32)  # (B, num_tokens - 1); after every row's stop: 0
         i, _, cache, _, out = jax.lax.while_loop(cond, body, (0, token, cache, jnp.isin(token, stop), out))
         return out, cache, i
+
+    return prefill, step, decode_all, decode_until_stop
+
+
+def generate_batch(
+    model: DecoderLM,
+    params,
+    prompts: list[np.ndarray],
+    num_tokens: int,
+    *,
+    temperature: float = 0.8,
+    top_k: int | None = 40,
+    top_p: float | None = None,
+    seed: int = 0,
+    on_token: Callable[[int], None] | None = None,
+    vocab_limit: int | None = None,
+    scan_unroll: int = 1,
+    stop_ids: Sequence[int] = (),
+    prompt_bucket: int = 1,
+) -> tuple[np.ndarray, dict]:
+    """Continues each prompt (1-D int tokens, lengths may differ) by ``num_tokens``, all rows in one batch.
+
+    The prompts are right-padded into one prefill call; each row's cache then holds exactly its own prompt
+    (:class:`~qkvjax.models.lm.DecodeCache` keeps a length per row), so a row decodes as it would alone. With
+    ``on_token`` (one prompt only) every token is streamed as it is made, one jitted call per token; otherwise
+    all tokens are made on the device in one call (``lax.scan``), with no host round trip per token.
+    ``temperature``, ``top_k``, ``top_p``: what a token is drawn from (:func:`filter_logits`; ``temperature`` 0 is
+    greedy). ``vocab_limit``: only ids below it are drawn (text that is bytes needs ids < 256). The tokens are made in
+    one program whose layers pick the key prefix they read at run time (a ``lax.switch`` per layer and token;
+    programs with the prefix fixed per stretch of steps, no branch, were measured slower, x0.89-0.94, on this
+    project's CPU and on an H200, and were removed: benchmarks/README.md, "GPU: the third visit").
+    ``scan_unroll``: decode steps per iteration of the on-device loop (``lax.scan``'s ``unroll``): fewer loop
+    iterations, whose condition a GPU reads on the host, for a longer compile (the loop with stop ids takes one).
+    ``stop_ids``: a row ends at the first of them it draws (an imported model's ``eos_token_id``, as transformers'
+    ``generate`` stops): its later places hold that id, ``stats["lengths"]`` counts each row's tokens before it,
+    and ``on_token`` is not called for it; both loops end once every row has stopped (the batched one is then a
+    ``lax.while_loop``, the scan without stop ids; a row that stopped before the others goes on drawing,
+    discarded: rows decode independently).
+    ``prompt_bucket``: the prefill's width is the longest prompt rounded up to a multiple of it (at most the
+    context), so prompts of other lengths in the same bucket reuse one compiled prefill (a conversation's turns).
+    The compiled programs are kept per model and sampling settings (:func:`_programs`): a second call with the
+    same shapes compiles nothing.
+    Returns the new tokens (B, num_tokens) and statistics.
+    """
+    prompts = [np.asarray(p, np.int32) for p in prompts]
+    check_request(model, prompts, num_tokens, temperature, top_k, top_p)
+    for name, value in (("scan_unroll", scan_unroll), ("prompt_bucket", prompt_bucket)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r}; allowed: an int >= 1")
+    if on_token is not None and len(prompts) > 1:
+        raise ValueError("on_token streams one prompt; pass one prompt, or no on_token for several")
+    b = len(prompts)
+    lengths = np.array([len(p) for p in prompts], np.int32)
+    width = min(model.config.max_len, -(-int(lengths.max()) // prompt_bucket) * prompt_bucket)
+    padded = np.zeros((b, width), np.int32)  # right-padded, each row's length passed: the padding is never read
+    for i, p in enumerate(prompts):
+        padded[i, : len(p)] = p
+    prefill, step, decode_all, decode_until_stop = _programs(model, temperature, top_k, top_p, vocab_limit,
+                                                             scan_unroll)  # fmt: skip
 
     base = jax.random.PRNGKey(seed)
     keys = jax.vmap(lambda i: jax.random.fold_in(base, i))(jnp.arange(1, num_tokens)) if num_tokens > 1 else None

@@ -126,3 +126,51 @@ def test_read_folder_refuses_in_one_line(tmp_path):
     (tmp_path / "chat_template.jinja").symlink_to("/etc/hostname")
     with pytest.raises(ValueError, match=r"points outside|symbolic link"):
         read_folder(str(tmp_path))
+
+
+def test_an_interactive_session_answers_each_line_after_the_turns_so_far(tmp_path):
+    """``Session.run`` on text streams, against :func:`qkvjax.sample.generate` given each turn's whole rendered
+    conversation (the reply kept as the assistant's turn, turn i sampled with seed + i): commands, a turn past the
+    context refused with the conversation kept, ``/reset``, ``/save`` in the format --messages reads."""
+    import io
+
+    import jax
+    import jax.numpy as jnp
+
+    from qkvjax import AttentionConfig, DecoderLM, ModelConfig
+    from qkvjax.chat import Session
+    from qkvjax.data.tokenizer import ByteTokenizer
+    from qkvjax.sample import encode, generate
+
+    att = AttentionConfig(num_heads=3, head_dim=6, num_kv_heads=1, rope=True)
+    model = DecoderLM(ModelConfig(attention=att, vocab_size=256, d_model=15, num_layers=2, mlp_dim=21, max_len=97))
+    params = jax.jit(model.init)(jax.random.PRNGKey(2), jnp.zeros((1, 5), jnp.int32))["params"]
+    template = (
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}<a>{% endif %}"
+    )
+    tok, saved = ByteTokenizer(), tmp_path / "turns.json"
+    sampling = {"temperature": 1.0, "top_k": None, "top_p": 0.9}
+    session = Session(model, params, tok, template, {}, system="be brief", num_tokens=7, seed=5, **sampling)
+    lines = ["hi", "/bogus x", f"/save {saved}", "and then?", "x" * 90, "", "/reset", "hi", "/exit", "never read"]
+    out, notes = io.StringIO(), io.StringIO()
+    session.run(io.StringIO("".join(f"{line}\n" for line in lines)), out, notes)
+
+    def expected(history: list[dict], line: str, seed: int) -> str:
+        prompt = encode(render(template, conversation(line, "be brief", history), {}), tok, add_special_tokens=False)
+        new, stats = generate(model, params, prompt, min(7, 97 - len(prompt)), seed=seed, **sampling)
+        return tok.continuation(prompt.tolist(), new[: stats["lengths"]].tolist())
+
+    first = expected([], "hi", 5)
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": first}]
+    second = expected(turns, "and then?", 6)  # after the first exchange, the next seed
+    again = expected([], "hi", 5)  # after /reset: the first turn again
+    assert out.getvalue() == f"{first}\n{second}\n{again}\n"
+    assert session.turns() == conversation(None, "be brief", [{"role": "user", "content": "hi"},
+                                                               {"role": "assistant", "content": again}])  # fmt: skip
+    assert read_messages(str(saved)) == conversation(None, "be brief", turns)  # saved after the first exchange
+    text = notes.getvalue()
+    assert "unknown command '/bogus'; allowed: /reset forgets the turns" in text
+    assert "refused: the conversation with this turn has" in text and "max_len=97 (/reset starts again)" in text
+    assert text.count("> ") == len(lines) - 1  # a prompt per line read, none after /exit
+    with pytest.raises(ValueError, match="top_p=1.5; allowed: None or a number in"):
+        Session(model, params, tok, template, {}, top_p=1.5)  # refused before any line is read

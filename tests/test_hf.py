@@ -7,8 +7,10 @@ decode cache; exported back and loaded with ``from_pretrained``: same logits. Th
 transformers and torch are the optional ``hf`` and ``bench`` extras, which the README's test command and CI
 install: without them these tests skip, except under CI=true, where their absence is a failure."""
 
+import io
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -620,7 +622,7 @@ def test_sample_prompts_and_stops_as_transformers_generate(folders, tmp_path, ca
     assert capsys.readouterr().out == text(free)
 
 
-def test_chat_sample_as_transformers_apply_chat_template_and_generate(folders, tmp_path, capsys):
+def test_chat_sample_as_transformers_apply_chat_template_and_generate(folders, tmp_path, capsys, monkeypatch):
     """An instruct model's chat template: ``qkvjax sample --chat --system S --prompt P`` renders the conversation as
     transformers' ``apply_chat_template(..., add_generation_prompt=True)`` does (same text, same ids, no BOS added
     twice), greedy decoding continues it as ``generate`` does, and an export gives transformers the template back."""
@@ -684,6 +686,19 @@ def test_chat_sample_as_transformers_apply_chat_template_and_generate(folders, t
     printed = capsys.readouterr()
     assert printed.out == text + tk.decode(ids + new, skip_special_tokens=False)[len(head) :]
     assert "has a chat template" not in printed.err
+    # --interactive: a turn a line; the reply is generate's, alone on its line, and kept as the assistant's turn
+    # (/save); the next turn, with the first exchange before it, leaves no room in the 17-token context: refused
+    saved = tmp_path / "turns.json"
+    monkeypatch.setattr("sys.stdin", io.StringIO(f" w8 w12 w20 \n/save {saved}\nw13\n"))
+    assert main(["sample", "--workdir", w, "--chat", "--interactive", *sample[5:], "--temperature", "0",
+                 "--ignore-eos"]) == 0  # fmt: skip
+    printed = capsys.readouterr()
+    reply = tk.decode(ids + new, skip_special_tokens=False)[len(head) :]
+    assert printed.out == reply + "\n"
+    assert json.loads(saved.read_text()) == [*messages, {"role": "assistant", "content": reply}]
+    assert re.search(
+        r"refused: the conversation with this turn has \d+ tokens; allowed: fewer .* max_len=17", printed.err
+    )
 
     # a conversation file ending in a reply begun: continued where its (trimmed) text ends, as continue_final_message
     begun = [turns[-1], {"role": "assistant", "content": " w14 w15 "}]  # the context is 17 tokens

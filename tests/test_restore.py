@@ -132,6 +132,29 @@ def test_a_row_ends_at_its_first_stop_id_batched_and_streamed():
     assert streamed[:end].tolist() == seen and (streamed[end:] == alone[3]).all()
 
 
+def test_a_second_call_with_the_same_shapes_compiles_nothing_and_buckets_share_a_prefill(caplog):
+    """The programs are kept per model and sampling settings: a conversation's next turn (another prompt of a
+    length in the same bucket) compiles nothing, streamed or batched; the padding a bucket adds is never read
+    (greedy tokens equal the unpadded prefill's); a prompt past the bucket compiles its own prefill."""
+    model = DecoderLM(_lm("separate", rope=True))
+    params = jax.jit(model.init)(jax.random.PRNGKey(5), jnp.zeros((1, 13), jnp.int32))["params"]
+    rng = np.random.default_rng(11)
+    first, second, longer = (rng.integers(0, 256, n).astype(np.int32) for n in (3, 5, 7))
+
+    def compiles(prompt, **kw) -> tuple[list[int], int]:
+        caplog.clear()
+        with jax.log_compiles(True), caplog.at_level("WARNING"):
+            tokens, _ = generate(model, params, prompt, 4, temperature=0.0, prompt_bucket=6, **kw)
+        return tokens.tolist(), sum("Compiling" in r.getMessage() for r in caplog.records)
+
+    for kw in ({}, {"on_token": lambda t: None}, {"stop_ids": [256]}):
+        assert compiles(first, **kw)[1] > 0, kw  # the first call of each loop compiles its programs
+        tokens, n = compiles(second, **kw)
+        assert n == 0, kw  # 5 tokens, the same bucket of 6: nothing new
+        assert tokens == generate(model, params, second, 4, temperature=0.0, **kw)[0].tolist(), kw
+    assert compiles(longer)[1] > 0  # 7 tokens: the next bucket (12), a prefill of its own
+
+
 def test_sample_cli_streams_and_greedy_is_deterministic(run, capsys, tmp_path):
     outs = []
     for _ in range(2):
@@ -257,7 +280,17 @@ def test_convert_to_mla_reports_errors_and_uptrains_from_its_config_json(run, tm
         (["sample", "--workdir={run}", "--prompt=hi", "--chat"], r"--chat: .* has no chat template.*allowed: a prompt"),
         (["sample", "--workdir={run}", "--prompt=hi", "--system=be brief"], r"--system .*allowed: with --chat only"),
         (["sample", "--workdir={run}", "--prompt=hi", "--messages=c.json"], r"--messages .*allowed: with --chat only"),
-        (["sample", "--workdir={run}"], r"needs a --prompt TEXT \(or, with --chat, a --messages FILE\)"),
+        (["sample", "--workdir={run}"], r"needs a --prompt TEXT \(or, with --chat, a --messages FILE or --interac"),
+        (["sample", "--workdir={run}", "--interactive"], r"--interactive gives chat turns; allowed: with --chat only"),
+        (["sample", "--workdir={run}", "--chat", "--interactive"], r"--chat: .* has no chat template"),
+        (
+            ["sample", "--workdir={run}", "--chat", "--interactive", "--prompt=hi"],
+            r"--interactive reads the user's turns from standard input; allowed: without --prompt",
+        ),
+        (
+            ["sample", "--workdir={run}", "--chat", "--interactive", "--messages=-"],
+            r"--interactive reads .*; allowed: without --messages -",
+        ),
         (["sample", "--workdir={run}", "--prompt=" + "x" * 40], r"the prompt has 40 tokens.*at most 31 tokens"),
         (["eval", "--workdir={run}", "--output={empty}/no/such/folder/r.json"], r"folder .* does not exist"),
     ],
