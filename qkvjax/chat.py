@@ -212,7 +212,8 @@ class Session:
 
     def run(self, lines: TextIO, out: TextIO, notes: TextIO, name: str = "the model") -> None:
         """Reads turns from ``lines`` until end of input or ``/exit``; replies go to ``out``, a line each, and the
-        prompts, notes and refusals to ``notes`` (so ``out`` holds the replies alone)."""
+        notes and refusals to ``notes`` (so ``out`` holds the replies alone), with a ``> `` prompt before each line
+        when ``lines`` is a terminal."""
 
         def write(piece: str) -> None:
             out.write(piece)
@@ -221,7 +222,8 @@ class Session:
         print(f"chat with {name}, context {self.model.config.max_len} tokens: a line is your turn; {self.COMMANDS}",
               file=notes)  # fmt: skip
         while True:
-            print("> ", end="", file=notes, flush=True)
+            if lines.isatty():
+                print("> ", end="", file=notes, flush=True)
             line = lines.readline()
             command, _, rest = line.strip().partition(" ")
             if not line or command in ("/exit", "/quit"):

@@ -171,6 +171,14 @@ def test_an_interactive_session_answers_each_line_after_the_turns_so_far(tmp_pat
     text = notes.getvalue()
     assert "unknown command '/bogus'; allowed: /reset forgets the turns" in text
     assert "refused: the conversation with this turn has" in text and "max_len=97 (/reset starts again)" in text
-    assert text.count("> ") == len(lines) - 1  # a prompt per line read, none after /exit
+    assert "> " not in text  # input from a file or pipe: no prompts
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    notes = io.StringIO()
+    session.run(Terminal("/reset\n/exit\nnever read\n"), io.StringIO(), notes)
+    assert notes.getvalue().count("> ") == 2  # a prompt per line read, none after /exit
     with pytest.raises(ValueError, match="top_p=1.5; allowed: None or a number in"):
         Session(model, params, tok, template, {}, top_p=1.5)  # refused before any line is read
