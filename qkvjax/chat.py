@@ -162,12 +162,12 @@ def render(template: str, messages: list[dict], tokens: dict[str, str], continue
 
 
 class Session:
-    """A conversation on text streams: each line read is the user's turn, rendered after every turn so far (a
-    system turn first, when given) and answered; the reply is streamed as it is made and kept as the assistant's
-    turn. The whole conversation is rendered and encoded again each turn, as transformers' ``chat`` does (a
-    template may write earlier turns differently once a later one follows); the programs are compiled once per
-    bucket of ``PROMPT_BUCKET`` prompt tokens and reused (:func:`qkvjax.sample.generate_batch`). A turn whose text
-    leaves no room in the context is refused in one line, the conversation kept. Lines starting with ``/`` are
+    """A conversation on text streams: each line read is the user's turn, rendered after every turn so far (a system
+    turn first, when given) and answered; the reply is streamed as it is made and kept as the assistant's turn. The
+    whole conversation is rendered and encoded again each turn, the message list a chat server is given with each
+    request (a template may write earlier turns differently once a later one follows); the programs are compiled once
+    per bucket of ``PROMPT_BUCKET`` prompt tokens and reused (:func:`qkvjax.sample.generate_batch`). A turn whose
+    text leaves no room in the context is refused in one line, the conversation kept. Lines starting with ``/`` are
     commands (:data:`COMMANDS`); turn ``i`` samples with seed ``seed + i``."""
 
     COMMANDS = "/reset forgets the turns, /save FILE writes them (as --messages reads them), /exit or end of input ends"
@@ -210,6 +210,19 @@ class Session:
         self.history += [{"role": "user", "content": line}, {"role": "assistant", "content": text}]
         return text
 
+    def _save(self, path: str, notes: TextIO) -> None:
+        """``/save FILE``; a path that cannot be written is said in one line, the conversation kept."""
+        if not path:
+            print("/save needs a FILE; allowed: /save FILE", file=notes)
+            return
+        try:
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(json.dumps(self.turns(), ensure_ascii=False, indent=1) + "\n")
+        except OSError as e:
+            print(f"/save {path}: {e.strerror or e}; the conversation is kept, try another FILE", file=notes)
+            return
+        print(f"saved {len(self.turns())} turns to {path}", file=notes)
+
     def run(self, lines: TextIO, out: TextIO, notes: TextIO, name: str = "the model") -> None:
         """Reads turns from ``lines`` until end of input or ``/exit``; replies go to ``out``, a line each, and the
         notes and refusals to ``notes`` (so ``out`` holds the replies alone), with a ``> `` prompt before each line
@@ -230,10 +243,8 @@ class Session:
                 return
             if command == "/reset":
                 self.history = []
-            elif command == "/save" and rest.strip():
-                with open(rest.strip(), "w", encoding="utf-8") as f:
-                    f.write(json.dumps(self.turns(), ensure_ascii=False, indent=1) + "\n")
-                print(f"saved {len(self.turns())} turns to {rest.strip()}", file=notes)
+            elif command == "/save":
+                self._save(rest.strip(), notes)
             elif command.startswith("/"):
                 print(f"unknown command {command!r}; allowed: {self.COMMANDS}", file=notes)
             elif line.strip():

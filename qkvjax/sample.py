@@ -182,9 +182,10 @@ def generate_batch(
     """
     prompts = [np.asarray(p, np.int32) for p in prompts]
     check_request(model, prompts, num_tokens, temperature, top_k, top_p)
-    for name, value in (("scan_unroll", scan_unroll), ("prompt_bucket", prompt_bucket)):
+    for name, value, unit in (("scan_unroll", scan_unroll, "decode steps per loop iteration"),
+                              ("prompt_bucket", prompt_bucket, "the prefill's width a multiple of it")):  # fmt: skip
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}={value!r}; allowed: an int >= 1")
+            raise ValueError(f"{name}={value!r}; allowed: an int >= 1 ({unit})")
     if on_token is not None and len(prompts) > 1:
         raise ValueError("on_token streams one prompt; pass one prompt, or no on_token for several")
     b = len(prompts)

@@ -151,7 +151,20 @@ def test_an_interactive_session_answers_each_line_after_the_turns_so_far(tmp_pat
     tok, saved = ByteTokenizer(), tmp_path / "turns.json"
     sampling = {"temperature": 1.0, "top_k": None, "top_p": 0.9}
     session = Session(model, params, tok, template, {}, system="be brief", num_tokens=7, seed=5, **sampling)
-    lines = ["hi", "/bogus x", f"/save {saved}", "and then?", "x" * 90, "", "/reset", "hi", "/exit", "never read"]
+    lines = [
+        "hi",
+        "/bogus x",
+        f"/save {saved}",
+        f"/save {tmp_path}/no/such/dir/t.json",
+        "/save",
+        "and then?",
+        "x" * 90,
+        "",
+        "/reset",
+        "hi",
+        "/exit",
+        "never read",
+    ]
     out, notes = io.StringIO(), io.StringIO()
     session.run(io.StringIO("".join(f"{line}\n" for line in lines)), out, notes)
 
@@ -170,6 +183,8 @@ def test_an_interactive_session_answers_each_line_after_the_turns_so_far(tmp_pat
     assert read_messages(str(saved)) == conversation(None, "be brief", turns)  # saved after the first exchange
     text = notes.getvalue()
     assert "unknown command '/bogus'; allowed: /reset forgets the turns" in text
+    assert "no/such/dir/t.json: No such file or directory; the conversation is kept" in text
+    assert "/save needs a FILE; allowed: /save FILE" in text
     assert "refused: the conversation with this turn has" in text and "max_len=97 (/reset starts again)" in text
     assert "> " not in text  # input from a file or pipe: no prompts
 
