@@ -487,8 +487,14 @@ def _draw_delta(ax, cells: dict, corpus: str, variant: str, name: str) -> None:
     ax.errorbar([x * dodge for x in xs], ys, yerr=err, marker="o", ms=5, capsize=3, color=color, label=label)
 
 
+def _count(n: int) -> str:
+    """A parameter count on a tick: 129k, 1.29M."""
+    return f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n / 1e3:.0f}k"
+
+
 def plot(rows: list[dict], out: Path) -> list[Path]:
     plt = report.pyplot()
+    from matplotlib import ticker
 
     cells = finals(rows)
     corpora = sorted({c for c, _, _ in cells})
@@ -502,7 +508,11 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
               for keep in (lambda r: r >= 1, lambda r: r < 1)]  # fmt: skip
     groups = [g for g in groups if g]
     fig, axes = plt.subplots(1, max(len(groups), 1), figsize=(6.5 * max(len(groups), 1), 6.2), sharey=True,
-                             squeeze=False)  # fmt: skip
+                             sharex=True, squeeze=False)  # fmt: skip
+    # the sizes as ticks, at separate's parameters: a log axis over less than a decade (a size or two so far) would
+    # label its minor ticks, one over the other
+    ticks = sorted({(int(next(iter(by_seed.values()))["params"]), size) for (c, size, v), by_seed in cells.items()
+                    if c == corpus and v == "separate" and by_seed})  # fmt: skip
     for ax, group in zip(axes[0], groups, strict=False):
         smaller = ratio[group[0]] < 1
         ax.set_title("a smaller K/V cache than separate's (its fraction named)" if smaller
@@ -511,6 +521,10 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
             _draw_delta(ax, cells, corpus, variant, f"{variant} (x{ratio[variant]:.2f})" if smaller else variant)
         ax.axhline(0, color="black", lw=0.8)
         ax.set_xscale("log")
+        if ticks:
+            ax.set_xticks([p for p, _ in ticks], [f"d={d}: {_count(p)}" for p, d in ticks])
+            ax.xaxis.set_minor_formatter(ticker.NullFormatter())
+            ax.set_xlim(ticks[0][0] / 1.4, ticks[-1][0] * 1.4)
         ax.set_xlabel("parameters (separate's at each size; log; the schemes drawn side by side)", fontsize=9)
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.13), title="seeds small to large",
