@@ -226,7 +226,7 @@ class Session:
     def run(self, lines: TextIO, out: TextIO, notes: TextIO, name: str = "the model") -> None:
         """Reads turns from ``lines`` until end of input or ``/exit``; replies go to ``out``, a line each, and the
         notes and refusals to ``notes`` (so ``out`` holds the replies alone), with a ``> `` prompt before each line
-        when ``lines`` is a terminal."""
+        when ``lines`` is a terminal. Ctrl-C during a reply stops it and drops that turn; at the prompt, it ends."""
 
         def write(piece: str) -> None:
             out.write(piece)
@@ -237,7 +237,11 @@ class Session:
         while True:
             if lines.isatty():
                 print("> ", end="", file=notes, flush=True)
-            line = lines.readline()
+            try:
+                line = lines.readline()
+            except KeyboardInterrupt:  # Ctrl-C at the prompt ends the conversation, as end of input does
+                print(file=notes)
+                return
             command, _, rest = line.strip().partition(" ")
             if not line or command in ("/exit", "/quit"):
                 return
@@ -252,5 +256,8 @@ class Session:
                     self.reply(line.rstrip("\n"), write)
                 except ValueError as e:  # a turn too long for the context: said, and the conversation goes on
                     print(f"refused: {e}", file=notes)
+                    continue
+                except KeyboardInterrupt:  # Ctrl-C during a reply stops it; the turn is dropped, the rest kept
+                    print("\n(interrupted: this turn is dropped)", file=notes)
                     continue
                 write("\n")

@@ -195,5 +195,17 @@ def test_an_interactive_session_answers_each_line_after_the_turns_so_far(tmp_pat
     notes = io.StringIO()
     session.run(Terminal("/reset\n/exit\nnever read\n"), io.StringIO(), notes)
     assert notes.getvalue().count("> ") == 2  # a prompt per line read, none after /exit
+
+    class CtrlC(io.StringIO):  # Ctrl-C while the first reply is written
+        def write(self, text: str) -> int:
+            if not getattr(self, "hit", False):
+                self.hit = True
+                raise KeyboardInterrupt
+            return super().write(text)
+
+    notes, out = io.StringIO(), CtrlC()
+    session.run(io.StringIO("hi\nhi\n"), out, notes)
+    assert "(interrupted: this turn is dropped)" in notes.getvalue() and out.getvalue() == f"{again}\n"
+    assert len(session.history) == 2  # (reset above) the second "hi" and its reply only: the first turn dropped
     with pytest.raises(ValueError, match="top_p=1.5; allowed: None or a number in"):
         Session(model, params, tok, template, {}, top_p=1.5)  # refused before any line is read
