@@ -8,9 +8,9 @@ Protocol (``size_config``): a GPT-2-style byte-level decoder, 4 layers, 4 heads 
 batch 16, learned positions (``--positions rope``: rotary ones, no table); AdamW (weight decay 0.1, b2 0.99), 5%
 warmup, cosine to 10%. A size is its width D (default 48, 96, 160: 0.13M, 0.48M and 1.29M parameters for ``separate``,
 a 10x span; 160 rather than 192 keeps a large run near 25 minutes on a 2-core CPU instead of 45). Every run at a size
-sees the same number of tokens, ``--tokens-per-param`` (10) x ``separate``'s parameters at that size x ``--token-
-scale``, so tied schemes, having fewer parameters, see slightly more than 10 per parameter. The final loss is the mean
-next-byte cross-entropy over the whole validation split.
+sees the same number of tokens, ``--tokens-per-param`` (10) x ``separate``'s parameters at that size x
+``--token-scale``, so tied schemes, having fewer parameters, see slightly more than 10 per parameter. The final loss
+is the mean next-byte cross-entropy over the whole validation split.
 
 Variants (``VARIANTS``: data, not branches): the tying schemes of the registry plus ``gqa`` (``separate`` with N/2
 KV heads: ``shared_kv``'s cache) and ``bilinear_params`` (``bilinear`` with the MLP narrowed to ``separate``'s
