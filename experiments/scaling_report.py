@@ -458,8 +458,9 @@ def cache_fractions(cells: dict, corpus: str) -> dict[str, float]:
     """Each scheme's K/V cache bytes per token as a fraction of ``separate``'s at the same size (on ``corpus``)."""
     out = {}
     for c, size, v in cells:
-        ref = paired(cells, c, size, "separate")
-        if c == corpus and v != "separate" and ref:
+        if c != corpus or v == "separate":
+            continue
+        if ref := paired(cells, c, size, "separate"):
             out[v] = paired(cells, c, size, v)["kv"] / ref["kv"]
     return out
 
