@@ -25,6 +25,8 @@ import os
 import sys
 from typing import TextIO
 
+import numpy as np
+
 TEMPLATE_FILE = "chat_template.jinja"  # where transformers >= 4.43 saves a single template
 TOKENIZER_CONFIG = "tokenizer_config.json"
 SPECIAL_TOKENS_MAP = "special_tokens_map.json"  # older folders name the special tokens here
@@ -165,10 +167,13 @@ class Session:
     """A conversation on text streams: each line read is the user's turn, rendered after every turn so far (a system
     turn first, when given) and answered; the reply is streamed as it is made and kept as the assistant's turn. The
     whole conversation is rendered and encoded again each turn, the message list a chat server is given with each
-    request (a template may write earlier turns differently once a later one follows); the programs are compiled once
-    per bucket of ``PROMPT_BUCKET`` prompt tokens and reused (:func:`qkvjax.sample.generate_batch`). A turn whose
-    text leaves no room in the context is refused in one line, the conversation kept. Lines starting with ``/`` are
-    commands (:data:`COMMANDS`); turn ``i`` samples with seed ``seed + i``."""
+    request (a template may write earlier turns differently once a later one follows), and only what follows the
+    longest prefix of those tokens that the decode cache holds goes through the prefill (a chat server's prefix
+    cache: the last reply's cache is kept, rewound to where the tokens part, or begun again where a sliding window's
+    ring cannot rewind); the programs are compiled once per bucket of ``PROMPT_BUCKET`` new tokens and reused
+    (:func:`qkvjax.sample.generate_batch`). A turn whose text leaves no room in the context is refused in one line,
+    the conversation kept. Lines starting with ``/`` are commands (:data:`COMMANDS`); turn ``i`` samples with seed
+    ``seed + i``."""
 
     COMMANDS = "/reset forgets the turns, /save FILE writes them (as --messages reads them), /exit or end of input ends"
     PROMPT_BUCKET = 64
@@ -180,6 +185,8 @@ class Session:
         self.model, self.params, self.tokenizer = model, params, tokenizer
         self.template, self.special, self.system, self.history = template, special, system, list(history)
         self.stop_ids, self.num_tokens, self.seed, self.sampling = stop_ids, num_tokens, seed, sampling
+        self.cache, self.held = None, []  # the last reply's decode cache (one row) and the tokens it holds
+        self.reused = 0  # the tokens the last turn took from the cache instead of the prefill
         if num_tokens < 1:
             raise ValueError(f"num_tokens={num_tokens}; allowed: >= 1 (each reply's most, cut to the context left)")
         # the sampling settings, before the first line is read (a reply's length is cut to the room left)
@@ -202,13 +209,30 @@ class Session:
                              f"context, max_len={max_len} (/reset starts again)")  # fmt: skip
         streamer = self.tokenizer.streamer(write, prompt)
         turn = len(self.history) // 2
-        tokens, stats = generate(self.model, self.params, prompt, min(self.num_tokens, max_len - len(prompt)),
+        cache, reused = self._reusable(prompt)
+        self.cache, self.held = None, []  # given to the call below (donated); kept again once the reply is made
+        tokens, stats = generate(self.model, self.params, prompt[reused:], min(self.num_tokens, max_len - len(prompt)),
                                  seed=self.seed + turn, on_token=streamer, stop_ids=self.stop_ids,
-                                 prompt_bucket=self.PROMPT_BUCKET, **self.sampling)  # fmt: skip
+                                 prompt_bucket=self.PROMPT_BUCKET, cache=cache, **self.sampling)  # fmt: skip
         streamer.flush()
+        self.cache, self.reused = stats["cache"], reused
+        self.held = [*prompt.tolist(), *tokens.tolist()][: int(self.cache.lengths[0])]  # all but the last drawn
         text = self.tokenizer.continuation(prompt.tolist(), tokens[: stats["lengths"]].tolist())
         self.history += [{"role": "user", "content": line}, {"role": "assistant", "content": text}]
         return text
+
+    def _reusable(self, prompt: np.ndarray):
+        """(cache, n): the cache to answer ``prompt`` (tokens) from, holding its first n tokens: the kept cache
+        rewound to the longest prefix it shares with the prompt (leaving the prefill one token at least), or an
+        empty cache where none is kept, nothing is shared, or a ring would have to forget."""
+        from qkvjax.models.lm import DecodeCache
+
+        n = min(len(self.held), len(prompt) - 1)
+        parted = np.flatnonzero(np.asarray(self.held[:n], np.int32) != prompt[:n])
+        common = int(parted[0]) if parted.size else n
+        if self.cache is None or common == 0 or (common < len(self.held) and any(self.cache.rings)):
+            return DecodeCache.empty(self.model.config, 1), 0
+        return self.cache.rewound([common]), common
 
     def _save(self, path: str, notes: TextIO) -> None:
         """``/save FILE``; a path that cannot be written is said in one line, the conversation kept."""
@@ -246,7 +270,7 @@ class Session:
             if not line or command in ("/exit", "/quit"):
                 return
             if command == "/reset":
-                self.history = []
+                self.history, self.cache, self.held = [], None, []
             elif command == "/save":
                 self._save(rest.strip(), notes)
             elif command.startswith("/"):

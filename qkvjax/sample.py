@@ -66,8 +66,10 @@ def pick(
 
 
 def check_request(
-    model: DecoderLM, prompts: list[np.ndarray], num_tokens: int, temperature: float, top_k, top_p=None
+    model: DecoderLM, prompts: list[np.ndarray], num_tokens: int, temperature: float, top_k, top_p=None, held=None
 ) -> None:
+    """Refuses in one line what :func:`generate_batch` cannot do; ``held`` (B,): the tokens a cache already holds
+    before each prompt (they count against the context too)."""
     max_len = model.config.max_len
     if not prompts:
         raise ValueError("no prompts; pass at least one")
@@ -81,15 +83,19 @@ def check_request(
         raise ValueError(f"top_p={top_p}; allowed: None or a number in (0, 1] (1 keeps every token)")
     for i, prompt in enumerate(prompts):
         which = "the prompt" if len(prompts) == 1 else f"prompt {i}"
-        if len(prompt) >= max_len:
+        before = 0 if held is None else int(held[i])
+        if before:  # a continuation: the tokens the cache holds come first
+            which = f"{which} after the {before} tokens its cache holds"
+        if before + len(prompt) >= max_len:
             raise ValueError(
-                f"{which} has {len(prompt)} tokens, but the model's context is max_len={max_len} tokens in all: "
-                f"shorten it to at most {max_len - 1} tokens"
+                f"{which} has {before + len(prompt)} tokens, but the model's context is max_len={max_len} tokens in "
+                f"all: shorten it to at most {max_len - 1} tokens"
             )
-        if len(prompt) + num_tokens > max_len:
+        if before + len(prompt) + num_tokens > max_len:
+            n = before + len(prompt)
             raise ValueError(
-                f"{which} ({len(prompt)} tokens) + num_tokens ({num_tokens}) = {len(prompt) + num_tokens} exceeds "
-                f"the model's context length max_len={max_len}; ask for at most {max_len - len(prompt)} tokens"
+                f"{which} ({n} tokens) + num_tokens ({num_tokens}) = {n + num_tokens} exceeds the model's context "
+                f"length max_len={max_len}; ask for at most {max_len - n} tokens"
             )
 
 
@@ -155,6 +161,7 @@ def generate_batch(
     scan_unroll: int = 1,
     stop_ids: Sequence[int] = (),
     prompt_bucket: int = 1,
+    cache: DecodeCache | None = None,
 ) -> tuple[np.ndarray, dict]:
     """Continues each prompt (1-D int tokens, lengths may differ) by ``num_tokens``, all rows in one batch.
 
@@ -178,10 +185,23 @@ def generate_batch(
     context), so prompts of other lengths in the same bucket reuse one compiled prefill (a conversation's turns).
     The compiled programs are kept per model and sampling settings (:func:`_programs`): a second call with the
     same shapes compiles nothing.
+    ``cache``: a :class:`~qkvjax.models.lm.DecodeCache` of B rows from an earlier call (``stats["cache"]``, or
+    :meth:`~qkvjax.models.lm.DecodeCache.rewound` to a prefix of it) whose row b holds ``lengths[b]`` tokens; each
+    prompt then holds only the tokens after them (a conversation's new turn after the ones it has already read),
+    and only those are run through the prefill. The cache is consumed (donated to the call); ``stats["cache"]`` is
+    the one after it, whose row b holds its earlier tokens, its prompt and every new token it fed back (all but the
+    last drawn; streaming, up to the first stop id). Without ``cache``, a fresh one; ``stats`` then holds none.
     Returns the new tokens (B, num_tokens) and statistics.
     """
     prompts = [np.asarray(p, np.int32) for p in prompts]
-    check_request(model, prompts, num_tokens, temperature, top_k, top_p)
+    held = None if cache is None else np.asarray(cache.lengths)  # the tokens each row's cache holds already
+    if held is not None:
+        want = jax.eval_shape(lambda: DecodeCache.empty(model.config, len(prompts)))
+        if jax.tree.map(lambda x: (x.shape, x.dtype), cache) != jax.tree.map(lambda x: (x.shape, x.dtype), want):
+            shapes = f"{len(held)} rows" if len(held) != len(prompts) else "other shapes"
+            raise ValueError(f"the cache has {shapes}; allowed: DecodeCache.empty(model.config, {len(prompts)}) or "
+                             "a cache a call with as many prompts returned")  # fmt: skip
+    check_request(model, prompts, num_tokens, temperature, top_k, top_p, held)
     for name, value, unit in (("scan_unroll", scan_unroll, "decode steps per loop iteration"),
                               ("prompt_bucket", prompt_bucket, "the prefill's width a multiple of it")):  # fmt: skip
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -190,7 +210,11 @@ def generate_batch(
         raise ValueError("on_token streams one prompt; pass one prompt, or no on_token for several")
     b = len(prompts)
     lengths = np.array([len(p) for p in prompts], np.int32)
-    width = min(model.config.max_len, -(-int(lengths.max()) // prompt_bucket) * prompt_bucket)
+    room = model.config.max_len - (0 if held is None else int(held.max()))  # a wider prefill would overflow a row
+    if lengths.max() > room:  # one prefill writes the longest prompt's width after every row's cached tokens
+        raise ValueError(f"the longest prompt has {lengths.max()} tokens and a cache holds {held.max()}: together "
+                         f"over max_len={model.config.max_len}; allowed: those rows in separate calls")  # fmt: skip
+    width = min(room, -(-int(lengths.max()) // prompt_bucket) * prompt_bucket)
     padded = np.zeros((b, width), np.int32)  # right-padded, each row's length passed: the padding is never read
     for i, p in enumerate(prompts):
         padded[i, : len(p)] = p
@@ -200,7 +224,8 @@ def generate_batch(
     base = jax.random.PRNGKey(seed)
     keys = jax.vmap(lambda i: jax.random.fold_in(base, i))(jnp.arange(1, num_tokens)) if num_tokens > 1 else None
     start = time.perf_counter()
-    cache = DecodeCache.empty(model.config, b)
+    given = cache is not None
+    cache = cache if given else DecodeCache.empty(model.config, b)
     token, cache = prefill(params, cache, jnp.asarray(padded), jnp.asarray(lengths), jax.random.fold_in(base, 0))
     out = [np.asarray(token)]
     run = None  # compiled before the clock starts (the scan's length is static)
@@ -243,6 +268,8 @@ def generate_batch(
         "tokens_per_s": b * (made - 1) / (end - first) if made > 1 else float("nan"),
         "cache_bytes": cache.nbytes,
     }
+    if given:
+        stats["cache"] = cache
     return tokens, stats
 
 

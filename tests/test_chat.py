@@ -209,3 +209,59 @@ def test_an_interactive_session_answers_each_line_after_the_turns_so_far(tmp_pat
     assert len(session.history) == 2  # (reset above) the second "hi" and its reply only: the first turn dropped
     with pytest.raises(ValueError, match="top_p=1.5; allowed: None or a number in"):
         Session(model, params, tok, template, {}, top_p=1.5)  # refused before any line is read
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_a_session_prefills_only_what_follows_the_tokens_its_cache_holds(window):
+    """Each turn reuses the last reply's cache for the longest prefix it shares with the newly rendered
+    conversation: all of it where the template only appends, rewound to where a template that rewrites earlier
+    turns parts (a sliding window's ring cannot rewind: begun again); every reply is the one sampled from the whole
+    conversation."""
+    import io
+
+    import jax
+    import jax.numpy as jnp
+
+    from qkvjax import AttentionConfig, DecoderLM, ModelConfig
+    from qkvjax.chat import Session
+    from qkvjax.data.tokenizer import ByteTokenizer
+    from qkvjax.sample import encode, generate
+
+    att = AttentionConfig(num_heads=3, head_dim=6, num_kv_heads=1, rope=True, sliding_window=window)
+    cfg = ModelConfig(attention=att, vocab_size=256, d_model=15, num_layers=2, mlp_dim=21, max_len=127,
+                      learned_positions=False)  # fmt: skip
+    model = DecoderLM(cfg)
+    params = jax.jit(model.init)(jax.random.PRNGKey(4), jnp.zeros((1, 5), jnp.int32))["params"]
+    appends = (
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    rewrites = appends.replace("<{{ m.role }}>", "<{{ m.role }}{{ loop.revindex }}>")  # every turn renumbered
+    sampling = {"temperature": 1.0, "top_k": None, "vocab_limit": 128}  # ASCII replies: their text re-encodes alike
+    tok = ByteTokenizer()
+    for template in (appends, rewrites):
+        session = Session(model, params, tok, template, {}, system="s", num_tokens=6, seed=3, **sampling)
+        held, reused, history = [], [], []
+        for turn, line in enumerate(["hi", "and then?", "ok"]):
+            out = io.StringIO()
+            session.run(io.StringIO(line + "\n"), out, io.StringIO())
+            prompt = encode(render(template, conversation(line, "s", history), {}), tok, add_special_tokens=False)
+            new, stats = generate(model, params, prompt, 6, seed=3 + turn, **sampling)
+            text = tok.continuation(prompt.tolist(), new.tolist())
+            assert out.getvalue() == text + "\n"  # the whole conversation's sample
+            shared = next((i for i, (a, b) in enumerate(zip(held, prompt.tolist(), strict=False)) if a != b), len(held))
+            reused.append(session.reused)
+            if shared < len(held) and window:  # a ring cannot forget its newest tokens
+                assert session.reused == 0
+            else:
+                assert session.reused == shared
+            held = [*prompt.tolist(), *new.tolist()[:5]]  # all but the last token drawn went through the model
+            assert session.held == held and int(session.cache.lengths[0]) == len(held)
+            history += [{"role": "user", "content": line}, {"role": "assistant", "content": text}]
+        first = len(encode(render(template, conversation("hi", "s"), {}), tok, add_special_tokens=False))
+        if template == appends:  # all the last turn held: its prompt and 5 of its 6 tokens
+            assert reused[0] == 0 and reused[1] == first + 5
+        else:  # the tokens part at the first turn's number
+            assert reused[1] == (0 if window else len("<system"))
+    session.run(io.StringIO("/reset\n"), io.StringIO(), io.StringIO())
+    assert session.cache is None and session.held == []

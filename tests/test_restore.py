@@ -15,7 +15,7 @@ import qkvjax
 from qkvjax import AttentionConfig, DecoderLM, ModelConfig
 from qkvjax.convert import convert
 from qkvjax.evaluate import evaluate, restore_params
-from qkvjax.models.lm import param_count
+from qkvjax.models.lm import DecodeCache, param_count
 from qkvjax.sample import generate, generate_batch
 from tests.helpers import REPO, exported_params, flat, metrics, run_in_new_process, run_in_process, train_args
 
@@ -130,6 +130,40 @@ def test_a_row_ends_at_its_first_stop_id_batched_and_streamed():
     )
     assert stats["lengths"] == end and seen == alone[:end].tolist()  # the stop id itself is not streamed
     assert streamed[:end].tolist() == seen and (streamed[end:] == alone[3]).all()
+
+
+@pytest.mark.parametrize("scheme,kv,rope", PREFIXES)
+def test_a_returned_cache_continues_rows_as_one_call_of_their_whole_tokens(scheme, kv, rope):
+    """generate_batch given a cache prefills only the prompts' new tokens after what each row holds: ragged rows,
+    one rewound into its prompt, give the greedy tokens of a call on each row's whole sequence; what a cache
+    cannot take is refused in one line."""
+    cfg = _lm(scheme, kv, rope, causal_block=2)
+    model = DecoderLM(cfg)
+    params = jax.jit(model.init)(jax.random.PRNGKey(7), jnp.zeros((1, 13), jnp.int32))["params"]
+    rng = np.random.default_rng(3)
+    first = [rng.integers(0, 256, n).astype(np.int32) for n in (3, 5)]
+    new, stats = generate_batch(model, params, first, 3, temperature=0.0, cache=DecodeCache.empty(cfg, 2))
+    cache = stats["cache"]
+    assert np.asarray(cache.lengths).tolist() == [3 + 2, 5 + 2]  # the last drawn token is not fed back yet
+    held = [[*p.tolist(), *n.tolist()][:h] for p, n, h in zip(first, new, [5, 7], strict=True)]
+    whole, plain = generate_batch(model, params, first, 3, temperature=0.0)
+    assert new.tolist() == whole.tolist() and "cache" not in plain  # without a cache: the same tokens, none returned
+    then = [rng.integers(0, 256, n).astype(np.int32) for n in (2, 4)]
+    keep = [5, 4]  # row 1 rewound into its prompt
+    went, stats = generate_batch(model, params, then, 4, temperature=0.0, prompt_bucket=3,
+                                 cache=cache.rewound(keep))  # fmt: skip
+    rows = [np.array([*h[:k], *t], np.int32) for h, k, t in zip(held, keep, then, strict=True)]
+    assert went.tolist() == generate_batch(model, params, rows, 4, temperature=0.0)[0].tolist()
+    assert stats["prompt_tokens"] == [2, 4] and np.asarray(stats["cache"].lengths).tolist() == [5 + 2 + 3, 4 + 4 + 3]
+    with pytest.raises(ValueError, match=r"the cache has 2 rows; allowed: DecodeCache.empty\(model.config, 1\)"):
+        generate(model, params, then[0], 2, cache=DecodeCache.empty(cfg, 2))
+    nine = DecodeCache.empty(cfg, 1).replace(lengths=jnp.array([9], jnp.int32))  # as if 9 tokens were held
+    with pytest.raises(ValueError, match=r"after the 9 tokens its cache holds \(11 tokens\) \+ num_tokens \(3\)"):
+        generate(model, params, then[0], 3, cache=nine)
+    with pytest.raises(ValueError, match=r"rewinding to lengths \[11, 1\]; allowed: 2 lengths, each between 0 and"):
+        stats["cache"].rewound([11, 1])
+    with pytest.raises(ValueError, match=r"the longest prompt has 4 tokens and a cache holds 10: together over"):
+        generate_batch(model, params, then, 1, cache=stats["cache"].rewound([10, 1]))
 
 
 def test_a_second_call_with_the_same_shapes_compiles_nothing_and_buckets_share_a_prefill(caplog):

@@ -12,6 +12,7 @@ import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import Array
 
 from qkvjax import axes
@@ -240,6 +241,21 @@ class DecodeCache:
         a ring keeps each row's last W of the ``valid`` new positions), the lengths advanced by ``valid``."""
         valid = jnp.broadcast_to(jnp.asarray(valid, jnp.int32), self.lengths.shape)
         return DecodeCache(tuple(settle(kv, valid) for kv in used), self.lengths + valid, self.rings)
+
+    def rewound(self, lengths) -> DecodeCache:
+        """The cache of each row's first ``lengths[b]`` tokens only (at most what it holds): the later slots stay
+        as they are, out of every later query's sight and overwritten by the next call (a slot is read only at a
+        position the row holds). A ring has let its older positions go, so it cannot forget its newest: refused
+        unless every row keeps all it holds."""
+        lengths = np.asarray(lengths, np.int32)
+        now = np.asarray(self.lengths)
+        if lengths.shape != now.shape or (lengths < 0).any() or (lengths > now).any():
+            raise ValueError(f"rewinding to lengths {lengths.tolist()}; allowed: {now.shape[0]} lengths, each "
+                             f"between 0 and what the row holds, {now.tolist()}")  # fmt: skip
+        if any(self.rings) and (lengths < now).any():
+            raise ValueError(f"a ring of a sliding window's last {max(self.rings)} tokens cannot forget its newest; "
+                             f"allowed: lengths {now.tolist()} (all a row holds), or a new cache")  # fmt: skip
+        return self.replace(lengths=jnp.asarray(lengths))
 
     @property
     def nbytes(self) -> int:
