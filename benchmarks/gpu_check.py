@@ -970,7 +970,10 @@ def main(argv=None) -> int:
         "--variants", default=None, help=f"correctness rows, comma-separated, of {','.join(CORRECTNESS_VARIANTS)}"
     )
     p.add_argument(
-        "--sample-rows", default=None, help=f"sample rows, comma-separated, of {','.join(SAMPLE_ROWS)} (default 1,64)"
+        "--sample-rows",
+        default=None,
+        help=f"sample rows, comma-separated, of {','.join(SAMPLE_ROWS)} (default all; --smoke: "
+        f"{','.join(SMOKE_SAMPLE_ROWS)})",
     )
     p.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)  # the sample section traces batch 1
     p.add_argument("--scan-unroll", type=int, default=1, help=argparse.SUPPRESS)  # the sample section's loop

@@ -117,7 +117,8 @@ def test_gpu_check_smoke_runs_every_section(tmp_path):
     assert train["killed_while_running"] and train["checkpoints_left_at_kill"]
     assert train["losses_identical"] and train["params_identical"]  # the CPU is deterministic: bit for bit
     sample = out["sample"]["rows"]
-    assert set(sample) == {"1", "8"}  # the smoke run's default batches
+    assert set(sample) == {"1", "8", "8+eos"}  # the smoke run's default rows
+    assert sample["8+eos"]["same_tokens"] and sample["8+eos"]["x_scan"] > 0  # a stop id no row draws: the same tokens
     decode = out["decode_levers"]["rows"]
     assert set(decode) == {"baseline", "graphs_while_cond", "unroll_8"}  # a GPU flag XLA parses on the CPU too
     for name, row in decode.items():
