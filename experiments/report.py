@@ -231,7 +231,7 @@ def plot_curves(out: Path, curves: list[dict], x: str, path: Path, labels: dict 
 def plot_tradeoff(out: Path, entries: list[dict], key: str, xlabel: str, path: Path) -> None:
     plt = pyplot()
 
-    markers = {"width": "o", "params": "s", "kv_cache": "^"}
+    markers = {"width": "o", "params": "s", "kv_cache": "^", "given": "D"}  # one per MATCHING_TITLES key
     colors = _colors({e["scheme"] for e in entries})
     fig, ax = plt.subplots(figsize=(7.5, 5))
     spots = {}  # one label per scheme and position: matchings of one scheme sit close together
