@@ -265,5 +265,8 @@ def test_a_session_prefills_only_what_follows_the_tokens_its_cache_holds(window)
             assert reused[0] == 0 and reused[1] == first + 5
         else:  # the tokens part at the first turn's number
             assert reused[1] == (0 if window else len("<system"))
+    if window:  # what the session steers around: a ring asked to forget
+        with pytest.raises(ValueError, match=r"a ring of a sliding window's last 5 tokens cannot forget its newest"):
+            session.cache.rewound([len(session.held) - 1])
     session.run(io.StringIO("/reset\n"), io.StringIO(), io.StringIO())
     assert session.cache is None and session.held == []
