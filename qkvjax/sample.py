@@ -190,7 +190,9 @@ def generate_batch(
     prompt then holds only the tokens after them (a conversation's new turn after the ones it has already read),
     and only those are run through the prefill. The cache is consumed (donated to the call); ``stats["cache"]`` is
     the one after it, whose row b holds its earlier tokens, its prompt and every new token it fed back (all but the
-    last drawn; streaming, up to the first stop id). Without ``cache``, a fresh one; ``stats`` then holds none.
+    last drawn; streaming, up to the first stop id; in a batch, a row that stopped early went on feeding what it drew,
+    which the returned tokens show as its stop id: :meth:`~qkvjax.models.lm.DecodeCache.rewound` it to its own end
+    before continuing it). Without ``cache``, a fresh one; ``stats`` then holds none.
     Returns the new tokens (B, num_tokens) and statistics.
     """
     prompts = [np.asarray(p, np.int32) for p in prompts]
