@@ -533,9 +533,10 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
     axes[0][0].set_ylabel("Δ final validation loss vs separate (nats/byte)")
     sizes = len({s for c, s, v in cells if c == corpus and "delta" in (paired(cells, c, s, v) or {})})
     so_far = " so far" if sizes < 3 else ""
+    fits = ("dashed: least-squares trend through every seed's Δ; shaded: its 95% band" if sizes >= 3
+            else "the least-squares trend is drawn once 3 sizes are in (through two it repeats a segment)")  # fmt: skip
     fig.suptitle(f"Tying penalty against model size: {title}, {sizes} of 3 sizes{so_far}; mean over seeds with 95% "
-                 "t intervals (3 or more seeds)\ndashed: least-squares trend through every seed's Δ; shaded: its 95% "
-                 "band", fontsize=10)  # fmt: skip
+                 f"t intervals (3 or more seeds)\n{fits}", fontsize=10)  # fmt: skip
     fig.tight_layout()
     written.append(out / "delta_vs_params.png")
     fig.savefig(written[-1], dpi=120)
