@@ -15,8 +15,6 @@ turn's medians and their ratio (kept / dropped). Run:
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
 import sys
 import time
@@ -26,12 +24,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-if __package__ in (None, ""):  # run as a script: make the repository importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+REPO = Path(__file__).resolve().parents[2]
+if __package__ in (None, ""):  # run as a script: make the repository and this folder importable
+    sys.path.insert(0, str(REPO))
+    sys.path.insert(0, str(REPO / "benchmarks"))
 
-from qkvjax import AttentionConfig, DecoderLM, ModelConfig
-from qkvjax.chat import Session
-from qkvjax.data.tokenizer import ByteTokenizer
+import bench  # noqa: E402
+
+from qkvjax import AttentionConfig, DecoderLM, ModelConfig  # noqa: E402
+from qkvjax.chat import Session  # noqa: E402
+from qkvjax.data.tokenizer import ByteTokenizer  # noqa: E402
 
 TEMPLATE = (  # ChatML's layout: the generation prompt is how the next assistant turn begins
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
@@ -58,7 +60,7 @@ def conversation(session: Session, lines: list[str], keep: bool) -> list[dict]:
     return turns
 
 
-def main() -> None:
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--d-model", type=int, default=256)
@@ -68,7 +70,7 @@ def main() -> None:
     p.add_argument("--reply", type=int, default=24, help="tokens per reply")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--json", default=None)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     heads = args.d_model // 32
     att = AttentionConfig(num_heads=heads, head_dim=32, num_kv_heads=max(1, heads // 4), rope=True)
     cfg = ModelConfig(attention=att, vocab_size=256, d_model=args.d_model, num_layers=args.layers,
@@ -106,12 +108,9 @@ def main() -> None:
         print(f"{r['turn']:>4} {r['tokens']:>6} {r['prefilled_kept']:>12} {r['ttft_s_kept']:>10.4f} "
               f"{r['ttft_s_dropped']:>12.4f} {r['ttft_ratio']:>6.2f} {r['turn_s_kept']:>10.4f} "
               f"{r['turn_s_dropped']:>12.4f} {r['turn_ratio']:>6.2f}")  # fmt: skip
-    if args.json:
-        meta = {"machine": platform.node(), "processor": platform.processor(), "device": str(jax.devices()[0]),
-                "date": time.strftime("%Y-%m-%d %H:%M"), "args": vars(args)}  # fmt: skip
-        with open(args.json, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=2)
+    bench.write_rows(args.json, "levers/chat_prefix.py", argv, rows)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
