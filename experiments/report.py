@@ -228,12 +228,67 @@ def plot_curves(out: Path, curves: list[dict], x: str, path: Path, labels: dict 
     plt.close(fig)
 
 
+def place_labels(ax, points: list[tuple], fontsize: float = 7, offset_px: float = 8) -> None:
+    """Writes each ``(x, y, text, color)`` label right of its point, in the point's colour, moved up or down (with a
+    leader line) only as far as it takes to overlap no label written before it and no other point. Greedy in display
+    space, points taken from the lowest: where many rows share (nearly) one parameter count the labels fan out into
+    a readable column instead of writing over each other. Call it last, after the axes' limits and the figure's
+    layout are final (it reads the display transform); the x axis grows on the right, when linear, so the rightmost
+    labels stay inside."""
+    if not points:
+        return
+    fig = ax.figure
+    renderer = fig.canvas.get_renderer()
+    sizes = []
+    for _, _, text, _ in points:
+        probe = ax.text(0, 0, text, fontsize=fontsize)
+        box = probe.get_window_extent(renderer)
+        sizes.append((box.width, box.height))
+        probe.remove()
+    if ax.get_xscale() == "linear":  # room for the widest label right of the rightmost point
+        x0, x1 = ax.get_xlim()
+        room = ax.bbox.width - max(w for w, _ in sizes) - 2 * offset_px
+        x_max = max(p[0] for p in points)
+        if room > 0 and (x_max - x0) / (x1 - x0) * ax.bbox.width > room:
+            ax.set_xlim(x0, x0 + (x_max - x0) * ax.bbox.width / room)
+    to_display = ax.transData.transform
+    spots = [tuple(to_display(p[:2])) for p in points]
+    marker = 5.0  # half a marker's width in pixels: labels keep off every point
+    placed = [(px - marker, py - marker, px + marker, py + marker) for px, py in spots]
+    frame = ax.bbox
+    for i in sorted(range(len(points)), key=lambda i: (spots[i][1], spots[i][0])):
+        (px, py), (w, h) = spots[i], sizes[i]
+        own = (px - marker, py - marker, px + marker, py + marker)
+        others = [b for b in placed if b != own]
+        y = py
+        for k in range(2 * math.ceil(frame.height / (h / 2)) + 1):  # 0, +1, -1, +2, ... half heights off the point
+            y = py + (k + 1) // 2 * (1 if k % 2 else -1) * h / 2
+            box = (px + offset_px, y - h / 2 - 1, px + offset_px + w, y + h / 2 + 1)
+            inside = frame.y0 <= box[1] and box[3] <= frame.y1
+            if inside and not any(_overlap(box, b) for b in others):
+                break
+        else:
+            y = py  # no free place: keep it by its point rather than out of sight
+        placed.append((px + offset_px, y - h / 2 - 1, px + offset_px + w, y + h / 2 + 1))
+        x, y_data = ax.transData.inverted().transform((px + offset_px, y))
+        text, color = points[i][2:]
+        ax.annotate(
+            text, points[i][:2], xytext=(x, y_data), textcoords="data", va="center", fontsize=fontsize, color=color,
+            arrowprops=None if abs(y - py) < 1 else {"arrowstyle": "-", "color": color, "lw": 0.7, "shrinkB": 4},
+        )  # fmt: skip
+
+
+def _overlap(a: tuple, b: tuple) -> bool:
+    """Whether boxes (x0, y0, x1, y1) intersect."""
+    return a[0] < b[2] and b[0] < a[2] and a[1] < b[3] and b[1] < a[3]
+
+
 def plot_tradeoff(out: Path, entries: list[dict], key: str, xlabel: str, path: Path) -> None:
     plt = pyplot()
 
     markers = {"width": "o", "params": "s", "kv_cache": "^", "given": "D"}  # one per MATCHING_TITLES key
     colors = _colors({e["scheme"] for e in entries})
-    fig, ax = plt.subplots(figsize=(7.5, 5))
+    fig, ax = plt.subplots(figsize=(7.5, 5) if len(entries) <= 12 else (10, 7))
     spots = {}  # one label per scheme and position: matchings of one scheme sit close together
     n_heads = max(e["num_kv_heads"] for e in entries)  # N: the K of every full multi-head model
     for e in entries:
@@ -242,13 +297,7 @@ def plot_tradeoff(out: Path, entries: list[dict], key: str, xlabel: str, path: P
             e[key], e["mean"], yerr=err, fmt=markers.get(e["matching"], "x"), color=colors[e["scheme"]],
             ms=7, capsize=3, alpha=0.9,
         )  # fmt: skip
-        spots.setdefault((e[key], _label(e, n_heads)), e["mean"])
-    means = [e["mean"] for e in entries]
-    gap = 0.035 * ((max(means) - min(means)) or 1.0)  # the least vertical distance between two labels
-    low = {}
-    for (x, label), y in sorted(spots.items(), key=lambda item: (item[0][0], item[1])):  # upwards in each column
-        low[x] = y = max(y, low.get(x, -math.inf) + gap)
-        ax.annotate(label, (x, y), textcoords="offset points", xytext=(8, 0), va="center", fontsize=7)
+        spots.setdefault((e[key], _label(e, n_heads)), (e["mean"], colors[e["scheme"]]))
     for matching, marker in markers.items():
         if any(e["matching"] == matching for e in entries):
             ax.plot([], [], marker, color="gray", label=matching)
@@ -259,7 +308,9 @@ def plot_tradeoff(out: Path, entries: list[dict], key: str, xlabel: str, path: P
     ax.set_ylabel("final validation loss (nats/byte), mean ± std")
     ax.set_title(f"{out.name}: final validation loss against {xlabel.split(' (')[0]}", fontsize=10)
     ax.grid(alpha=0.3)
+    ax.margins(y=0.08)  # room above and below for labels pushed off a crowded column
     fig.tight_layout()
+    place_labels(ax, [(x, y, label, color) for (x, label), (y, color) in spots.items()])
     fig.savefig(path, dpi=110)
     plt.close(fig)
 

@@ -210,3 +210,38 @@ def test_the_committed_mechanism_rows_build_at_the_middle_size_with_the_caches_t
     assert {r for r, f in fractions.items() if f == 0.25} == {"gqa1", "shared_kv_gqa2", "cla2_shared_kv", "gqa2_cla2",
                                                              "mla_r48", "mla_r36_rope"}  # fmt: skip
     assert all(f == 1.0 for r, f in fractions.items() if r.startswith(("separate", "shared_qk", "qk_", "reformer")))
+
+
+def test_labels_of_a_crowded_column_fan_out_without_overlapping():
+    """Fifteen rows at (nearly) one parameter count, as the mechanism study has: every label is written, none
+    overlaps another or leaves the axes vertically, each sits right of its own point, and one moved off its point's
+    height is tied to it by a leader line."""
+    from experiments import report
+
+    plt = report.pyplot()
+    from matplotlib.text import Annotation, Text  # after pyplot(): its backend is chosen first
+
+    fig, ax = plt.subplots(figsize=(7.5, 5))
+    points = [(0.443e6 + 300 * (i % 3), 1.58 + 0.003 * i, f"row_with_a_long_name_{i}", "C0") for i in range(15)]
+    points += [(0.425e6, 1.62, "left_row_whose_label_reaches_the_column (K=2)", "C1"), (0.52e6, 1.50, "far", "C2")]
+    ax.scatter([p[0] for p in points], [p[1] for p in points])
+    ax.margins(y=0.08)
+    fig.tight_layout()
+    report.place_labels(ax, points)
+    fig.canvas.draw()  # an annotation knows where its text is once drawn
+    renderer = fig.canvas.get_renderer()
+    texts = [c for c in ax.get_children() if isinstance(c, Annotation)]
+    assert sorted(t.get_text() for t in texts) == sorted(p[2] for p in points)
+    boxes = {t.get_text(): Text.get_window_extent(t, renderer) for t in texts}  # the text alone, not its line
+    names = sorted(boxes)
+    for i, a in enumerate(names):
+        for b in names[i + 1 :]:
+            assert not boxes[a].overlaps(boxes[b]), (a, b)
+    for t in texts:
+        x, y = ax.transData.transform(t.xy)
+        box = boxes[t.get_text()]
+        assert ax.bbox.y0 <= box.y0 and box.y1 <= ax.bbox.y1 and box.x1 <= fig.bbox.x1
+        assert box.x0 > x  # right of its point
+        moved = abs((box.y0 + box.y1) / 2 - y) > 1
+        assert (t.arrow_patch is not None) == moved, t.get_text()
+    plt.close(fig)
