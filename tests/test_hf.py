@@ -722,6 +722,12 @@ def test_chat_sample_as_transformers_apply_chat_template_and_generate(folders, t
     export_workdir(converted, out)
     back = AutoTokenizer.from_pretrained(out)
     assert back.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == text
+    # the layout transformers 5 saves: the template alone in its own file, the token strings beside it
+    assert (tmp_path / "export" / "chat_template.jinja").read_text() == template
+    assert json.loads((tmp_path / "export" / "tokenizer_config.json").read_text()) == {
+        "bos_token": "<s>",
+        "eos_token": "<|im_end|>",
+    }
 
 
 def test_cli_import_sample_uptrain_and_export_with_the_models_tokenizer(folders, tmp_path):

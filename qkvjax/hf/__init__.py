@@ -146,8 +146,9 @@ def export_workdir(workdir: str, folder: str, fmt: str | None = None, step: int 
     tokenizer = checked_tokenizer(os.fspath(path(workdir))) if config.data.tokenizer else None
     # the imported model's bos/eos/pad ids, so that generate() stops where it did
     hf |= {k: v for k, v in special_tokens(workdir).items() if k in SPECIAL_IDS}
-    chat = chat_template(workdir)  # apply_chat_template reads it, and the token strings, from tokenizer_config.json
-    chat_config = chat and {**chat[1], "chat_template": chat[0]}
+    # as transformers 5's save_pretrained writes them: the template alone in chat_template.jinja, the token strings it
+    # names (bos_token, eos_token, ...) in tokenizer_config.json
+    chat = chat_template(workdir)
     if fmt == "bert":
         print(
             "note: a qkvjax encoder has no pooler (the hidden states do not use it); transformers' BertModel makes "
@@ -157,8 +158,10 @@ def export_workdir(workdir: str, folder: str, fmt: str | None = None, step: int 
         write_folder(os.fspath(staging), hf, tensors)
         if tokenizer:
             (staging / TOKENIZER).write_bytes(tokenizer)
-        if chat_config:
-            text = json.dumps(chat_config, indent=2, ensure_ascii=False) + "\n"
+        if chat:
+            (staging / CHAT_TEMPLATE_FILE).write_text(chat[0], encoding="utf-8")
+        if chat and chat[1]:
+            text = json.dumps(chat[1], indent=2, ensure_ascii=False) + "\n"
             (staging / TOKENIZER_CONFIG).write_text(text, encoding="utf-8")
     return fmt
 
