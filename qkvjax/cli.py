@@ -181,12 +181,20 @@ def _sample(args: argparse.Namespace) -> int:
     if not args.prompt and args.messages is None and not args.interactive:
         raise ValueError("sample needs a --prompt TEXT (or, with --chat, a --messages FILE or --interactive); "
                          "allowed: one of them")  # fmt: skip
+    if args.num_samples < 1:
+        raise ValueError(f"--num-samples {args.num_samples}; allowed: an int >= 1")
+    if args.num_samples > 1 and (args.interactive or args.temperature == 0):
+        why = "--interactive (one reply a turn)" if args.interactive else "--temperature 0 (greedy: one continuation)"
+        raise ValueError(f"--num-samples {args.num_samples} with {why}; allowed: 1, or a temperature > 0 without "
+                         "--interactive")  # fmt: skip
     chat = chat_template(args.workdir)
     if args.interactive:
         return _chat_session(args, saved, tokenizer, stops, chat)
     texts = _chat_prompts(args, chat) if args.chat else args.prompt
     # refuse an empty prompt before restoring anything; a rendered template writes its own special tokens
     prompts = [encode(p, tokenizer, add_special_tokens=not args.chat) for p in texts]
+    n = args.num_samples
+    texts, prompts = [t for t in texts for _ in range(n)], [p for p in prompts for _ in range(n)]  # prompt-major
     model, params, config, step = restore_params(args.workdir, args.step)
     top_k = None if args.top_k == 0 else args.top_k
     check_request(model, prompts, args.num_tokens, args.temperature, top_k, args.top_p)  # before the prompt is echoed
@@ -210,14 +218,17 @@ def _sample(args: argparse.Namespace) -> int:
         on_token=streamer if stream else None,
         vocab_limit=limit,
         stop_ids=stops,
+        share_prefix=True,  # one sample of one prompt shares nothing: a row of its own
     )
     if stream:
         streamer.flush()
     else:
         for i, (prompt, row) in enumerate(zip(texts, tokens, strict=True)):
             text = tokenizer.continuation(prompts[i].tolist(), row[: stats["lengths"][i]].tolist())
-            print(f"{'' if i == 0 else chr(10)}=== prompt {i} ===\n{prompt}{text}")
+            name = f"prompt {i // n}" + (f", sample {i % n}" if n > 1 else "")
+            print(f"{'' if i == 0 else chr(10)}=== {name} ===\n{prompt}{text}")
     layout = config.model.attention.scheme + (f", layers {config.model.layers!r}" if config.model.layers else "")
+    shared = stats["shared_prefix"] and f", the first {stats['shared_prefix']} prompt tokens read once for all rows"
     if any(n < args.num_tokens for n in stats["lengths"]):
         print(
             f"\n--- stopped at the end-of-sequence token (eos_token_id {list(stops)}) after {stats['lengths']} new "
@@ -226,8 +237,8 @@ def _sample(args: argparse.Namespace) -> int:
         )
     print(
         f"\n--- step {step}, scheme {layout}: {len(prompts)} x {stats['decode_steps']} tokens at "
-        f"{stats['tokens_per_s']:,.1f} tokens/s (after {stats['prefill_and_compile_s']:.2f}s prefill + compile); "
-        f"KV cache {stats['cache_bytes']:,} bytes",
+        f"{stats['tokens_per_s']:,.1f} tokens/s (after {stats['prefill_and_compile_s']:.2f}s prefill + compile"
+        f"{shared or ''}); KV cache {stats['cache_bytes']:,} bytes",
         file=sys.stderr,
     )
     return 0
@@ -538,6 +549,9 @@ def _run_commands() -> tuple[Command, ...]:
             opt("--top-p", type=float, default=1.0,
                 help="nucleus: draw from the fewest likeliest tokens holding this much probability; 1 = no cut"),
             opt("--seed", type=int, default=0, help="sampling seed"),
+            opt("--num-samples", type=int, default=1,
+                help="continuations drawn for each prompt, in one batch (transformers' num_return_sequences); the "
+                "prompts' common start is read once for every row"),
             opt("--chat", action="store_true",
                 help="an imported instruct model: each prompt is a user turn in its chat template (as transformers' "
                 "apply_chat_template with add_generation_prompt), so the model answers it"),

@@ -162,6 +162,7 @@ def generate_batch(
     stop_ids: Sequence[int] = (),
     prompt_bucket: int = 1,
     cache: DecodeCache | None = None,
+    share_prefix: bool = False,
 ) -> tuple[np.ndarray, dict]:
     """Continues each prompt (1-D int tokens, lengths may differ) by ``num_tokens``, all rows in one batch.
 
@@ -193,6 +194,11 @@ def generate_batch(
     last drawn; streaming, up to the first stop id; in a batch, a row that stopped early went on feeding what it drew,
     which the returned tokens show as its stop id: :meth:`~qkvjax.models.lm.DecodeCache.rewound` it to its own end
     before continuing it). Without ``cache``, a fresh one; ``stats`` then holds none.
+    ``share_prefix`` (without ``cache``): the tokens every prompt begins with (all but each row's last: a row needs
+    one to draw from) are run through the model once, in a batch of one, and its cache copied to every row
+    (:meth:`~qkvjax.models.lm.DecodeCache.select`); the prefill then reads only what follows them: n samples of
+    one prompt, or prompts behind one system turn, read the shared part once instead of B times, as a server's
+    prefix cache does, for one more prefill to compile. ``stats["shared_prefix"]``: the tokens shared (0: none).
     Returns the new tokens (B, num_tokens) and statistics.
     """
     prompts = [np.asarray(p, np.int32) for p in prompts]
@@ -210,15 +216,21 @@ def generate_batch(
             raise ValueError(f"{name}={value!r}; allowed: an int >= 1 ({unit})")
     if on_token is not None and len(prompts) > 1:
         raise ValueError("on_token streams one prompt; pass one prompt, or no on_token for several")
+    if share_prefix and held is not None:
+        raise ValueError("share_prefix reads the prompts' common start into a fresh cache; allowed: without cache")
     b = len(prompts)
-    lengths = np.array([len(p) for p in prompts], np.int32)
-    room = model.config.max_len - (0 if held is None else int(held.max()))  # a wider prefill would overflow a row
+    full = [len(p) for p in prompts]
+    shared = _common_prefix(prompts) if share_prefix and b > 1 else 0
+    rest = [p[shared:] for p in prompts]  # what the batched prefill reads after the shared start
+    lengths = np.array([len(p) for p in rest], np.int32)
+    held_max = shared if held is None else int(held.max())
+    room = model.config.max_len - held_max  # a wider prefill would overflow a row
     if lengths.max() > room:  # one prefill writes the longest prompt's width after every row's cached tokens
-        raise ValueError(f"the longest prompt has {lengths.max()} tokens and a cache holds {held.max()}: together "
+        raise ValueError(f"the longest prompt has {lengths.max()} tokens and a cache holds {held_max}: together "
                          f"over max_len={model.config.max_len}; allowed: those rows in separate calls")  # fmt: skip
     width = min(room, -(-int(lengths.max()) // prompt_bucket) * prompt_bucket)
     padded = np.zeros((b, width), np.int32)  # right-padded, each row's length passed: the padding is never read
-    for i, p in enumerate(prompts):
+    for i, p in enumerate(rest):
         padded[i, : len(p)] = p
     prefill, step, decode_all, decode_until_stop = _programs(model, temperature, top_k, top_p, vocab_limit,
                                                              scan_unroll)  # fmt: skip
@@ -227,7 +239,11 @@ def generate_batch(
     keys = jax.vmap(lambda i: jax.random.fold_in(base, i))(jnp.arange(1, num_tokens)) if num_tokens > 1 else None
     start = time.perf_counter()
     given = cache is not None
-    cache = cache if given else DecodeCache.empty(model.config, b)
+    if shared:  # the common start once, its cache copied to every row (the token it draws is not used)
+        one = DecodeCache.empty(model.config, 1)
+        _, one = prefill(params, one, jnp.asarray(prompts[0][None, :shared]), jnp.asarray([shared], jnp.int32), base)
+        cache = one.select([0] * b)
+    cache = cache if cache is not None else DecodeCache.empty(model.config, b)
     token, cache = prefill(params, cache, jnp.asarray(padded), jnp.asarray(lengths), jax.random.fold_in(base, 0))
     out = [np.asarray(token)]
     run = None  # compiled before the clock starts (the scan's length is static)
@@ -262,7 +278,8 @@ def generate_batch(
             ends[r] = int(hits[0])
             tokens[r, ends[r] :] = tokens[r, ends[r]]
     stats = {
-        "prompt_tokens": [int(n) for n in lengths],
+        "prompt_tokens": full,
+        "shared_prefix": shared,
         "new_tokens": num_tokens,
         "lengths": ends,  # each row's new tokens before its stop id (num_tokens: none drawn)
         "decode_steps": made,  # tokens per row made: fewer than new_tokens once every row has stopped
@@ -273,6 +290,17 @@ def generate_batch(
     if given:
         stats["cache"] = cache
     return tokens, stats
+
+
+def _common_prefix(prompts: list[np.ndarray]) -> int:
+    """How many tokens every prompt begins with, all but each row's last (the prefill draws from it)."""
+    n = min(len(p) for p in prompts) - 1
+    first = prompts[0][:n]
+    for p in prompts[1:]:
+        same = np.flatnonzero(p[:n] != first)
+        n = int(same[0]) if same.size else n
+        first = first[:n]
+    return n
 
 
 def generate(model: DecoderLM, params, prompt: np.ndarray, num_tokens: int, **kw) -> tuple[np.ndarray, dict]:

@@ -1,5 +1,6 @@
 """Restoring checkpoints: eval, sample, info, convert, the Python API, and the README's code."""
 
+import dataclasses
 import json
 import os
 import re
@@ -166,6 +167,34 @@ def test_a_returned_cache_continues_rows_as_one_call_of_their_whole_tokens(schem
         generate_batch(model, params, then, 1, cache=stats["cache"].rewound([10, 1]))
 
 
+@pytest.mark.parametrize("scheme,kv,rope,window", [("separate", 1, True, 3), ("mla", None, False, None)])
+def test_a_shared_prefix_is_read_once_and_every_row_draws_as_it_would_alone(scheme, kv, rope, window):
+    """share_prefix: the prompts' common start (all but each row's last token) goes through the model once and its
+    cache is copied to every row; the tokens drawn, greedy or sampled, are those of the unshared call, ragged rows,
+    a prompt that is the whole common start, MLA's absorbed reading and a sliding window's ring (GQA with rotary,
+    window 3, a start of 5) included."""
+    cfg = dataclasses.replace(_lm(scheme, kv, rope, causal_block=2), max_len=15)
+    cfg = dataclasses.replace(cfg, attention=dataclasses.replace(cfg.attention, sliding_window=window))
+    model = DecoderLM(cfg)
+    params = jax.jit(model.init)(jax.random.PRNGKey(7), jnp.zeros((1, 15), jnp.int32))["params"]
+    rng = np.random.default_rng(5)
+    start = rng.integers(0, 256, 5).astype(np.int32)
+    prompts = [np.concatenate([start, rng.integers(0, 256, n).astype(np.int32)]) for n in (0, 3, 1, 0)]
+    for temperature in (0.0, 1.0):
+        alone, plain = generate_batch(model, params, prompts, 4, temperature=temperature, seed=1)
+        once, stats = generate_batch(model, params, prompts, 4, temperature=temperature, seed=1, share_prefix=True)
+        assert once.tolist() == alone.tolist(), temperature
+        assert stats["shared_prefix"] == 4 and plain["shared_prefix"] == 0  # the 5-token prompt keeps its last
+        assert stats["prompt_tokens"] == plain["prompt_tokens"] == [5, 8, 6, 5]
+    assert once[0].tolist() != once[3].tolist()  # one prompt twice, sampled: rows draw independently
+    for rows, shared in (([start, start[::-1]], 0), ([start], 0), ([start[:3], start], 2)):
+        assert generate_batch(model, params, rows, 1, share_prefix=True)[1]["shared_prefix"] == shared
+    with pytest.raises(ValueError, match=r"share_prefix reads the prompts' common start into a fresh cache"):
+        generate_batch(model, params, prompts[:2], 1, share_prefix=True, cache=DecodeCache.empty(cfg, 2))
+    with pytest.raises(ValueError, match=r"selecting rows \[0, 2\]; allowed: a non-empty list of row indices in"):
+        DecodeCache.empty(cfg, 2).select([0, 2])
+
+
 def test_a_second_call_with_the_same_shapes_compiles_nothing_and_buckets_share_a_prefill(caplog):
     """The programs are kept per model and sampling settings: a conversation's next turn (another prompt of a
     length in the same bucket) compiles nothing, streamed or batched; the padding a bucket adds is never read
@@ -187,6 +216,20 @@ def test_a_second_call_with_the_same_shapes_compiles_nothing_and_buckets_share_a
         assert n == 0, kw  # 5 tokens, the same bucket of 6: nothing new
         assert tokens == generate(model, params, second, 4, temperature=0.0, **kw)[0].tolist(), kw
     assert compiles(longer)[1] > 0  # 7 tokens: the next bucket (12), a prefill of its own
+
+
+def test_sample_cli_draws_several_samples_of_each_prompt_reading_their_common_start_once(run, capsys):
+    prompts = ["the cat ", "the dog "]
+    args = ["sample", f"--workdir={run}", "--num-tokens=10", "--temperature=1", "--num-samples=3"]
+    assert run_in_process(args + [f"--prompt={p}" for p in prompts]) == 0
+    captured = capsys.readouterr()
+    assert "6 x 10 tokens" in captured.err and "the first 4 prompt tokens read once for all rows" in captured.err
+    parts = captured.out.split("=== ")[1:]
+    names = [f"prompt {i}, sample {j} ===" for i in range(2) for j in range(3)]
+    assert [part.split("\n", 1)[0] for part in parts] == names
+    texts = [part.split("\n", 1)[1] for part in parts]
+    assert all(t.startswith(prompts[i // 3]) for i, t in enumerate(texts))
+    assert len(set(texts[:3])) > 1  # a prompt's samples draw independently
 
 
 def test_sample_cli_streams_and_greedy_is_deterministic(run, capsys, tmp_path):
@@ -326,6 +369,11 @@ def test_convert_to_mla_reports_errors_and_uptrains_from_its_config_json(run, tm
             r"--interactive reads .*; allowed: without --messages -",
         ),
         (["sample", "--workdir={run}", "--prompt=" + "x" * 40], r"the prompt has 40 tokens.*at most 31 tokens"),
+        (["sample", "--workdir={run}", "--prompt=hi", "--num-samples=0"], r"--num-samples 0; allowed: an int >= 1"),
+        (
+            ["sample", "--workdir={run}", "--prompt=hi", "--num-samples=3", "--temperature=0"],
+            r"--num-samples 3 with --temperature 0 \(greedy: one continuation\); allowed: 1, or a temperature > 0",
+        ),
         (["eval", "--workdir={run}", "--output={empty}/no/such/folder/r.json"], r"folder .* does not exist"),
     ],
 )

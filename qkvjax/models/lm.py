@@ -257,6 +257,16 @@ class DecodeCache:
                              f"allowed: lengths {now.tolist()} (all a row holds), or a new cache")  # fmt: skip
         return self.replace(lengths=jnp.asarray(lengths))
 
+    def select(self, rows) -> DecodeCache:
+        """The cache of the given rows, in that order, a row as often as it is named: ``select([0] * n)`` copies a
+        one-row cache (a prompt read once) to n rows that go on from it independently."""
+        rows, n = np.asarray(rows), int(self.lengths.shape[0])
+        indices = rows.ndim == 1 and rows.size > 0 and np.issubdtype(rows.dtype, np.integer)
+        if not indices or rows.min() < 0 or rows.max() >= n:
+            raise ValueError(f"selecting rows {rows.tolist()}; allowed: a non-empty list of row indices in [0, {n})")
+        index = jnp.asarray(rows)
+        return jax.tree.map(lambda x: x[index], self)  # every leaf's axis 0 is the row (B)
+
     @property
     def nbytes(self) -> int:
         """Bytes of the cached keys and values (the lengths excluded)."""
