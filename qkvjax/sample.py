@@ -240,8 +240,10 @@ def generate_batch(
     start = time.perf_counter()
     given = cache is not None
     if shared:  # the common start once, its cache copied to every row (the token it draws is not used)
-        one = DecodeCache.empty(model.config, 1)
-        _, one = prefill(params, one, jnp.asarray(prompts[0][None, :shared]), jnp.asarray([shared], jnp.int32), base)
+        start_width = min(model.config.max_len, -(-shared // prompt_bucket) * prompt_bucket)  # bucketed as below
+        head = np.zeros((1, start_width), np.int32)
+        head[0, :shared] = prompts[0][:shared]
+        _, one = prefill(params, DecodeCache.empty(model.config, 1), jnp.asarray(head), jnp.asarray([shared]), base)
         cache = one.select([0] * b)
     cache = cache if cache is not None else DecodeCache.empty(model.config, b)
     token, cache = prefill(params, cache, jnp.asarray(padded), jnp.asarray(lengths), jax.random.fold_in(base, 0))
