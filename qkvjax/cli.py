@@ -91,7 +91,7 @@ def _eval(args: argparse.Namespace) -> int:
     folder = os.path.dirname(os.path.abspath(args.output)) if args.output else None
     if folder and not os.path.isdir(folder):
         raise ValueError(f"--output={args.output!r}: folder {folder} does not exist")
-    result = evaluate(args.workdir, args.step, args.split, args.source_path, args.data_dir)
+    result = evaluate(args.workdir, args.step, args.split, args.source_path, args.data_dir, args.stride)
     text = json.dumps(result)
     print(text)
     if args.output:
@@ -536,6 +536,10 @@ def _run_commands() -> tuple[Command, ...]:
             opt("--output", default=None, help="also write the JSON here"),
             opt("--source-path", default=None, help="the text file, if it moved since training"),
             opt("--data-dir", default=None, help="the TFDS data_dir, if not the run's"),
+            opt("--stride", type=int, default=None,
+                help="windows S tokens apart, each scoring its last S targets: every target after the first window "
+                "sees at least seq_len - S tokens (Hugging Face's sliding-window perplexity), for seq_len / S times "
+                "the compute (default: seq_len, windows that do not overlap)"),
         )),
         Command("sample", _sample, "generate text from a checkpoint with the KV cache", (
             WORKDIR,

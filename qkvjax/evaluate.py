@@ -128,15 +128,22 @@ def evaluate(
     split: str = "validation",
     source_path: str | None = None,
     data_dir: str | None = None,
+    stride: int | None = None,
 ) -> dict:
-    """Loss, bits per byte and perplexity of a checkpoint over a whole split."""
+    """Loss, bits per byte and perplexity of a checkpoint over a whole split: every target once, in windows of the
+    run's ``seq_len`` that do not overlap, or with ``stride`` S < seq_len in windows S apart that each score their
+    last S targets (:func:`qkvjax.data.pipeline.eval_batches`: at least seq_len - S tokens of context each)."""
     if split not in SPLITS:
         raise ValueError(f"split={split!r}; allowed: {list(SPLITS)}")
+    saved = load_config(workdir)  # refusals before anything is restored or compiled
+    require_decoder(saved, "eval")
+    seq_len = saved.seq_len
+    if stride is not None and (isinstance(stride, bool) or not isinstance(stride, int) or not 1 <= stride <= seq_len):
+        raise ValueError(f"stride={stride!r}; allowed: an int in [1, seq_len={seq_len}] (the run's context)")
     from qkvjax.data.builders import load_splits  # TFDS loads when a split is read
 
     mesh = make_mesh(MeshConfig(data=-1, fsdp=1, tensor=1))
     model, params, config, step = restore_params(workdir, step, mesh)
-    require_decoder(config, "eval")
     splits = load_splits(
         config.data.dataset,
         source_path or config.data.source_path,
@@ -161,11 +168,13 @@ def evaluate(
         config.seq_len,
         batch_size,
         lambda b: {k: jax.make_array_from_process_local_data(sharding, v) for k, v in b.items()},
+        stride=stride,
     )
     return {
         "step": step,
         "scheme": config.model.attention.scheme,
         "split": split,
+        "stride": stride or config.seq_len,  # seq_len: windows that do not overlap
         "tokens": count,
         "loss": loss,
         "bits_per_byte": loss / math.log(2) * len(splits[split]) / max(1, byte_count),

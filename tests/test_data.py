@@ -79,6 +79,30 @@ def test_eval_batches_predict_every_byte_once():
     assert len(list(eval_batches(tokens, 9, 4, max_batches=2))) == 2
 
 
+@pytest.mark.parametrize("stride", [1, 4, 8, 9])
+def test_strided_eval_scores_every_byte_once_with_the_context_it_promises(stride):
+    """Windows ``stride`` apart, each scoring its last ``stride`` targets: every target once, in order, and each
+    target past the first window with at least seq_len - stride tokens of its window before it; the window is the
+    text itself (inputs and targets one apart); ``stride == seq_len`` is the default, batch for batch."""
+    tokens = (np.arange(101) * 7 % 256).astype(np.uint8)  # all distinct: a target names its place
+    batches = list(eval_batches(tokens, seq_len=9, batch_size=5, stride=stride))
+    scored, contexts = [], []
+    for b in batches:
+        for inputs, targets, weights in zip(b["inputs"], b["targets"], b["weights"], strict=True):
+            for j in np.flatnonzero(weights):
+                place = int(np.flatnonzero(tokens == targets[j])[0])
+                assert np.array_equal(inputs[: j + 1], tokens[place - 1 - j : place])  # the text before it
+                scored.append(place)
+                contexts.append((place, j))
+    assert scored == list(range(1, 101))
+    assert min(j for place, j in contexts if place > 9) == 9 - stride
+    if stride == 9:
+        plain = list(eval_batches(tokens, seq_len=9, batch_size=5))
+        assert all(np.array_equal(a[k], b[k]) for a, b in zip(batches, plain, strict=True) for k in a)
+    with pytest.raises(ValueError, match=r"stride=10; allowed: an int in \[1, seq_len=9\]"):
+        next(eval_batches(tokens, 9, 5, stride=10))
+
+
 def test_offline_preparation_fails_fast_naming_the_flag(tmp_path, monkeypatch):
     import time
 

@@ -54,6 +54,40 @@ def test_eval_matches_the_evaluation_logged_in_training(run):
         assert result["scheme"] == "separate" and result["split"] == "validation"
 
 
+def test_strided_eval_is_the_sliding_window_loss_of_a_float64_reference(run):
+    """eval --stride S: windows S apart (the last one shorter), each scoring the targets after the previous
+    window's end, as Hugging Face's perplexity guide loops; checked against float64 log-softmax of the model's
+    logits window by window. S = seq_len is the default evaluation, to the bit."""
+    from qkvjax.data.builders import load_splits
+    from qkvjax.evaluate import load
+
+    model, params, config = load(str(run))
+    seq_len, stride = config.seq_len, 5
+    full = evaluate(str(run))
+    assert evaluate(str(run), stride=seq_len) == full and full["stride"] == seq_len
+    strided = evaluate(str(run), stride=stride)
+    assert strided["tokens"] == full["tokens"] and strided["stride"] == stride
+    tokens = load_splits(config.data.dataset, config.data.source_path, config.data.data_dir)["validation"]
+    n, windows, done = len(tokens) - 1, [], 0  # n targets; (start, end, first scored target) per window
+    for start in range(0, n, stride):
+        end = min(start + seq_len, n)
+        windows.append((start, end, done))
+        done = end
+        if end == n:
+            break
+    batch = np.zeros((len(windows), seq_len), np.int32)
+    for row, (start, end, _) in enumerate(windows):
+        batch[row, : end - start] = tokens[start:end]
+    logits = np.asarray(jax.jit(model.apply)({"params": params}, jnp.asarray(batch)), np.float64)
+    logp = logits - logits.max(-1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+    nll = [-logp[row, t - start, tokens[t + 1]] for row, (start, end, first) in enumerate(windows)
+           for t in range(first, end)]  # fmt: skip
+    assert len(nll) == n == strided["tokens"]
+    np.testing.assert_allclose(strided["loss"], np.mean(nll), rtol=2e-6)
+    assert strided["loss"] != full["loss"]  # the contexts differ
+
+
 def test_a_checkpoint_from_8_devices_evaluates_on_1(run, tmp_path):
     out = tmp_path / "eval.json"
     proc = run_in_new_process(["eval", f"--workdir={run}", "--split=validation", f"--output={out}"], devices=1)
@@ -372,6 +406,7 @@ def test_convert_to_mla_reports_errors_and_uptrains_from_its_config_json(run, tm
         ),
         (["sample", "--workdir={run}", "--prompt=" + "x" * 40], r"the prompt has 40 tokens.*at most 31 tokens"),
         (["sample", "--workdir={run}", "--prompt=hi", "--num-samples=0"], r"--num-samples 0; allowed: an int >= 1"),
+        (["eval", "--workdir={run}", "--stride=0"], r"stride=0; allowed: an int in \[1, seq_len=32\] \(the run's"),
         (
             ["sample", "--workdir={run}", "--prompt=hi", "--num-samples=3", "--temperature=0"],
             r"--num-samples 3 with --temperature 0 \(greedy: one continuation\); allowed: 1, or a temperature > 0",

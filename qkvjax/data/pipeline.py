@@ -47,24 +47,40 @@ def train_batches(
     return iter(ds.to_iter_dataset())
 
 
-def eval_batches(tokens: np.ndarray, seq_len: int, batch_size: int, max_batches: int | None = None) -> Iterator[dict]:
-    """Non-overlapping windows that predict every byte after the first exactly once, in fixed-shape batches.
+def eval_batches(
+    tokens: np.ndarray, seq_len: int, batch_size: int, max_batches: int | None = None, stride: int | None = None
+) -> Iterator[dict]:
+    """Windows that predict every byte after the first exactly once, in fixed-shape batches.
 
-    The last window and the last batch are padded; ``weights`` is 1 for a real target and 0 for padding.
+    Without ``stride`` (or ``stride == seq_len``) the windows do not overlap: a target's context is whatever of its
+    window precedes it, 0 to ``seq_len - 1`` tokens. With ``stride`` S < ``seq_len``, the sliding-window evaluation
+    of fixed-length models (Hugging Face's perplexity guide; Press et al. 2021, arXiv:2012.15832): after the first
+    window each window ends S targets further on and scores only those, so every target past the first window sees
+    at least ``seq_len - S`` tokens before it, for ``seq_len / S`` times the compute.
+
+    The last window and the last batch are padded; ``weights`` is 1 for a scored target and 0 otherwise.
     """
     check_corpus(tokens, 1, "evaluation")
     n = len(tokens) - 1  # targets
-    starts = np.arange(0, n, seq_len)
-    num_batches = -(-len(starts) // batch_size)
+    stride = seq_len if stride is None else stride
+    if isinstance(stride, bool) or not isinstance(stride, int) or not 1 <= stride <= seq_len:
+        raise ValueError(f"stride={stride!r}; allowed: an int in [1, seq_len={seq_len}]")
+    spans, done = [], 0  # (window start, window length, its first scored place); the targets scored so far
+    for start in range(0, n, stride):  # windows at every stride, as the guide's loop: the last one shorter
+        end = min(start + seq_len, n)
+        spans.append((start, end - start, done - start))
+        done = end
+        if end == n:
+            break
+    num_batches = -(-len(spans) // batch_size)
     if max_batches is not None:
         num_batches = min(num_batches, max_batches)
     for b in range(num_batches):
         inputs = np.zeros((batch_size, seq_len), np.int32)
         targets = np.zeros((batch_size, seq_len), np.int32)
         weights = np.zeros((batch_size, seq_len), np.float32)
-        for row, start in enumerate(starts[b * batch_size : (b + 1) * batch_size]):
-            length = min(seq_len, n - start)
+        for row, (start, length, first) in enumerate(spans[b * batch_size : (b + 1) * batch_size]):
             inputs[row, :length] = tokens[start : start + length]
             targets[row, :length] = tokens[start + 1 : start + 1 + length]
-            weights[row, :length] = 1.0
+            weights[row, first:length] = 1.0
         yield {"inputs": inputs, "targets": targets, "weights": weights}

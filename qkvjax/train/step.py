@@ -91,13 +91,16 @@ def make_eval_step(model: nn.Module):
     return eval_step
 
 
-def mean_loss(eval_step, params, tokens: np.ndarray, seq_len: int, batch_size: int, put_batch, max_batches=None):
-    """Mean next-byte loss over ``tokens`` (every target once, or the first ``max_batches`` batches) and the
-    number of targets counted; ``put_batch`` places a host batch where ``eval_step`` wants it."""
+def mean_loss(
+    eval_step, params, tokens: np.ndarray, seq_len: int, batch_size: int, put_batch, max_batches=None, stride=None
+):
+    """Mean next-byte loss over ``tokens`` (every target once, or the first ``max_batches`` batches; ``stride``:
+    overlapping windows, :func:`qkvjax.data.pipeline.eval_batches`) and the number of targets counted;
+    ``put_batch`` places a host batch where ``eval_step`` wants it."""
     from qkvjax.data.pipeline import eval_batches  # grain: only where data is read (the step functions need none)
 
     total = count = 0.0
-    for batch in eval_batches(tokens, seq_len, batch_size, max_batches):
+    for batch in eval_batches(tokens, seq_len, batch_size, max_batches, stride):
         out = jax.device_get(eval_step(params, put_batch(batch)))
         total += float(np.sum(out["nll_sum"]))
         count += float(np.sum(out["tokens"]))
