@@ -134,6 +134,14 @@ def write_rows(path: str | None, script: str, argv: list[str] | None, rows: list
     Path(path).write_text(json.dumps(out, indent=2) + "\n")
 
 
+def print_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> None:
+    """``rows`` as a right-aligned table; ``columns``: (header, key, format spec) each, as wide as its widest cell."""
+    cells = [[format(row[key], spec) for _, key, spec in columns] for row in rows]
+    widths = [max([len(header)] + [len(c[i]) for c in cells]) for i, (header, _, _) in enumerate(columns)]
+    for line in [[header for header, _, _ in columns], *cells]:
+        print(" ".join(cell.rjust(width) for cell, width in zip(line, widths, strict=True)))
+
+
 @contextlib.contextmanager
 def replaced(obj, name: str, value):
     """``obj.name`` set to ``value`` inside the block, put back after it: a lever traced (and compiled) inside the

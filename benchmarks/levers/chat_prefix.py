@@ -102,12 +102,10 @@ def main(argv=None) -> int:
     print(f"{args.layers} layers, d_model {args.d_model}, {heads} heads / {att.kv_heads} KV heads of 32, max_len "
           f"{args.max_len}; {args.turns} turns of {args.line} bytes, replies of {args.reply} tokens; medians of "
           f"{args.rounds}; the same replies from both: {sum(same)}/{len(same)}")  # fmt: skip
-    print(f"{'turn':>4} {'tokens':>6} {'prefill kept':>12} {'ttft kept':>10} {'ttft dropped':>12} {'ratio':>6} "
-          f"{'turn kept':>10} {'turn dropped':>12} {'ratio':>6}")  # fmt: skip
-    for r in rows:
-        print(f"{r['turn']:>4} {r['tokens']:>6} {r['prefilled_kept']:>12} {r['ttft_s_kept']:>10.4f} "
-              f"{r['ttft_s_dropped']:>12.4f} {r['ttft_ratio']:>6.2f} {r['turn_s_kept']:>10.4f} "
-              f"{r['turn_s_dropped']:>12.4f} {r['turn_ratio']:>6.2f}")  # fmt: skip
+    bench.print_table(rows, [("turn", "turn", ""), ("tokens", "tokens", ""), ("prefill kept", "prefilled_kept", ""),
+                             ("ttft kept", "ttft_s_kept", ".4f"), ("ttft dropped", "ttft_s_dropped", ".4f"),
+                             ("ratio", "ttft_ratio", ".2f"), ("turn kept", "turn_s_kept", ".4f"),
+                             ("turn dropped", "turn_s_dropped", ".4f"), ("ratio", "turn_ratio", ".2f")])  # fmt: skip
     bench.write_rows(args.json, "levers/chat_prefix.py", argv, rows)
     return 0
 

@@ -81,12 +81,10 @@ def main(argv=None) -> int:
     print(f"{args.layers} layers, d_model {args.d_model}, {heads} heads / {att.kv_heads} KV heads of 32; prompts of "
           f"{args.start} common + {args.tail} own tokens, {args.num_tokens} new tokens a row; medians of "
           f"{args.rounds}")  # fmt: skip
-    print(f"{'rows':>4} {'shared':>6} {'same':>5} {'first shared':>12} {'first unshared':>14} {'ratio':>6} "
-          f"{'call shared':>11} {'call unshared':>13} {'ratio':>6}")  # fmt: skip
-    for r in rows:
-        print(f"{r['rows']:>4} {r['shared']:>6} {str(r['same_tokens']):>5} {r['first_s_shared']:>12.4f} "
-              f"{r['first_s_unshared']:>14.4f} {r['first_ratio']:>6.2f} {r['call_s_shared']:>11.4f} "
-              f"{r['call_s_unshared']:>13.4f} {r['call_ratio']:>6.2f}")  # fmt: skip
+    bench.print_table(rows, [("rows", "rows", ""), ("shared", "shared", ""), ("same", "same_tokens", ""),
+                             ("first shared", "first_s_shared", ".4f"), ("first unshared", "first_s_unshared", ".4f"),
+                             ("ratio", "first_ratio", ".2f"), ("call shared", "call_s_shared", ".4f"),
+                             ("call unshared", "call_s_unshared", ".4f"), ("ratio", "call_ratio", ".2f")])  # fmt: skip
     bench.write_rows(args.json, "levers/shared_prefix.py", argv, rows)
     return 0
 
