@@ -190,7 +190,8 @@ class Session:
         if num_tokens < 1:
             raise ValueError(f"num_tokens={num_tokens}; allowed: >= 1 (each reply's most, cut to the context left)")
         # the sampling settings, before the first line is read (a reply's length is cut to the room left)
-        check_request(model, [[0]], 1, sampling.get("temperature", 0.8), sampling.get("top_k"), sampling.get("top_p"))
+        check_request(model, [[0]], 1, sampling.get("temperature", 0.8), sampling.get("top_k"), sampling.get("top_p"),
+                      min_p=sampling.get("min_p"))  # fmt: skip
 
     def turns(self) -> list[dict]:
         """The conversation so far, in the format ``--messages`` reads."""

@@ -153,7 +153,8 @@ def _chat_session(args: argparse.Namespace, saved, tokenizer, stops, chat) -> in
     model, params, config, step = restore_params(args.workdir, args.step)
     session = Session(model, params, tokenizer, template, special, system=args.system, history=history, stop_ids=stops,
                       num_tokens=args.num_tokens, temperature=args.temperature,
-                      top_k=None if args.top_k == 0 else args.top_k, top_p=args.top_p, seed=args.seed,
+                      top_k=None if args.top_k == 0 else args.top_k, top_p=args.top_p, min_p=args.min_p,
+                      seed=args.seed,
                       vocab_limit=_vocab_limit(saved, config))  # fmt: skip
     session.run(sys.stdin, sys.stdout, sys.stderr, f"{args.workdir} (step {step})")
     return 0
@@ -197,7 +198,8 @@ def _sample(args: argparse.Namespace) -> int:
     texts, prompts = [t for t in texts for _ in range(n)], [p for p in prompts for _ in range(n)]  # prompt-major
     model, params, config, step = restore_params(args.workdir, args.step)
     top_k = None if args.top_k == 0 else args.top_k
-    check_request(model, prompts, args.num_tokens, args.temperature, top_k, args.top_p)  # before the prompt is echoed
+    # before the prompt is echoed
+    check_request(model, prompts, args.num_tokens, args.temperature, top_k, args.top_p, min_p=args.min_p)
     if chat is not None and not args.chat:  # an instruct model given raw text continues it rather than answer
         print(f"note: {args.workdir} has a chat template: --chat writes each prompt as a user turn in it; the prompt "
               "is continued as typed", file=sys.stderr)  # fmt: skip
@@ -214,6 +216,7 @@ def _sample(args: argparse.Namespace) -> int:
         temperature=args.temperature,
         top_k=top_k,
         top_p=args.top_p,
+        min_p=args.min_p,
         seed=args.seed,
         on_token=streamer if stream else None,
         vocab_limit=limit,
@@ -552,6 +555,8 @@ def _run_commands() -> tuple[Command, ...]:
             opt("--top-k", type=int, default=40, help="0 = no top-k cut"),
             opt("--top-p", type=float, default=1.0,
                 help="nucleus: draw from the fewest likeliest tokens holding this much probability; 1 = no cut"),
+            opt("--min-p", type=float, default=0.0,
+                help="min-p: draw only from tokens at least this many times as likely as the likeliest; 0 = no cut"),
             opt("--seed", type=int, default=0, help="sampling seed"),
             opt("--num-samples", type=int, default=1,
                 help="continuations drawn for each prompt, in one batch (transformers' num_return_sequences); the "

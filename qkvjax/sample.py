@@ -27,12 +27,19 @@ def encode(text: str, tokenizer=None, add_special_tokens: bool = True) -> np.nda
 
 
 def filter_logits(
-    logits: jax.Array, temperature: float, top_k: int | None, top_p: float | None = None, limit: int | None = None
+    logits: jax.Array,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None = None,
+    limit: int | None = None,
+    min_p: float | None = None,
 ) -> jax.Array:
     """The logits a token is drawn from, (..., V) -> (..., V), the cut ones set to -inf: divided by ``temperature``
     (> 0), then only the ``top_k`` largest kept, then only the nucleus of ``top_p`` (Holtzman et al. 2020,
     arXiv:1904.09751): the fewest largest that hold at least ``top_p`` of the probability left after the top-k
-    cut (the largest is always kept; ties with the last one kept stay). With ``limit``, only ids below it."""
+    cut (the largest is always kept; ties with the last one kept stay), then only the tokens at least ``min_p``
+    times as likely as the likeliest (min-p sampling, Nguyen et al. 2024, arXiv:2407.01082: p_i >= min_p p_max,
+    i.e. z_i >= z_max + log min_p, whatever the earlier cuts left). With ``limit``, only ids below it."""
     if limit is not None and limit < logits.shape[-1]:
         logits = jnp.where(jnp.arange(logits.shape[-1]) < limit, logits, -jnp.inf)
     logits = logits / temperature
@@ -46,6 +53,9 @@ def filter_logits(
         # kept: a token while the mass above it is short of top_p; the smallest kept logit is the cut
         cut = jnp.min(jnp.where(above < top_p, ranked, jnp.inf), axis=-1, keepdims=True)
         logits = jnp.where(logits < cut, -jnp.inf, logits)
+    if min_p is not None and min_p > 0.0:
+        floor = jnp.max(logits, axis=-1, keepdims=True) + jnp.log(jnp.float32(min_p))
+        logits = jnp.where(logits < floor, -jnp.inf, logits)
     return logits
 
 
@@ -56,17 +66,25 @@ def pick(
     top_k: int | None,
     limit: int | None = None,
     top_p: float | None = None,
+    min_p: float | None = None,
 ) -> jax.Array:
     """Greedy when ``temperature`` is 0, else a sample from softmax over :func:`filter_logits`; with ``limit``,
     only ids below it are ever drawn (a byte-level model whose table is wider than 256)."""
     if temperature == 0.0:  # the largest logit below the limit; the cuts keep it anyway
         return jnp.argmax(filter_logits(logits, 1.0, None, None, limit), axis=-1).astype(jnp.int32)
-    logits = filter_logits(logits, temperature, top_k, top_p, limit)
+    logits = filter_logits(logits, temperature, top_k, top_p, limit, min_p)
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
 def check_request(
-    model: DecoderLM, prompts: list[np.ndarray], num_tokens: int, temperature: float, top_k, top_p=None, held=None
+    model: DecoderLM,
+    prompts: list[np.ndarray],
+    num_tokens: int,
+    temperature: float,
+    top_k,
+    top_p=None,
+    held=None,
+    min_p=None,
 ) -> None:
     """Refuses in one line what :func:`generate_batch` cannot do; ``held`` (B,): the tokens a cache already holds
     before each prompt (they count against the context too)."""
@@ -81,6 +99,8 @@ def check_request(
         raise ValueError(f"top_k={top_k}; allowed: None or >= 1")
     if top_p is not None and not 0 < top_p <= 1:
         raise ValueError(f"top_p={top_p}; allowed: None or a number in (0, 1] (1 keeps every token)")
+    if min_p is not None and not 0 <= min_p <= 1:
+        raise ValueError(f"min_p={min_p}; allowed: None or a number in [0, 1] (0 keeps every token)")
     for i, prompt in enumerate(prompts):
         which = "the prompt" if len(prompts) == 1 else f"prompt {i}"
         before = 0 if held is None else int(held[i])
@@ -100,7 +120,7 @@ def check_request(
 
 
 @functools.lru_cache(maxsize=8)
-def _programs(model: DecoderLM, temperature: float, top_k, top_p, vocab_limit, scan_unroll: int) -> tuple:
+def _programs(model: DecoderLM, temperature: float, top_k, top_p, vocab_limit, scan_unroll: int, min_p) -> tuple:
     """The jitted prefill, one-token step and on-device loops of a model and its sampling settings, made once and
     kept (a model is hashable by its config): a second call with the same shapes, as a conversation's next turn,
     reuses their compiled programs instead of compiling them again."""
@@ -109,11 +129,11 @@ def _programs(model: DecoderLM, temperature: float, top_k, top_p, vocab_limit, s
     def prefill(params, cache, tokens, lengths, key):
         logits, cache = model.apply({"params": params}, tokens, cache=cache, num_valid=lengths)
         last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # each row's last prompt token
-        return pick(last, key, temperature, top_k, vocab_limit, top_p), cache
+        return pick(last, key, temperature, top_k, vocab_limit, top_p, min_p), cache
 
     def one(params, cache, token, key):
         logits, cache = model.apply({"params": params}, token[:, None], cache=cache)
-        return pick(logits[:, -1], key, temperature, top_k, vocab_limit, top_p), cache
+        return pick(logits[:, -1], key, temperature, top_k, vocab_limit, top_p, min_p), cache
 
     step = jax.jit(one, donate_argnums=1)
 
@@ -155,6 +175,7 @@ def generate_batch(
     temperature: float = 0.8,
     top_k: int | None = 40,
     top_p: float | None = None,
+    min_p: float | None = None,
     seed: int = 0,
     on_token: Callable[[int], None] | None = None,
     vocab_limit: int | None = None,
@@ -170,11 +191,12 @@ def generate_batch(
     (:class:`~qkvjax.models.lm.DecodeCache` keeps a length per row), so a row decodes as it would alone. With
     ``on_token`` (one prompt only) every token is streamed as it is made, one jitted call per token; otherwise
     all tokens are made on the device in one call (``lax.scan``), with no host round trip per token.
-    ``temperature``, ``top_k``, ``top_p``: what a token is drawn from (:func:`filter_logits`; ``temperature`` 0 is
-    greedy). ``vocab_limit``: only ids below it are drawn (text that is bytes needs ids < 256). The tokens are made in
-    one program whose layers pick the key prefix they read at run time (a ``lax.switch`` per layer and token;
-    programs with the prefix fixed per stretch of steps, no branch, were measured slower, x0.89-0.94, on this
-    project's CPU and on an H200, and were removed: benchmarks/README.md, "GPU: the third visit").
+    ``temperature``, ``top_k``, ``top_p``, ``min_p``: what a token is drawn from (:func:`filter_logits`;
+    ``temperature`` 0 is greedy). ``vocab_limit``: only ids below it are drawn (text that is bytes needs ids < 256).
+    The tokens are made in one program whose layers pick the key prefix they read at run time (a ``lax.switch`` per
+    layer and token; programs with the prefix fixed per stretch of steps, no branch, were measured slower,
+    x0.89-0.94, on this project's CPU and on an H200, and were removed: benchmarks/README.md, "GPU: the third
+    visit").
     ``scan_unroll``: decode steps per iteration of the on-device loop (``lax.scan``'s ``unroll``): fewer loop
     iterations, whose condition a GPU reads on the host, for a longer compile (the loop with stop ids takes one).
     ``stop_ids``: a row ends at the first of them it draws (an imported model's ``eos_token_id``, as transformers'
@@ -209,7 +231,7 @@ def generate_batch(
             shapes = f"{len(held)} rows" if len(held) != len(prompts) else "other shapes"
             raise ValueError(f"the cache has {shapes}; allowed: DecodeCache.empty(model.config, {len(prompts)}) or "
                              "a cache a call with as many prompts returned")  # fmt: skip
-    check_request(model, prompts, num_tokens, temperature, top_k, top_p, held)
+    check_request(model, prompts, num_tokens, temperature, top_k, top_p, held, min_p)
     for name, value, unit in (("scan_unroll", scan_unroll, "decode steps per loop iteration"),
                               ("prompt_bucket", prompt_bucket, "the prefill's width a multiple of it")):  # fmt: skip
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -233,7 +255,7 @@ def generate_batch(
     for i, p in enumerate(rest):
         padded[i, : len(p)] = p
     prefill, step, decode_all, decode_until_stop = _programs(model, temperature, top_k, top_p, vocab_limit,
-                                                             scan_unroll)  # fmt: skip
+                                                             scan_unroll, min_p)  # fmt: skip
 
     base = jax.random.PRNGKey(seed)
     keys = jax.vmap(lambda i: jax.random.fold_in(base, i))(jnp.arange(1, num_tokens)) if num_tokens > 1 else None

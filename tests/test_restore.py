@@ -280,6 +280,9 @@ def test_sample_cli_streams_and_greedy_is_deterministic(run, capsys, tmp_path):
     nucleus_of_one = ["sample", f"--workdir={run}", "--prompt=the ", "--num-tokens=12", "--top-p=1e-9", "--seed=5"]
     assert run_in_process(nucleus_of_one) == 0  # a sample from the likeliest token alone is the greedy text
     assert capsys.readouterr().out == outs[0]
+    min_p_of_one = [*nucleus_of_one[:4], "--min-p=1", "--seed=6"]  # only tokens as likely as the likeliest
+    assert run_in_process(min_p_of_one) == 0
+    assert capsys.readouterr().out == outs[0]
     imported = tmp_path / "imported"  # as `qkvjax import` leaves a model whose config names an eos_token_id
     shutil.copytree(run, imported)
     model, params, _, _ = restore_params(str(run))
@@ -390,6 +393,7 @@ def test_convert_to_mla_reports_errors_and_uptrains_from_its_config_json(run, tm
         (["sample", "--workdir={run}", "--prompt=hi", "--top-k=-2"], r"top_k=-2; allowed"),
         (["sample", "--workdir={run}", "--prompt=hi", "--top-p=0"], r"top_p=0.0; allowed: None or a number in \(0, 1"),
         (["sample", "--workdir={run}", "--prompt=hi", "--top-p=1.5"], r"top_p=1.5; allowed"),
+        (["sample", "--workdir={run}", "--prompt=hi", "--min-p=-0.1"], r"min_p=-0.1; allowed: None or a number in \[0"),
         (["sample", "--workdir={run}", "--prompt=hi", "--chat"], r"--chat: .* has no chat template.*allowed: a prompt"),
         (["sample", "--workdir={run}", "--prompt=hi", "--system=be brief"], r"--system .*allowed: with --chat only"),
         (["sample", "--workdir={run}", "--prompt=hi", "--messages=c.json"], r"--messages .*allowed: with --chat only"),

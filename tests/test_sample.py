@@ -11,7 +11,7 @@ from qkvjax.sample import filter_logits, pick
 B, V = 3, 13  # odd and distinct: a swapped axis fails
 
 
-def reference_kept(logits: np.ndarray, temperature: float, top_k, top_p, limit=None) -> np.ndarray:
+def reference_kept(logits: np.ndarray, temperature: float, top_k, top_p, limit=None, min_p=None) -> np.ndarray:
     """(B, V) bool: the ids each row may draw, in float64, token by token in rank order."""
     z = logits.astype(np.float64) / temperature
     kept = np.ones_like(z, bool)
@@ -34,6 +34,10 @@ def reference_kept(logits: np.ndarray, temperature: float, top_k, top_p, limit=N
                 nucleus[i] = True
                 mass += p[i]
             kept[b] &= nucleus
+        if min_p is not None:  # probabilities over what is left, each against the likeliest's
+            p = np.where(kept[b], np.exp(z[b] - z[b][kept[b]].max()), 0.0)
+            p /= p.sum()
+            kept[b] &= p >= min_p * p.max()
     return kept
 
 
@@ -43,25 +47,42 @@ def logits():
 
 
 @pytest.mark.parametrize(
-    "temperature,top_k,top_p,limit",
+    "temperature,top_k,top_p,limit,min_p",
     [
-        (1.0, None, None, None),
-        (0.7, 5, None, None),
-        (1.0, None, 0.5, None),
-        (0.7, None, 0.9, None),
-        (1.3, 5, 0.6, None),
-        (1.0, None, 1e-6, None),  # only the largest
-        (1.0, None, 1.0, None),  # no cut
-        (1.0, None, 0.8, 9),
+        (1.0, None, None, None, None),
+        (0.7, 5, None, None, None),
+        (1.0, None, 0.5, None, None),
+        (0.7, None, 0.9, None, None),
+        (1.3, 5, 0.6, None, None),
+        (1.0, None, 1e-6, None, None),  # only the largest
+        (1.0, None, 1.0, None, None),  # no cut
+        (1.0, None, 0.8, 9, None),
+        (1.0, None, None, None, 0.1),
+        (0.7, 7, None, None, 0.05),
+        (1.3, None, 0.7, 11, 0.2),
+        (1.0, None, None, None, 1.0),  # only the largest
     ],
 )
-def test_filter_keeps_what_the_float64_reference_keeps(logits, temperature, top_k, top_p, limit):
-    out = np.asarray(filter_logits(jnp.asarray(logits), temperature, top_k, top_p, limit))
-    want = reference_kept(logits, temperature, top_k, top_p, limit)
+def test_filter_keeps_what_the_float64_reference_keeps(logits, temperature, top_k, top_p, limit, min_p):
+    out = np.asarray(filter_logits(jnp.asarray(logits), temperature, top_k, top_p, limit, min_p))
+    want = reference_kept(logits, temperature, top_k, top_p, limit, min_p)
     np.testing.assert_array_equal(np.isfinite(out), want)
     np.testing.assert_allclose(out[want], logits[want] / temperature, rtol=1e-6)
-    if top_p is not None and top_p < 1.0:  # the nucleus is smaller than what top-k alone leaves on some row
-        assert want.sum() < reference_kept(logits, temperature, top_k, None, limit).sum()
+    for cut, value in (("top_p", top_p), ("min_p", min_p)):  # each cut keeps fewer than the others alone on some row
+        if value is not None and value < 1.0:
+            without = reference_kept(logits, temperature, top_k, *((None, limit, min_p) if cut == "top_p" else
+                                                                  (top_p, limit, None)))  # fmt: skip
+            assert want.sum() < without.sum(), cut
+
+
+def test_min_p_keeps_what_transformers_min_p_warper_keeps(logits):
+    """The reference of the ecosystem: transformers' MinPLogitsWarper (after the temperature), row by row."""
+    torch = pytest.importorskip("torch", reason="the hf extra has transformers' MinPLogitsWarper")
+    warper = pytest.importorskip("transformers.generation.logits_process", reason="the hf extra").MinPLogitsWarper
+    for min_p in (0.02, 0.1, 0.3, 0.9):
+        theirs = warper(min_p)(None, torch.tensor(logits / 0.8)).numpy()
+        ours = np.asarray(filter_logits(jnp.asarray(logits), 0.8, None, None, None, min_p))
+        np.testing.assert_array_equal(np.isfinite(ours), np.isfinite(theirs), err_msg=str(min_p))
 
 
 def test_draws_come_from_the_nucleus_in_its_renormalised_proportions(logits):
