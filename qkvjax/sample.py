@@ -242,7 +242,7 @@ def generate_batch(
         raise ValueError("share_prefix reads the prompts' common start into a fresh cache; allowed: without cache")
     b = len(prompts)
     full = [len(p) for p in prompts]
-    shared = _common_prefix(prompts) if share_prefix and b > 1 else 0
+    shared = _common_prefix(prompts) if share_prefix else 0
     rest = [p[shared:] for p in prompts]  # what the batched prefill reads after the shared start
     lengths = np.array([len(p) for p in rest], np.int32)
     held_max = shared if held is None else int(held.max())
@@ -317,7 +317,10 @@ def generate_batch(
 
 
 def _common_prefix(prompts: list[np.ndarray]) -> int:
-    """How many tokens every prompt begins with, all but each row's last (the prefill draws from it)."""
+    """How many tokens every prompt begins with, all but each row's last (the prefill draws from it); 0 for one
+    prompt (nothing to share)."""
+    if len(prompts) < 2:
+        return 0
     n = min(len(p) for p in prompts) - 1
     first = prompts[0][:n]
     for p in prompts[1:]:

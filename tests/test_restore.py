@@ -17,7 +17,7 @@ from qkvjax import AttentionConfig, DecoderLM, ModelConfig
 from qkvjax.convert import convert
 from qkvjax.evaluate import evaluate, restore_params
 from qkvjax.models.lm import DecodeCache, param_count
-from qkvjax.sample import generate, generate_batch
+from qkvjax.sample import _common_prefix, generate, generate_batch
 from tests.helpers import REPO, exported_params, flat, metrics, run_in_new_process, run_in_process, train_args
 
 pytestmark = pytest.mark.xdist_group("restore")  # one worker builds the module's fixture once
@@ -204,7 +204,7 @@ def test_a_returned_cache_continues_rows_as_one_call_of_their_whole_tokens(schem
 @pytest.mark.parametrize("scheme,kv,rope,window", [("separate", 1, True, 3), ("mla", None, False, None)])
 def test_a_shared_prefix_is_read_once_and_every_row_draws_as_it_would_alone(scheme, kv, rope, window):
     """share_prefix: the prompts' common start (all but each row's last token) goes through the model once and its
-    cache is copied to every row; the tokens drawn, greedy or sampled, are those of the unshared call, ragged rows,
+    cache is copied to every row; the tokens sampled are those of the unshared call with the same seed, ragged rows,
     a prompt that is the whole common start, MLA's absorbed reading and a sliding window's ring (GQA with rotary,
     window 3, a start of 5) and a start padded to the prompt bucket included."""
     cfg = dataclasses.replace(_lm(scheme, kv, rope, causal_block=2), max_len=15)
@@ -214,17 +214,15 @@ def test_a_shared_prefix_is_read_once_and_every_row_draws_as_it_would_alone(sche
     rng = np.random.default_rng(5)
     start = rng.integers(0, 256, 5).astype(np.int32)
     prompts = [np.concatenate([start, rng.integers(0, 256, n).astype(np.int32)]) for n in (0, 3, 1, 0)]
-    for temperature in (0.0, 1.0):
-        alone, plain = generate_batch(model, params, prompts, 4, temperature=temperature, seed=1)
-        bucket = 3 if temperature else 1  # the start's prefill padded to 6 as well: its padding is never read
-        once, stats = generate_batch(model, params, prompts, 4, temperature=temperature, seed=1, share_prefix=True,
-                                     prompt_bucket=bucket)  # fmt: skip
-        assert once.tolist() == alone.tolist(), temperature
-        assert stats["shared_prefix"] == 4 and plain["shared_prefix"] == 0  # the 5-token prompt keeps its last
-        assert stats["prompt_tokens"] == plain["prompt_tokens"] == [5, 8, 6, 5]
+    alone, plain = generate_batch(model, params, prompts, 4, temperature=1.0, seed=1)
+    # sampled, the same draws: the same logits; the start's prefill padded to 6 too, its padding never read
+    once, stats = generate_batch(model, params, prompts, 4, temperature=1.0, seed=1, share_prefix=True, prompt_bucket=3)
+    assert once.tolist() == alone.tolist()
+    assert stats["shared_prefix"] == 4 and plain["shared_prefix"] == 0  # the 5-token prompt keeps its last
+    assert stats["prompt_tokens"] == plain["prompt_tokens"] == [5, 8, 6, 5]
     assert once[0].tolist() != once[3].tolist()  # one prompt twice, sampled: rows draw independently
-    for rows, shared in (([start, start[::-1]], 0), ([start], 0), ([start[:3], start], 2)):
-        assert generate_batch(model, params, rows, 1, share_prefix=True)[1]["shared_prefix"] == shared
+    for rows, shared in (([start, start[::-1]], 0), ([start], 0), ([start[:3], start], 2), ([start, start], 4)):
+        assert _common_prefix(rows) == shared  # all but the shortest row's last token, at most
     with pytest.raises(ValueError, match=r"share_prefix reads the prompts' common start into a fresh cache"):
         generate_batch(model, params, prompts[:2], 1, share_prefix=True, cache=DecodeCache.empty(cfg, 2))
     with pytest.raises(ValueError, match=r"selecting rows \[0, 2\]; allowed: a non-empty list of row indices in"):
