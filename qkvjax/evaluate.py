@@ -13,6 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from qkvjax.attention import kernels
 from qkvjax.config import Config, MeshConfig, from_dict, require_decoder
 from qkvjax.data import SPLITS
+from qkvjax.data.pipeline import check_stride
 from qkvjax.data.tokenizer import check_vocab, load_tokenizer, tokenize_splits
 from qkvjax.models.encoder import model_of
 from qkvjax.train import checkpoint
@@ -137,9 +138,8 @@ def evaluate(
         raise ValueError(f"split={split!r}; allowed: {list(SPLITS)}")
     saved = load_config(workdir)  # refusals before anything is restored or compiled
     require_decoder(saved, "eval")
-    seq_len = saved.seq_len
-    if stride is not None and (isinstance(stride, bool) or not isinstance(stride, int) or not 1 <= stride <= seq_len):
-        raise ValueError(f"stride={stride!r}; allowed: an int in [1, seq_len={seq_len}] (the run's context)")
+    if stride is not None:
+        check_stride(stride, saved.seq_len)
     from qkvjax.data.builders import load_splits  # TFDS loads when a split is read
 
     mesh = make_mesh(MeshConfig(data=-1, fsdp=1, tensor=1))

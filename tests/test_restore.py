@@ -408,7 +408,7 @@ def test_convert_to_mla_reports_errors_and_uptrains_from_its_config_json(run, tm
         ),
         (["sample", "--workdir={run}", "--prompt=" + "x" * 40], r"the prompt has 40 tokens.*at most 31 tokens"),
         (["sample", "--workdir={run}", "--prompt=hi", "--num-samples=0"], r"--num-samples 0; allowed: an int >= 1"),
-        (["eval", "--workdir={run}", "--stride=0"], r"stride=0; allowed: an int in \[1, seq_len=32\] \(the run's"),
+        (["eval", "--workdir={run}", "--stride=0"], r"stride=0; allowed: an int in \[1, seq_len=32\] \(the windows"),
         (
             ["sample", "--workdir={run}", "--prompt=hi", "--num-samples=3", "--temperature=0"],
             r"--num-samples 3 with --temperature 0 \(greedy: one continuation\); allowed: 1, or a temperature > 0",

@@ -47,6 +47,13 @@ def train_batches(
     return iter(ds.to_iter_dataset())
 
 
+def check_stride(stride, seq_len: int) -> int:
+    """``stride`` when an evaluation can slide its windows by it, else a one-line refusal."""
+    if isinstance(stride, bool) or not isinstance(stride, int) or not 1 <= stride <= seq_len:
+        raise ValueError(f"stride={stride!r}; allowed: an int in [1, seq_len={seq_len}] (the windows' length)")
+    return stride
+
+
 def eval_batches(
     tokens: np.ndarray, seq_len: int, batch_size: int, max_batches: int | None = None, stride: int | None = None
 ) -> Iterator[dict]:
@@ -62,9 +69,7 @@ def eval_batches(
     """
     check_corpus(tokens, 1, "evaluation")
     n = len(tokens) - 1  # targets
-    stride = seq_len if stride is None else stride
-    if isinstance(stride, bool) or not isinstance(stride, int) or not 1 <= stride <= seq_len:
-        raise ValueError(f"stride={stride!r}; allowed: an int in [1, seq_len={seq_len}]")
+    stride = seq_len if stride is None else check_stride(stride, seq_len)
     spans, done = [], 0  # (window start, window length, its first scored place); the targets scored so far
     for start in range(0, n, stride):  # windows at every stride, as the guide's loop: the last one shorter
         end = min(start + seq_len, n)
