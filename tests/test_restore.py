@@ -57,16 +57,14 @@ def test_eval_matches_the_evaluation_logged_in_training(run):
 def test_strided_eval_is_the_sliding_window_loss_of_a_float64_reference(run):
     """eval --stride S: windows S apart (the last one shorter), each scoring the targets after the previous
     window's end, as Hugging Face's perplexity guide loops; checked against float64 log-softmax of the model's
-    logits window by window. S = seq_len is the default evaluation, to the bit."""
+    logits window by window (S = seq_len giving the default's batches: tests/test_data.py)."""
     from qkvjax.data.builders import load_splits
     from qkvjax.evaluate import load
 
     model, params, config = load(str(run))
     seq_len, stride = config.seq_len, 5
-    full = evaluate(str(run))
-    assert evaluate(str(run), stride=seq_len) == full and full["stride"] == seq_len
     strided = evaluate(str(run), stride=stride)
-    assert strided["tokens"] == full["tokens"] and strided["stride"] == stride
+    assert strided["stride"] == stride
     tokens = load_splits(config.data.dataset, config.data.source_path, config.data.data_dir)["validation"]
     n, windows, done = len(tokens) - 1, [], 0  # n targets; (start, end, first scored target) per window
     for start in range(0, n, stride):
@@ -85,7 +83,6 @@ def test_strided_eval_is_the_sliding_window_loss_of_a_float64_reference(run):
            for t in range(first, end)]  # fmt: skip
     assert len(nll) == n == strided["tokens"]
     np.testing.assert_allclose(strided["loss"], np.mean(nll), rtol=2e-6)
-    assert strided["loss"] != full["loss"]  # the contexts differ
 
 
 def test_a_checkpoint_from_8_devices_evaluates_on_1(run, tmp_path):
