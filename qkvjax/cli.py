@@ -541,7 +541,7 @@ def _run_commands() -> tuple[Command, ...]:
             opt("--data-dir", default=None, help="the TFDS data_dir, if not the run's"),
             opt("--stride", type=int, default=None,
                 help="windows S tokens apart, each scoring its last S targets: every target after the first window "
-                "sees at least seq_len - S tokens (Hugging Face's sliding-window perplexity), for seq_len / S times "
+                "sees at least seq_len - S tokens (Hugging Face's sliding window perplexity), for seq_len / S times "
                 "the compute (default: seq_len, windows that do not overlap)"),
         )),
         Command("sample", _sample, "generate text from a checkpoint with the KV cache", (
