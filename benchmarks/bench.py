@@ -134,6 +134,19 @@ def write_rows(path: str | None, script: str, argv: list[str] | None, rows: list
     Path(path).write_text(json.dumps(out, indent=2) + "\n")
 
 
+def decode_model(layers: int, d_model: int, max_len: int):
+    """The decoding levers' model: ``layers`` layers of d_model, heads of 32 with a quarter as many K/V heads (GQA),
+    rotary positions, byte vocabulary; random weights. Returns ``(model, params)``."""
+    from qkvjax import ModelConfig
+
+    heads = d_model // 32
+    att = AttentionConfig(num_heads=heads, head_dim=32, num_kv_heads=max(1, heads // 4), rope=True)
+    cfg = ModelConfig(attention=att, vocab_size=256, d_model=d_model, num_layers=layers, max_len=max_len,
+                      learned_positions=False)  # fmt: skip
+    model = DecoderLM(cfg)
+    return model, jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
+
+
 def print_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> None:
     """``rows`` as a right-aligned table; ``columns``: (header, key, format spec) each, as wide as its widest cell."""
     cells = [[format(row[key], spec) for _, key, spec in columns] for row in rows]

@@ -20,8 +20,6 @@ import sys
 import time
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[2]
@@ -31,7 +29,6 @@ if __package__ in (None, ""):  # run as a script: make the repository and this f
 
 import bench  # noqa: E402
 
-from qkvjax import AttentionConfig, DecoderLM, ModelConfig  # noqa: E402
 from qkvjax.chat import Session  # noqa: E402
 from qkvjax.data.tokenizer import ByteTokenizer  # noqa: E402
 
@@ -71,12 +68,9 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    heads = args.d_model // 32
-    att = AttentionConfig(num_heads=heads, head_dim=32, num_kv_heads=max(1, heads // 4), rope=True)
-    cfg = ModelConfig(attention=att, vocab_size=256, d_model=args.d_model, num_layers=args.layers,
-                      max_len=args.max_len, learned_positions=False)  # fmt: skip
-    model = DecoderLM(cfg)
-    params = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
+    model, params = bench.decode_model(args.layers, args.d_model, args.max_len)
+    att = model.config.attention
+    heads = att.num_heads
     rng = np.random.default_rng(0)
     words = ["the", "cache", "turn", "reply", "model", "keys", "values", "prefix", "again", "token"]
     lines = [" ".join(rng.choice(words, args.line))[: args.line] for _ in range(args.turns)]

@@ -19,8 +19,6 @@ import sys
 import time
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[2]
@@ -30,7 +28,6 @@ if __package__ in (None, ""):  # run as a script: make the repository and this f
 
 import bench  # noqa: E402
 
-from qkvjax import AttentionConfig, DecoderLM, ModelConfig  # noqa: E402
 from qkvjax.sample import generate_batch  # noqa: E402
 
 
@@ -46,12 +43,9 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    heads = args.d_model // 32
-    att = AttentionConfig(num_heads=heads, head_dim=32, num_kv_heads=max(1, heads // 4), rope=True)
-    cfg = ModelConfig(attention=att, vocab_size=256, d_model=args.d_model, num_layers=args.layers,
-                      max_len=args.max_len, learned_positions=False)  # fmt: skip
-    model = DecoderLM(cfg)
-    params = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
+    model, params = bench.decode_model(args.layers, args.d_model, args.max_len)
+    att = model.config.attention
+    heads = att.num_heads
     rng = np.random.default_rng(0)
     start = rng.integers(32, 127, args.start).astype(np.int32)
     rows = []
