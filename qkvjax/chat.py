@@ -19,6 +19,7 @@ text in both.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -173,25 +174,24 @@ class Session:
     ring cannot rewind); the programs are compiled once per bucket of ``PROMPT_BUCKET`` new tokens and reused
     (:func:`qkvjax.sample.generate_batch`). A turn whose text leaves no room in the context is refused in one line,
     the conversation kept. Lines starting with ``/`` are commands (:data:`COMMANDS`); turn ``i`` samples with seed
-    ``seed + i``."""
+    ``seed + i``; ``**sampling``: the fields of a :class:`qkvjax.sample.Sampling` (refused at once when out of
+    range)."""
 
     COMMANDS = "/reset forgets the turns, /save FILE writes them (as --messages reads them), /exit or end of input ends"
     PROMPT_BUCKET = 64
 
     def __init__(self, model, params, tokenizer, template: str, special: dict[str, str], *, system: str | None = None,
                  history: list[dict] = (), stop_ids=(), num_tokens: int = 200, seed: int = 0, **sampling):  # fmt: skip
-        from qkvjax.sample import check_request
+        from qkvjax.sample import Sampling
 
         self.model, self.params, self.tokenizer = model, params, tokenizer
         self.template, self.special, self.system, self.history = template, special, system, list(history)
-        self.stop_ids, self.num_tokens, self.seed, self.sampling = stop_ids, num_tokens, seed, sampling
+        self.stop_ids, self.num_tokens, self.seed = stop_ids, num_tokens, seed
+        self.sampling = Sampling(**sampling)  # checked before the first line is read
         self.cache, self.held = None, []  # the last reply's decode cache (one row) and the tokens it holds
         self.reused = 0  # the tokens the last turn took from the cache instead of the prefill
         if num_tokens < 1:
             raise ValueError(f"num_tokens={num_tokens}; allowed: >= 1 (each reply's most, cut to the context left)")
-        # the sampling settings, before the first line is read (a reply's length is cut to the room left)
-        check_request(model, [[0]], 1, sampling.get("temperature", 0.8), sampling.get("top_k"), sampling.get("top_p"),
-                      min_p=sampling.get("min_p"))  # fmt: skip
 
     def turns(self) -> list[dict]:
         """The conversation so far, in the format ``--messages`` reads."""
@@ -214,7 +214,8 @@ class Session:
         self.cache, self.held = None, []  # given to the call below (donated); kept again once the reply is made
         tokens, stats = generate(self.model, self.params, prompt[reused:], min(self.num_tokens, max_len - len(prompt)),
                                  seed=self.seed + turn, on_token=streamer, stop_ids=self.stop_ids,
-                                 prompt_bucket=self.PROMPT_BUCKET, cache=cache, **self.sampling)  # fmt: skip
+                                 prompt_bucket=self.PROMPT_BUCKET, cache=cache,
+                                 **dataclasses.asdict(self.sampling))  # fmt: skip
         streamer.flush()
         self.cache, self.reused = stats["cache"], reused
         self.held = [*prompt.tolist(), *tokens.tolist()][: int(self.cache.lengths[0])]  # all but the last drawn

@@ -119,6 +119,15 @@ def _history(args: argparse.Namespace) -> list[dict]:
     return history
 
 
+def _sampling(args: argparse.Namespace):
+    """The sampling flags as a :class:`~qkvjax.sample.Sampling` (refused here in one line, before anything is
+    restored or compiled); ``--top-k 0`` turns the cut off."""
+    from qkvjax.sample import Sampling
+
+    top_k = None if args.top_k == 0 else args.top_k
+    return Sampling(temperature=args.temperature, top_k=top_k, top_p=args.top_p, min_p=args.min_p)
+
+
 def _vocab_limit(saved, config) -> int | None:
     """256 for a model whose text is bytes (no tokenizer) but whose table is wider, with a note; else None."""
     if saved.data.tokenizer is not None or config.model.vocab_size <= 256:
@@ -144,18 +153,16 @@ def _chat_prompts(args: argparse.Namespace, chat) -> list[str]:
     return [render(template, turns, tokens, continue_final=turns[-1]["role"] == "assistant")]
 
 
-def _chat_session(args: argparse.Namespace, saved, tokenizer, stops, chat) -> int:
+def _chat_session(args: argparse.Namespace, saved, tokenizer, stops, chat, sampling) -> int:
     from qkvjax.chat import Session
     from qkvjax.evaluate import restore_params
 
     template, special = _template(args, chat)
     history = _history(args)
     model, params, config, step = restore_params(args.workdir, args.step)
+    sampling = dataclasses.replace(sampling, vocab_limit=_vocab_limit(saved, config))
     session = Session(model, params, tokenizer, template, special, system=args.system, history=history, stop_ids=stops,
-                      num_tokens=args.num_tokens, temperature=args.temperature,
-                      top_k=None if args.top_k == 0 else args.top_k, top_p=args.top_p, min_p=args.min_p,
-                      seed=args.seed,
-                      vocab_limit=_vocab_limit(saved, config))  # fmt: skip
+                      num_tokens=args.num_tokens, seed=args.seed, **dataclasses.asdict(sampling))  # fmt: skip
     session.run(sys.stdin, sys.stdout, sys.stderr, f"{args.workdir} (step {step})")
     return 0
 
@@ -188,22 +195,21 @@ def _sample(args: argparse.Namespace) -> int:
         why = "--interactive (one reply a turn)" if args.interactive else "--temperature 0 (greedy: one continuation)"
         raise ValueError(f"--num-samples {args.num_samples} with {why}; allowed: 1, or a temperature > 0 without "
                          "--interactive")  # fmt: skip
+    sampling = _sampling(args)
     chat = chat_template(args.workdir)
     if args.interactive:
-        return _chat_session(args, saved, tokenizer, stops, chat)
+        return _chat_session(args, saved, tokenizer, stops, chat, sampling)
     texts = _chat_prompts(args, chat) if args.chat else args.prompt
     # refuse an empty prompt before restoring anything; a rendered template writes its own special tokens
     prompts = [encode(p, tokenizer, add_special_tokens=not args.chat) for p in texts]
     n = args.num_samples
     texts, prompts = [t for t in texts for _ in range(n)], [p for p in prompts for _ in range(n)]  # prompt-major
     model, params, config, step = restore_params(args.workdir, args.step)
-    top_k = None if args.top_k == 0 else args.top_k
-    # before the prompt is echoed
-    check_request(model, prompts, args.num_tokens, args.temperature, top_k, args.top_p, min_p=args.min_p)
+    check_request(model, prompts, args.num_tokens)  # before the prompt is echoed
     if chat is not None and not args.chat:  # an instruct model given raw text continues it rather than answer
         print(f"note: {args.workdir} has a chat template: --chat writes each prompt as a user turn in it; the prompt "
               "is continued as typed", file=sys.stderr)  # fmt: skip
-    limit = _vocab_limit(saved, config)  # decided before the first token is shown
+    sampling = dataclasses.replace(sampling, vocab_limit=_vocab_limit(saved, config))  # before the first token
     stream = len(prompts) == 1
     streamer = tokenizer.streamer(lambda s: (sys.stdout.write(s), sys.stdout.flush()), prompts[0])
     if stream:
@@ -213,15 +219,11 @@ def _sample(args: argparse.Namespace) -> int:
         params,
         prompts,
         args.num_tokens,
-        temperature=args.temperature,
-        top_k=top_k,
-        top_p=args.top_p,
-        min_p=args.min_p,
         seed=args.seed,
         on_token=streamer if stream else None,
-        vocab_limit=limit,
         stop_ids=stops,
         share_prefix=True,  # one sample of one prompt shares nothing: a row of its own
+        **dataclasses.asdict(sampling),
     )
     if stream:
         streamer.flush()

@@ -3,6 +3,7 @@ tokens, on the device in one call or one call per token when streaming."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from collections.abc import Callable, Sequence
@@ -26,81 +27,74 @@ def encode(text: str, tokenizer=None, add_special_tokens: bool = True) -> np.nda
     return tokens
 
 
-def filter_logits(
-    logits: jax.Array,
-    temperature: float,
-    top_k: int | None,
-    top_p: float | None = None,
-    limit: int | None = None,
-    min_p: float | None = None,
-) -> jax.Array:
-    """The logits a token is drawn from, (..., V) -> (..., V), the cut ones set to -inf: divided by ``temperature``
-    (> 0), then only the ``top_k`` largest kept, then only the nucleus of ``top_p`` (Holtzman et al. 2020,
-    arXiv:1904.09751): the fewest largest that hold at least ``top_p`` of the probability left after the top-k
-    cut (the largest is always kept; ties with the last one kept stay), then only the tokens at least ``min_p``
-    times as likely as the likeliest (min-p sampling, Nguyen et al. 2024, arXiv:2407.01082: p_i >= min_p p_max,
-    i.e. z_i >= z_max + log min_p, whatever the earlier cuts left). With ``limit``, only ids below it."""
-    if limit is not None and limit < logits.shape[-1]:
-        logits = jnp.where(jnp.arange(logits.shape[-1]) < limit, logits, -jnp.inf)
-    logits = logits / temperature
-    if top_k is not None and top_k < logits.shape[-1]:
-        kth = jax.lax.top_k(logits, top_k)[0][..., -1:]
-        logits = jnp.where(logits < kth, -jnp.inf, logits)
-    if top_p is not None and top_p < 1.0:
-        ranked = jnp.flip(jnp.sort(logits, axis=-1), axis=-1)  # (..., V), largest first
-        probs = jax.nn.softmax(ranked.astype(jnp.float32), axis=-1)
-        above = jnp.cumsum(probs, axis=-1) - probs  # the mass of the tokens ranked above each
-        # kept: a token while the mass above it is short of top_p; the smallest kept logit is the cut
-        cut = jnp.min(jnp.where(above < top_p, ranked, jnp.inf), axis=-1, keepdims=True)
-        logits = jnp.where(logits < cut, -jnp.inf, logits)
-    if min_p is not None and min_p > 0.0:
-        floor = jnp.max(logits, axis=-1, keepdims=True) + jnp.log(jnp.float32(min_p))
-        logits = jnp.where(logits < floor, -jnp.inf, logits)
-    return logits
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """How a token is drawn from a row's logits z (..., V): greedy (argmax) when ``temperature`` is 0, else a draw
+    from softmax(z / temperature) over what the cuts keep, in this order: only the ``top_k`` largest; then the
+    nucleus of ``top_p`` (Holtzman et al. 2020, arXiv:1904.09751), the fewest largest that hold at least ``top_p``
+    of the probability left (the largest always kept; ties with the last one kept stay); then only the tokens at
+    least ``min_p`` times as likely as the likeliest (min-p sampling, Nguyen et al. 2024, arXiv:2407.01082:
+    p_i >= min_p p_max, i.e. z_i >= z_max + log min_p, whatever the earlier cuts left). ``vocab_limit``: only ids
+    below it, greedy included (text that is bytes needs ids < 256 from a table padded wider). None turns a cut
+    off. Hashable: the compiled decode programs are kept per model and settings."""
+
+    temperature: float = 0.8
+    top_k: int | None = 40
+    top_p: float | None = None
+    min_p: float | None = None
+    vocab_limit: int | None = None
+
+    def __post_init__(self):
+        if not 0 <= self.temperature < float("inf"):
+            raise ValueError(f"temperature={self.temperature}; allowed: a finite number >= 0 (0 is greedy)")
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError(f"top_k={self.top_k}; allowed: None or >= 1")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p}; allowed: None or a number in (0, 1] (1 keeps every token)")
+        if self.min_p is not None and not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p={self.min_p}; allowed: None or a number in [0, 1] (0 keeps every token)")
+        if self.vocab_limit is not None and self.vocab_limit < 1:
+            raise ValueError(f"vocab_limit={self.vocab_limit}; allowed: None or >= 1 (ids below it are drawn)")
+
+    def filter(self, logits: jax.Array) -> jax.Array:
+        """The logits a token is drawn from, (..., V) -> (..., V): divided by the temperature (> 0), the cut ones
+        set to -inf."""
+        limit, top_k, top_p, min_p = self.vocab_limit, self.top_k, self.top_p, self.min_p
+        if limit is not None and limit < logits.shape[-1]:
+            logits = jnp.where(jnp.arange(logits.shape[-1]) < limit, logits, -jnp.inf)
+        logits = logits / self.temperature
+        if top_k is not None and top_k < logits.shape[-1]:
+            kth = jax.lax.top_k(logits, top_k)[0][..., -1:]
+            logits = jnp.where(logits < kth, -jnp.inf, logits)
+        if top_p is not None and top_p < 1.0:
+            ranked = jnp.flip(jnp.sort(logits, axis=-1), axis=-1)  # (..., V), largest first
+            probs = jax.nn.softmax(ranked.astype(jnp.float32), axis=-1)
+            above = jnp.cumsum(probs, axis=-1) - probs  # the mass of the tokens ranked above each
+            # kept: a token while the mass above it is short of top_p; the smallest kept logit is the cut
+            cut = jnp.min(jnp.where(above < top_p, ranked, jnp.inf), axis=-1, keepdims=True)
+            logits = jnp.where(logits < cut, -jnp.inf, logits)
+        if min_p is not None and min_p > 0.0:
+            floor = jnp.max(logits, axis=-1, keepdims=True) + jnp.log(jnp.float32(min_p))
+            logits = jnp.where(logits < floor, -jnp.inf, logits)
+        return logits
+
+    def pick(self, logits: jax.Array, key: jax.Array) -> jax.Array:
+        """The token drawn from each row of ``logits`` (..., V) -> (...,) int32; ``key`` unused when greedy."""
+        if self.temperature == 0.0:  # the largest logit below the limit; the cuts keep it anyway
+            greedy = Sampling(1.0, None, vocab_limit=self.vocab_limit)
+            return jnp.argmax(greedy.filter(logits), axis=-1).astype(jnp.int32)
+        return jax.random.categorical(key, self.filter(logits), axis=-1).astype(jnp.int32)
 
 
-def pick(
-    logits: jax.Array,
-    key: jax.Array,
-    temperature: float,
-    top_k: int | None,
-    limit: int | None = None,
-    top_p: float | None = None,
-    min_p: float | None = None,
-) -> jax.Array:
-    """Greedy when ``temperature`` is 0, else a sample from softmax over :func:`filter_logits`; with ``limit``,
-    only ids below it are ever drawn (a byte-level model whose table is wider than 256)."""
-    if temperature == 0.0:  # the largest logit below the limit; the cuts keep it anyway
-        return jnp.argmax(filter_logits(logits, 1.0, None, None, limit), axis=-1).astype(jnp.int32)
-    logits = filter_logits(logits, temperature, top_k, top_p, limit, min_p)
-    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
-
-
-def check_request(
-    model: DecoderLM,
-    prompts: list[np.ndarray],
-    num_tokens: int,
-    temperature: float,
-    top_k,
-    top_p=None,
-    held=None,
-    min_p=None,
-) -> None:
-    """Refuses in one line what :func:`generate_batch` cannot do; ``held`` (B,): the tokens a cache already holds
-    before each prompt (they count against the context too)."""
+def check_request(model: DecoderLM, prompts: list[np.ndarray], num_tokens: int, held=None) -> None:
+    """Refuses in one line what :func:`generate_batch` cannot do with these prompts (a :class:`Sampling` checks
+    its own settings); ``held`` (B,): the tokens a cache already holds before each prompt (they count against the
+    context too)."""
     max_len = model.config.max_len
     if not prompts:
         raise ValueError("no prompts; pass at least one")
     if num_tokens < 1:
         raise ValueError(f"num_tokens={num_tokens}; allowed: >= 1")
-    if not 0 <= temperature < float("inf"):
-        raise ValueError(f"temperature={temperature}; allowed: a finite number >= 0 (0 is greedy)")
-    if top_k is not None and top_k < 1:
-        raise ValueError(f"top_k={top_k}; allowed: None or >= 1")
-    if top_p is not None and not 0 < top_p <= 1:
-        raise ValueError(f"top_p={top_p}; allowed: None or a number in (0, 1] (1 keeps every token)")
-    if min_p is not None and not 0 <= min_p <= 1:
-        raise ValueError(f"min_p={min_p}; allowed: None or a number in [0, 1] (0 keeps every token)")
     for i, prompt in enumerate(prompts):
         which = "the prompt" if len(prompts) == 1 else f"prompt {i}"
         before = 0 if held is None else int(held[i])
@@ -120,7 +114,7 @@ def check_request(
 
 
 @functools.lru_cache(maxsize=8)
-def _programs(model: DecoderLM, temperature: float, top_k, top_p, vocab_limit, scan_unroll: int, min_p) -> tuple:
+def _programs(model: DecoderLM, sampling: Sampling, scan_unroll: int) -> tuple:
     """The jitted prefill, one-token step and on-device loops of a model and its sampling settings, made once and
     kept (a model is hashable by its config): a second call with the same shapes, as a conversation's next turn,
     reuses their compiled programs instead of compiling them again."""
@@ -129,11 +123,11 @@ def _programs(model: DecoderLM, temperature: float, top_k, top_p, vocab_limit, s
     def prefill(params, cache, tokens, lengths, key):
         logits, cache = model.apply({"params": params}, tokens, cache=cache, num_valid=lengths)
         last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # each row's last prompt token
-        return pick(last, key, temperature, top_k, vocab_limit, top_p, min_p), cache
+        return sampling.pick(last, key), cache
 
     def one(params, cache, token, key):
         logits, cache = model.apply({"params": params}, token[:, None], cache=cache)
-        return pick(logits[:, -1], key, temperature, top_k, vocab_limit, top_p, min_p), cache
+        return sampling.pick(logits[:, -1], key), cache
 
     step = jax.jit(one, donate_argnums=1)
 
@@ -191,8 +185,8 @@ def generate_batch(
     (:class:`~qkvjax.models.lm.DecodeCache` keeps a length per row), so a row decodes as it would alone. With
     ``on_token`` (one prompt only) every token is streamed as it is made, one jitted call per token; otherwise
     all tokens are made on the device in one call (``lax.scan``), with no host round trip per token.
-    ``temperature``, ``top_k``, ``top_p``, ``min_p``: what a token is drawn from (:func:`filter_logits`;
-    ``temperature`` 0 is greedy). ``vocab_limit``: only ids below it are drawn (text that is bytes needs ids < 256).
+    ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``vocab_limit``: what a token is drawn from, the fields of
+    a :class:`Sampling` (``temperature`` 0 is greedy; ``**dataclasses.asdict(sampling)`` passes one).
     The tokens are made in one program whose layers pick the key prefix they read at run time (a ``lax.switch`` per
     layer and token; programs with the prefix fixed per stretch of steps, no branch, were measured slower,
     x0.89-0.94, on this project's CPU and on an H200, and were removed: benchmarks/README.md, "GPU: the third
@@ -231,7 +225,8 @@ def generate_batch(
             shapes = f"{len(held)} rows" if len(held) != len(prompts) else "other shapes"
             raise ValueError(f"the cache has {shapes}; allowed: DecodeCache.empty(model.config, {len(prompts)}) or "
                              "a cache a call with as many prompts returned")  # fmt: skip
-    check_request(model, prompts, num_tokens, temperature, top_k, top_p, held, min_p)
+    sampling = Sampling(temperature, top_k, top_p, min_p, vocab_limit)
+    check_request(model, prompts, num_tokens, held)
     for name, value, unit in (("scan_unroll", scan_unroll, "decode steps per loop iteration"),
                               ("prompt_bucket", prompt_bucket, "the prefill's width a multiple of it")):  # fmt: skip
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -254,8 +249,7 @@ def generate_batch(
     padded = np.zeros((b, width), np.int32)  # right-padded, each row's length passed: the padding is never read
     for i, p in enumerate(rest):
         padded[i, : len(p)] = p
-    prefill, step, decode_all, decode_until_stop = _programs(model, temperature, top_k, top_p, vocab_limit,
-                                                             scan_unroll, min_p)  # fmt: skip
+    prefill, step, decode_all, decode_until_stop = _programs(model, sampling, scan_unroll)
 
     base = jax.random.PRNGKey(seed)
     keys = jax.vmap(lambda i: jax.random.fold_in(base, i))(jnp.arange(1, num_tokens)) if num_tokens > 1 else None

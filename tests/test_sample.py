@@ -1,12 +1,12 @@
-"""What a sampled token is drawn from: temperature, top-k and the nucleus (top-p), against a float64 numpy
-reference, and the draws themselves."""
+"""What a sampled token is drawn from (:class:`qkvjax.sample.Sampling`): temperature, top-k, the nucleus (top-p),
+min-p and the vocabulary limit, against a float64 numpy reference, and the draws themselves."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from qkvjax.sample import filter_logits, pick
+from qkvjax.sample import Sampling
 
 B, V = 3, 13  # odd and distinct: a swapped axis fails
 
@@ -64,7 +64,7 @@ def logits():
     ],
 )
 def test_filter_keeps_what_the_float64_reference_keeps(logits, temperature, top_k, top_p, limit, min_p):
-    out = np.asarray(filter_logits(jnp.asarray(logits), temperature, top_k, top_p, limit, min_p))
+    out = np.asarray(Sampling(temperature, top_k, top_p, min_p, limit).filter(jnp.asarray(logits)))
     want = reference_kept(logits, temperature, top_k, top_p, limit, min_p)
     np.testing.assert_array_equal(np.isfinite(out), want)
     np.testing.assert_allclose(out[want], logits[want] / temperature, rtol=1e-6)
@@ -81,14 +81,14 @@ def test_min_p_keeps_what_transformers_min_p_warper_keeps(logits):
     warper = pytest.importorskip("transformers.generation.logits_process", reason="the hf extra").MinPLogitsWarper
     for min_p in (0.02, 0.1, 0.3, 0.9):
         theirs = warper(min_p)(None, torch.tensor(logits / 0.8)).numpy()
-        ours = np.asarray(filter_logits(jnp.asarray(logits), 0.8, None, None, None, min_p))
+        ours = np.asarray(Sampling(0.8, None, min_p=min_p).filter(jnp.asarray(logits)))
         np.testing.assert_array_equal(np.isfinite(ours), np.isfinite(theirs), err_msg=str(min_p))
 
 
 def test_draws_come_from_the_nucleus_in_its_renormalised_proportions(logits):
     row = jnp.asarray(logits[:1].repeat(4000, axis=0))  # one row's logits, drawn 4000 times
     keys = jax.random.split(jax.random.PRNGKey(3), 4000)
-    draws = np.asarray(jax.vmap(lambda lg, k: pick(lg[None], k, 1.0, None, top_p=0.8)[0])(row, keys))
+    draws = np.asarray(jax.vmap(lambda lg, k: Sampling(1.0, None, top_p=0.8).pick(lg[None], k)[0])(row, keys))
     kept = reference_kept(logits[:1], 1.0, None, 0.8)[0]
     assert kept.sum() >= 2 and set(np.unique(draws)) == set(np.flatnonzero(kept))
     p = np.where(kept, np.exp(logits[0].astype(np.float64)), 0.0)
@@ -100,6 +100,32 @@ def test_draws_come_from_the_nucleus_in_its_renormalised_proportions(logits):
 
 def test_greedy_ignores_the_cuts_but_not_the_limit(logits):
     key = jax.random.PRNGKey(0)
-    np.testing.assert_array_equal(np.asarray(pick(jnp.asarray(logits), key, 0.0, 3, top_p=0.1)), logits.argmax(-1))
-    limited = np.asarray(pick(jnp.asarray(logits), key, 0.0, None, limit=4))
+    greedy = np.asarray(Sampling(0.0, 3, top_p=0.1).pick(jnp.asarray(logits), key))
+    np.testing.assert_array_equal(greedy, logits.argmax(-1))
+    limited = np.asarray(Sampling(0.0, None, vocab_limit=4).pick(jnp.asarray(logits), key))
     np.testing.assert_array_equal(limited, logits[:, :4].argmax(-1))
+
+
+@pytest.mark.parametrize(
+    "field,value,allowed",
+    [
+        ("temperature", -0.5, "a finite number >= 0"),
+        ("temperature", float("inf"), "a finite number >= 0"),
+        ("top_k", 0, "None or >= 1"),
+        ("top_p", 0.0, r"None or a number in \(0, 1\]"),
+        ("top_p", 1.5, r"None or a number in \(0, 1\]"),
+        ("min_p", -0.1, r"None or a number in \[0, 1\]"),
+        ("min_p", 1.01, r"None or a number in \[0, 1\]"),
+        ("vocab_limit", 0, "None or >= 1"),
+    ],
+)
+def test_sampling_refuses_a_setting_out_of_range_in_one_line(field, value, allowed):
+    with pytest.raises(ValueError, match=rf"^{field}={value}; allowed: {allowed}") as e:
+        Sampling(**{field: value})
+    assert "\n" not in str(e.value)
+
+
+def test_equal_settings_are_one_key_for_the_compiled_programs():
+    """generate_batch keeps its compiled programs per model and Sampling: equal settings must hash alike."""
+    assert Sampling(0.7, None, top_p=0.9) == Sampling(temperature=0.7, top_k=None, top_p=0.9)
+    assert len({Sampling(0.7, None, top_p=0.9), Sampling(0.7, None, top_p=0.9), Sampling(0.7, None)}) == 2
