@@ -119,13 +119,17 @@ def _history(args: argparse.Namespace) -> list[dict]:
     return history
 
 
-def _sampling(args: argparse.Namespace):
+def _sampling(args: argparse.Namespace, defaults: dict):
     """The sampling flags as a :class:`~qkvjax.sample.Sampling` (refused here in one line, before anything is
-    restored or compiled); ``--top-k 0`` turns the cut off."""
+    restored or compiled): each flag given, else ``defaults`` (an imported model's own), else the library's;
+    ``--top-k 0`` and ``--top-p 1`` turn their cut off."""
     from qkvjax.sample import Sampling
 
-    top_k = None if args.top_k == 0 else args.top_k
-    return Sampling(temperature=args.temperature, top_k=top_k, top_p=args.top_p, min_p=args.min_p)
+    flags = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "min_p": args.min_p}
+    given = {k: v for k, v in flags.items() if v is not None}
+    if given.get("top_k") == 0:
+        given["top_k"] = None
+    return Sampling(**(defaults | given))
 
 
 def _vocab_limit(saved, config) -> int | None:
@@ -171,8 +175,8 @@ def _sample(args: argparse.Namespace) -> int:
     from qkvjax.config import require_decoder
     from qkvjax.data.tokenizer import check_vocab, load_tokenizer
     from qkvjax.evaluate import restore_params
-    from qkvjax.sample import check_request, encode, generate_batch
-    from qkvjax.workdir import chat_template, load_config, stop_ids
+    from qkvjax.sample import check_request, describe_sampling, encode, generate_batch
+    from qkvjax.workdir import chat_template, load_config, sampling_defaults, stop_ids
 
     saved = load_config(args.workdir)
     require_decoder(saved, "sample")
@@ -191,11 +195,16 @@ def _sample(args: argparse.Namespace) -> int:
                          "allowed: one of them")  # fmt: skip
     if args.num_samples < 1:
         raise ValueError(f"--num-samples {args.num_samples}; allowed: an int >= 1")
-    if args.num_samples > 1 and (args.interactive or args.temperature == 0):
+    defaults = sampling_defaults(args.workdir)
+    sampling = _sampling(args, defaults)
+    if args.num_samples > 1 and (args.interactive or sampling.temperature == 0):
         why = "--interactive (one reply a turn)" if args.interactive else "--temperature 0 (greedy: one continuation)"
         raise ValueError(f"--num-samples {args.num_samples} with {why}; allowed: 1, or a temperature > 0 without "
                          "--interactive")  # fmt: skip
-    sampling = _sampling(args)
+    if own := describe_sampling({k: getattr(sampling, k) for k in defaults if getattr(args, k) is None}):
+        # said before anything is drawn: these are not the defaults --help shows
+        print(f"note: sampling with {own} ({args.workdir}'s own, from its generation_config.json; a flag overrides "
+              "each)", file=sys.stderr)  # fmt: skip
     chat = chat_template(args.workdir)
     if args.interactive:
         return _chat_session(args, saved, tokenizer, stops, chat, sampling)
@@ -299,7 +308,8 @@ def _convert(args: argparse.Namespace) -> int:
 def _import(args: argparse.Namespace) -> int:
     from qkvjax.hf import import_folder
     from qkvjax.models.encoder import EncoderConfig, parameter_count
-    from qkvjax.workdir import chat_template, stop_ids
+    from qkvjax.sample import describe_sampling
+    from qkvjax.workdir import chat_template, sampling_defaults, stop_ids
 
     config = import_folder(args.folder, args.workdir, args.max_len)
     m = config.model
@@ -307,10 +317,12 @@ def _import(args: argparse.Namespace) -> int:
     kind = " as an encoder (hidden states: info, analyze, convert, export)" if encoder else ""
     stops = () if encoder else stop_ids(args.workdir)
     chat = ", chat template (sample --chat)" if not encoder and chat_template(args.workdir) else ""
+    own = describe_sampling(sampling_defaults(args.workdir))
+    own = f", samples with {own} (its generation_config.json)" if own and not encoder else ""
     print(
         f"imported {args.folder}{kind}: {m.num_layers} layers, D={m.d_model}, N={m.attention.num_heads}, "
         f"K={m.attention.kv_heads}, V={m.vocab_size}, {parameter_count(m):,} parameters, tokenizer "
-        f"{config.data.tokenizer or 'bytes'}{f', sampling ends at eos ids {list(stops)}' if stops else ''}{chat} "
+        f"{config.data.tokenizer or 'bytes'}{f', sampling ends at eos ids {list(stops)}' if stops else ''}{chat}{own} "
         f"-> {args.workdir}"
     )
     return 0
@@ -553,12 +565,15 @@ def _run_commands() -> tuple[Command, ...]:
                 "max_len); repeat it to decode several prompts of any lengths in one batch (one prompt is streamed as "
                 "it is made)"),
             opt("--num-tokens", type=int, default=200, help="tokens to generate (bytes without a tokenizer)"),
-            opt("--temperature", type=float, default=0.8, help="0 = greedy"),
-            opt("--top-k", type=int, default=40, help="0 = no top-k cut"),
-            opt("--top-p", type=float, default=1.0,
-                help="nucleus: draw from the fewest likeliest tokens holding this much probability; 1 = no cut"),
-            opt("--min-p", type=float, default=0.0,
-                help="min-p: draw only from tokens at least this many times as likely as the likeliest; 0 = no cut"),
+            opt("--temperature", type=float, default=None,
+                help="0 = greedy (default 0.8, or an imported model's own, from its generation_config.json)"),
+            opt("--top-k", type=int, default=None, help="0 = no top k cut (default 40, or an imported model's own)"),
+            opt("--top-p", type=float, default=None,
+                help="nucleus: draw from the fewest likeliest tokens holding this much probability; 1 = no cut "
+                "(default 1, or an imported model's own)"),
+            opt("--min-p", type=float, default=None,
+                help="min p: draw only from tokens at least this many times as likely as the likeliest; 0 = no cut "
+                "(default 0, or an imported model's own)"),
             opt("--seed", type=int, default=0, help="sampling seed"),
             opt("--num-samples", type=int, default=1,
                 help="continuations drawn for each prompt, in one batch (transformers' num_return_sequences); the "

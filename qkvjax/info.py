@@ -17,7 +17,16 @@ from qkvjax.evaluate import resolve_step
 from qkvjax.models.encoder import EncoderConfig, model_of, parameter_count
 from qkvjax.models.lm import kv_cache_bytes_per_row
 from qkvjax.train import checkpoint
-from qkvjax.workdir import chat_template, exported_steps, load_config, params_only, path, read_metrics, stop_ids
+from qkvjax.workdir import (
+    chat_template,
+    exported_steps,
+    load_config,
+    params_only,
+    path,
+    read_metrics,
+    sampling_defaults,
+    stop_ids,
+)
 
 
 def _size(folder: epath.Path) -> int:
@@ -77,6 +86,7 @@ def describe(workdir: str) -> dict:
         "kv_cache_bytes_per_row": None if isinstance(m, EncoderConfig) else kv_cache_bytes_per_row(m),
         "stop_ids": list(stop_ids(workdir)),  # an imported model's eos ids, where `sample` ends a row
         "chat_template": chat_template(workdir) is not None,  # an imported instruct model's (`sample --chat`)
+        "sampling": sampling_defaults(workdir),  # an imported model's own settings, `sample`'s defaults for it
         "checkpoints": checkpoints,
         "parameters": {"total": parameter_count(config.model), "by_component": breakdown},
         "last_train_metrics": last_train,
@@ -105,6 +115,11 @@ def format_description(info: dict) -> str:
         lines.append(f"sampling ends at eos ids {info['stop_ids']} (`sample --ignore-eos` goes on)")
     if info["chat_template"]:
         lines.append("chat template: `sample --chat` writes each prompt as a user turn in it")
+    if info["sampling"]:
+        from qkvjax.sample import describe_sampling
+
+        own = describe_sampling(info["sampling"])
+        lines.append(f"sampling: {own} (the model's own, from its generation_config.json: `sample`'s defaults)")
     lines.append(f"parameters: {info['parameters']['total']:,}")
     for name, n in info["parameters"]["by_component"].items():
         lines.append(f"  {name:<32} {n:>12,}")

@@ -86,6 +86,11 @@ class Sampling:
         return jax.random.categorical(key, self.filter(logits), axis=-1).astype(jnp.int32)
 
 
+def describe_sampling(settings: dict) -> str:
+    """Sampling fields as a reader is told them: 'temperature 0.6, top_k off, top_p 0.95'."""
+    return ", ".join(f"{k} {'off' if v is None else v}" for k, v in settings.items())
+
+
 def check_request(model: DecoderLM, prompts: list[np.ndarray], num_tokens: int, held=None) -> None:
     """Refuses in one line what :func:`generate_batch` cannot do with these prompts (a :class:`Sampling` checks
     its own settings); ``held`` (B,): the tokens a cache already holds before each prompt (they count against the

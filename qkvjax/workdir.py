@@ -42,7 +42,8 @@ REPLACED_PREFIX = "replaced-"  # a run --overwrite replaces, kept until the new 
 TOKENIZER = "tokenizer.json"  # a run's (or an imported model's) tokenizer, in the Hugging Face format
 SPECIAL_IDS_FILE = "special_tokens.json"  # an imported model's bos/eos/pad ids, written back by export
 CHAT_TEMPLATE_FILE = "chat_template.jinja"  # an imported model's chat template (qkvjax.chat), as transformers saves it
-IMPORTED_FILES = (TOKENIZER, SPECIAL_IDS_FILE, CHAT_TEMPLATE_FILE)  # what a model brings besides weights and config
+SAMPLING_FILE = "sampling.json"  # an imported model's own sampling settings (its generation_config.json asks for them)
+IMPORTED_FILES = (TOKENIZER, SPECIAL_IDS_FILE, CHAT_TEMPLATE_FILE, SAMPLING_FILE)  # besides weights and config
 IMPORTED_STEP = 0  # ``params/0``: an imported model (training exports params at steps >= 1 only)
 
 
@@ -136,6 +137,14 @@ def special_tokens(workdir) -> dict:
     """An imported model's ``special_tokens.json``: its bos/eos/pad ids and token strings ({} for a run trained
     here, which has none)."""
     file = path(workdir) / SPECIAL_IDS_FILE
+    return json.loads(file.read_text()) if file.exists() else {}
+
+
+def sampling_defaults(workdir) -> dict:
+    """An imported model's own sampling settings, as :class:`~qkvjax.sample.Sampling` fields (``temperature``,
+    ``top_k``, ``top_p``, ``min_p``): what ``sample`` draws with where no flag says otherwise; {} for a run trained
+    here and a model whose folder did not ask for sampling."""
+    file = path(workdir) / SAMPLING_FILE
     return json.loads(file.read_text()) if file.exists() else {}
 
 

@@ -622,6 +622,59 @@ def test_sample_prompts_and_stops_as_transformers_generate(folders, tmp_path, ca
     assert capsys.readouterr().out == text(free)
 
 
+def test_a_models_own_sampling_settings_are_samples_defaults_and_export_writes_them_back(folders, tmp_path, capsys):
+    """A folder whose generation_config.json asks generate to sample (Qwen3's and Llama 3's do) brings its settings:
+    `sample` draws with them where no flag says otherwise (the same tokens as those settings given as flags), says
+    so, and export writes them back where transformers' GenerationConfig reads them. A folder that does not ask
+    (generate is greedy there) brings none, and a value out of range is refused at import in one line."""
+    from qkvjax.cli import main
+
+    src, _ = folders["llama_gqa"]
+    folder = tmp_path / "llama"
+    __import__("shutil").copytree(src, folder)
+    _word_tokenizer(folder / "tokenizer.json", [f"w{i}" for i in range(V)])
+    gen = folder / "generation_config.json"
+    ids = json.loads(gen.read_text()) if gen.exists() else {}
+    gen.write_text(json.dumps(ids | {"do_sample": True, "temperature": 0.6, "top_k": 7, "top_p": 0.9}))
+    w = str(tmp_path / "w")
+    assert main(["import", str(folder), "--workdir", w]) == 0
+    said = "temperature 0.6, top_k 7, top_p 0.9, min_p off"
+    assert f"samples with {said} (its generation_config.json)" in capsys.readouterr().out
+    assert main(["info", "--workdir", w]) == 0
+    assert f"sampling: {said} (the model's own" in capsys.readouterr().out
+
+    def sample(*flags: str) -> tuple[str, str]:
+        argv = ["sample", "--workdir", w, "--prompt", "w3 w5", "--num-tokens", "9", "--seed", "4", "--ignore-eos"]
+        assert main([*argv, *flags]) == 0
+        out = capsys.readouterr()
+        return out.out, out.err
+
+    own, notes = sample()
+    assert f"note: sampling with {said} ({w}'s own" in notes and len(own.split()) == 2 + 9, own
+    given, notes = sample("--temperature", "0.6", "--top-k", "7", "--top-p", "0.9", "--min-p", "0")
+    assert given == own and "note: sampling with" not in notes  # every setting given: nothing of the model's
+    library, _ = sample("--temperature", "0.8", "--top-k", "40", "--top-p", "1", "--min-p", "0")
+    assert library != own  # what `sample` drew before it read the model's settings, with the same seed
+    _, notes = sample("--top-k", "0")  # one flag overrides one setting; the note names the others only
+    assert "note: sampling with temperature 0.6, top_p 0.9, min_p off (" in notes
+
+    assert main(["export", str(tmp_path / "hf"), "--workdir", w]) == 0
+    back = transformers.GenerationConfig.from_pretrained(tmp_path / "hf")
+    assert (back.do_sample, back.temperature, back.top_k, back.top_p) == (True, 0.6, 7, 0.9)
+    assert back.eos_token_id == json.loads((folder / "config.json").read_text())["eos_token_id"]
+    assert main(["import", str(tmp_path / "hf"), "--workdir", str(tmp_path / "w2")]) == 0  # the round trip
+    assert f"samples with {said}" in capsys.readouterr().out
+    assert (tmp_path / "w2" / "sampling.json").read_text() == (tmp_path / "w" / "sampling.json").read_text()
+
+    gen.write_text(json.dumps(ids | {"temperature": 0.6}))  # no do_sample: generate is greedy, qkvjax's defaults
+    assert main(["import", str(folder), "--workdir", str(tmp_path / "w3")]) == 0
+    assert not (tmp_path / "w3" / "sampling.json").exists() and "samples with" not in capsys.readouterr().out
+    gen.write_text(json.dumps(ids | {"do_sample": True, "top_p": 1.5}))
+    with pytest.raises(ValueError, match=r"generation_config.json: top_p=1.5; allowed: None or a number in") as e:
+        import_folder(str(folder), str(tmp_path / "w4"))
+    assert "\n" not in str(e.value) and not (tmp_path / "w4").exists()
+
+
 def test_chat_sample_as_transformers_apply_chat_template_and_generate(folders, tmp_path, capsys, monkeypatch):
     """An instruct model's chat template: ``qkvjax sample --chat --system S --prompt P`` renders the conversation as
     transformers' ``apply_chat_template(..., add_generation_prompt=True)`` does (same text, same ids, no BOS added

@@ -27,9 +27,11 @@ import numpy as np
 from qkvjax.chat import TOKENIZER_CONFIG
 from qkvjax.chat import read_folder as read_chat
 from qkvjax.hf.folder import (
+    GENERATION_CONFIG,
     TOKENIZER,
     Tensors,
     checked_tokenizer,
+    generation_sampling,
     read_config,
     read_tensors,
     special_ids,
@@ -37,7 +39,7 @@ from qkvjax.hf.folder import (
 )
 from qkvjax.hf.layouts import LAYOUTS, check_exportable, export, infer_format, layout_of
 from qkvjax.models.encoder import model_of
-from qkvjax.workdir import CHAT_TEMPLATE_FILE, SPECIAL_IDS_FILE
+from qkvjax.workdir import CHAT_TEMPLATE_FILE, SAMPLING_FILE, SPECIAL_IDS_FILE
 
 
 def expected_shapes(config) -> dict[str, tuple[int, ...]]:
@@ -120,6 +122,7 @@ def import_folder(folder: str, workdir: str, max_len: int | None = None):
     config = Config(model=model, data=data)
     ids = special_ids(folder, SPECIAL_IDS)
     template, strings = read_chat(folder)  # an instruct model's prompt format, and the token strings it names
+    sampling = generation_sampling(folder)  # what generate draws with, where the folder asks for sampling
     with whole_or_absent(out, "files") as staging:
         if tokenizer:
             (staging / TOKENIZER).write_bytes(tokenizer)
@@ -127,6 +130,8 @@ def import_folder(folder: str, workdir: str, max_len: int | None = None):
             (staging / SPECIAL_IDS_FILE).write_text(json.dumps(ids | strings, indent=2) + "\n")
         if template is not None:
             (staging / CHAT_TEMPLATE_FILE).write_text(template, encoding="utf-8")
+        if sampling:
+            (staging / SAMPLING_FILE).write_text(json.dumps(sampling, indent=2) + "\n")
         export_params(staging, 0, jax.tree.map(jnp.asarray, params))
         write_text(staging / CONFIG_FILE, to_json(config))
     return config
@@ -135,7 +140,15 @@ def import_folder(folder: str, workdir: str, max_len: int | None = None):
 def export_workdir(workdir: str, folder: str, fmt: str | None = None, step: int | None = None) -> str:
     """Writes a workdir's model (its newest checkpoint, or ``step``) as a Hugging Face folder; returns the format."""
     from qkvjax.evaluate import restore_params
-    from qkvjax.workdir import chat_template, load_config, path, require_empty, special_tokens, whole_or_absent
+    from qkvjax.workdir import (
+        chat_template,
+        load_config,
+        path,
+        require_empty,
+        sampling_defaults,
+        special_tokens,
+        whole_or_absent,
+    )
 
     model = load_config(workdir).model  # every refusal before anything is restored (resume keeps the model)
     fmt = fmt or infer_format(model)
@@ -146,6 +159,8 @@ def export_workdir(workdir: str, folder: str, fmt: str | None = None, step: int 
     tokenizer = checked_tokenizer(os.fspath(path(workdir))) if config.data.tokenizer else None
     # the imported model's bos/eos/pad ids, so that generate() stops where it did
     hf |= {k: v for k, v in special_tokens(workdir).items() if k in SPECIAL_IDS}
+    sampling = sampling_defaults(workdir)
+    generation = generation_config(sampling, {k: v for k, v in hf.items() if k in SPECIAL_IDS}) if sampling else None
     # as transformers 5's save_pretrained writes them: the template alone in chat_template.jinja, the token strings it
     # names (bos_token, eos_token, ...) in tokenizer_config.json
     chat = chat_template(workdir)
@@ -158,12 +173,24 @@ def export_workdir(workdir: str, folder: str, fmt: str | None = None, step: int 
         write_folder(os.fspath(staging), hf, tensors)
         if tokenizer:
             (staging / TOKENIZER).write_bytes(tokenizer)
+        if generation:
+            (staging / GENERATION_CONFIG).write_text(json.dumps(generation, indent=2) + "\n")
         if chat:
             (staging / CHAT_TEMPLATE_FILE).write_text(chat[0], encoding="utf-8")
         if chat and chat[1]:
             text = json.dumps(chat[1], indent=2, ensure_ascii=False) + "\n"
             (staging / TOKENIZER_CONFIG).write_text(text, encoding="utf-8")
     return fmt
+
+
+def generation_config(sampling: dict, ids: dict) -> dict:
+    """``generation_config.json`` for an imported model's own sampling settings (``sampling``, Sampling fields),
+    written so that transformers' ``generate`` draws as ``qkvjax sample`` does: ``do_sample``, every cut written
+    out, one that is off as off (``top_k`` 0, ``top_p`` 1: left out, generate would cut at its top_k of 50), and the
+    special ids, which generate then reads from this file rather than from config.json."""
+    cuts = {"top_k": sampling.get("top_k") or 0, "top_p": sampling.get("top_p") or 1.0}
+    out = ids | {"do_sample": True, "temperature": sampling["temperature"]} | cuts
+    return out | ({"min_p": sampling["min_p"]} if sampling.get("min_p") else {})
 
 
 __all__ = [

@@ -48,6 +48,34 @@ def special_ids(folder: str, names: tuple[str, ...]) -> dict:
     return ids
 
 
+def generation_sampling(folder: str) -> dict:
+    """The sampling a folder's ``generation_config.json`` asks transformers' ``generate`` for, as
+    :class:`~qkvjax.sample.Sampling` fields: {} unless it sets ``do_sample`` (without it ``generate`` is greedy and
+    ``qkvjax sample`` keeps its own defaults); a setting it leaves out takes ``generate``'s default (temperature 1,
+    top_k 50, top_p 1: no cut, no min_p). One line naming the file where a value is out of range."""
+    from qkvjax.sample import Sampling
+
+    file = os.path.join(folder, GENERATION_CONFIG)
+    if not os.path.isfile(file):
+        return {}
+    with open(file) as f:
+        given = json.load(f)
+    if not isinstance(given, dict) or given.get("do_sample") is not True:
+        return {}
+
+    def value(key, default):  # transformers reads a null as the default
+        return default if given.get(key) is None else given[key]
+
+    top_p = value("top_p", 1.0)
+    fields = {"temperature": value("temperature", 1.0), "top_k": value("top_k", 50) or None,  # 0: no cut
+              "top_p": None if top_p == 1.0 else top_p, "min_p": given.get("min_p")}  # fmt: skip
+    try:
+        Sampling(**fields)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{file}: {e}") from None
+    return fields
+
+
 MAX_TOKENIZER_BYTES = 256 << 20  # a tokenizer.json larger than this is not one (Llama 3's is 9 MB)
 
 
