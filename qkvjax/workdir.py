@@ -136,15 +136,19 @@ def load_config(workdir) -> Config:
 def special_tokens(workdir) -> dict:
     """An imported model's ``special_tokens.json``: its bos/eos/pad ids and token strings ({} for a run trained
     here, which has none)."""
-    file = path(workdir) / SPECIAL_IDS_FILE
-    return json.loads(file.read_text()) if file.exists() else {}
+    return _imported_json(workdir, SPECIAL_IDS_FILE)
 
 
 def sampling_defaults(workdir) -> dict:
     """An imported model's own sampling settings, as :class:`~qkvjax.sample.Sampling` fields (``temperature``,
     ``top_k``, ``top_p``, ``min_p``): what ``sample`` draws with where no flag says otherwise; {} for a run trained
     here and a model whose folder did not ask for sampling."""
-    file = path(workdir) / SAMPLING_FILE
+    return _imported_json(workdir, SAMPLING_FILE)
+
+
+def _imported_json(workdir, name: str) -> dict:
+    """One of an imported model's JSON files in the workdir ({} where the model brought none)."""
+    file = path(workdir) / name
     return json.loads(file.read_text()) if file.exists() else {}
 
 

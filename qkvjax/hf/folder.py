@@ -41,11 +41,17 @@ def special_ids(folder: str, names: tuple[str, ...]) -> dict:
     ``generation_config.json`` where it has one and names them (Llama 3 stops at three ids there, one in
     ``config.json``), else from ``config.json``."""
     ids = {k: v for k, v in read_config(folder).items() if k in names and v is not None}
+    return ids | {k: v for k, v in read_generation_config(folder).items() if k in names and v is not None}
+
+
+def read_generation_config(folder: str) -> dict:
+    """The folder's ``generation_config.json`` as a dict ({} where it has none)."""
     file = os.path.join(folder, GENERATION_CONFIG)
-    if os.path.isfile(file):
-        with open(file) as f:
-            ids |= {k: v for k, v in json.load(f).items() if k in names and v is not None}
-    return ids
+    if not os.path.isfile(file):
+        return {}
+    with open(file) as f:
+        given = json.load(f)
+    return given if isinstance(given, dict) else {}
 
 
 def generation_sampling(folder: str) -> dict:
@@ -55,12 +61,8 @@ def generation_sampling(folder: str) -> dict:
     top_k 50, top_p 1: no cut, no min_p). One line naming the file where a value is out of range."""
     from qkvjax.sample import Sampling
 
-    file = os.path.join(folder, GENERATION_CONFIG)
-    if not os.path.isfile(file):
-        return {}
-    with open(file) as f:
-        given = json.load(f)
-    if not isinstance(given, dict) or given.get("do_sample") is not True:
+    given = read_generation_config(folder)
+    if given.get("do_sample") is not True:
         return {}
 
     def value(key, default):  # transformers reads a null as the default
@@ -72,7 +74,7 @@ def generation_sampling(folder: str) -> dict:
     try:
         Sampling(**fields)
     except (TypeError, ValueError) as e:
-        raise ValueError(f"{file}: {e}") from None
+        raise ValueError(f"{os.path.join(folder, GENERATION_CONFIG)}: {e}") from None
     return fields
 
 
