@@ -256,6 +256,7 @@ def place_labels(ax, points: list[tuple], fontsize: float = 7, offset_px: float 
     marker = 5.0  # half a marker's width in pixels: labels keep off every point
     placed = [(px - marker, py - marker, px + marker, py + marker) for px, py in spots]
     frame = ax.bbox
+    label_y = {}  # display height of each label's centre
     for i in sorted(range(len(points)), key=lambda i: (spots[i][1], spots[i][0])):
         (px, py), (w, h) = spots[i], sizes[i]
         own = (px - marker, py - marker, px + marker, py + marker)
@@ -270,12 +271,43 @@ def place_labels(ax, points: list[tuple], fontsize: float = 7, offset_px: float 
         else:
             y = py  # no free place: keep it by its point rather than out of sight
         placed.append((px + offset_px, y - h / 2 - 1, px + offset_px + w, y + h / 2 + 1))
-        x, y_data = ax.transData.inverted().transform((px + offset_px, y))
+        label_y[i] = y
+    _uncross(spots, sizes, label_y, marker, offset_px)
+    for i, (px, py) in enumerate(spots):
+        x, y_data = ax.transData.inverted().transform((px + offset_px, label_y[i]))
         text, color = points[i][2:]
+        leader = {"arrowstyle": "-", "color": color, "lw": 0.7, "shrinkB": 4}  # only for a label moved off its point
         ax.annotate(
             text, points[i][:2], xytext=(x, y_data), textcoords="data", va="center", fontsize=fontsize, color=color,
-            arrowprops=None if abs(y - py) < 1 else {"arrowstyle": "-", "color": color, "lw": 0.7, "shrinkB": 4},
+            arrowprops=None if abs(label_y[i] - py) < 1 else leader,
         )  # fmt: skip
+
+
+def _uncross(spots: list, sizes: list, label_y: dict, marker: float, offset_px: float) -> None:
+    """Swaps the heights of two labels whose points share a column (closer than ``offset_px`` across) but whose
+    labels stand in the other order, where both still overlap nothing: the greedy search tries above before below,
+    so a higher point's label can land under a lower one's, and their leader lines would cross. Every swap removes
+    an inversion of the pair; the rounds are bounded all the same."""
+
+    def box(i: int, y: float) -> tuple:
+        (px, _), (w, h) = spots[i], sizes[i]
+        return (px + offset_px, y - h / 2 - 1, px + offset_px + w, y + h / 2 + 1)
+
+    def free(i: int, y: float, skip: int, y_skip: float) -> bool:  # label i at y, label ``skip`` at y_skip
+        points = [(px - marker, py - marker, px + marker, py + marker) for k, (px, py) in enumerate(spots) if k != i]
+        labels = [box(k, label_y[k]) for k in label_y if k not in (i, skip)] + [box(skip, y_skip)]
+        return not any(_overlap(box(i, y), b) for b in points + labels)
+
+    pairs = [(i, j) for i in label_y for j in label_y if i < j and abs(spots[i][0] - spots[j][0]) < offset_px]
+    for _ in range(len(pairs) + 1):
+        swapped = False
+        for i, j in pairs:
+            crossed = (spots[i][1] - spots[j][1]) * (label_y[i] - label_y[j]) < 0
+            if crossed and free(i, label_y[j], j, label_y[i]) and free(j, label_y[i], i, label_y[j]):
+                label_y[i], label_y[j] = label_y[j], label_y[i]
+                swapped = True
+        if not swapped:
+            return
 
 
 def _overlap(a: tuple, b: tuple) -> bool:

@@ -215,7 +215,8 @@ def test_the_committed_mechanism_rows_build_at_the_middle_size_with_the_caches_t
 def test_labels_of_a_crowded_column_fan_out_without_overlapping():
     """Fifteen rows at (nearly) one parameter count, as the mechanism study has: every label is written, none
     overlaps another or leaves the axes vertically, each sits right of its own point, and one moved off its point's
-    height is tied to it by a leader line."""
+    height is tied to it by a leader line, and no two leader lines of one column cross (labels keep their points'
+    vertical order)."""
     from experiments import report
 
     plt = report.pyplot()
@@ -244,4 +245,11 @@ def test_labels_of_a_crowded_column_fan_out_without_overlapping():
         assert box.x0 > x  # right of its point
         moved = abs((box.y0 + box.y1) / 2 - y) > 1
         assert (t.arrow_patch is not None) == moved, t.get_text()
+    at = {t.get_text(): (*ax.transData.transform(t.xy), (boxes[t.get_text()].y0 + boxes[t.get_text()].y1) / 2)
+          for t in texts}  # fmt: skip
+    for i, a in enumerate(names):
+        for b in names[i + 1 :]:
+            (xa, ya, la), (xb, yb, lb) = at[a], at[b]
+            if abs(xa - xb) < 8:  # one column: the labels stand in their points' order
+                assert (ya - yb) * (la - lb) >= 0, (a, b)
     plt.close(fig)
