@@ -214,7 +214,7 @@ class Session:
         self.cache, self.held = None, []  # given to the call below (donated); kept again once the reply is made
         tokens, stats = generate(self.model, self.params, prompt[reused:], min(self.num_tokens, max_len - len(prompt)),
                                  seed=self.seed + turn, on_token=streamer, stop_ids=self.stop_ids,
-                                 prompt_bucket=self.PROMPT_BUCKET, cache=cache,
+                                 prompt_bucket=self.PROMPT_BUCKET, cache=cache, cached_tokens=[prompt[:reused]],
                                  **dataclasses.asdict(self.sampling))  # fmt: skip
         streamer.flush()
         self.cache, self.reused = stats["cache"], reused

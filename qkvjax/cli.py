@@ -122,13 +122,15 @@ def _history(args: argparse.Namespace) -> list[dict]:
 def _sampling(args: argparse.Namespace, defaults: dict):
     """The sampling flags as a :class:`~qkvjax.sample.Sampling` (refused here in one line, before anything is
     restored or compiled): each flag given, else ``defaults`` (an imported model's own), else the library's;
-    ``--top-k 0`` and ``--top-p 1`` turn their cut off."""
+    ``--top-k 0``, ``--top-p 1`` and ``--repetition-penalty 1`` turn theirs off."""
     from qkvjax.sample import Sampling
 
-    flags = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "min_p": args.min_p}
+    flags = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "min_p": args.min_p,
+             "repetition_penalty": args.repetition_penalty}  # fmt: skip
     given = {k: v for k, v in flags.items() if v is not None}
-    if given.get("top_k") == 0:
-        given["top_k"] = None
+    for name, off in (("top_k", 0), ("repetition_penalty", 1.0)):
+        if given.get(name) == off:
+            given[name] = None
     return Sampling(**(defaults | given))
 
 
@@ -574,6 +576,10 @@ def _run_commands() -> tuple[Command, ...]:
             opt("--min-p", type=float, default=None,
                 help="min p: draw only from tokens at least this many times as likely as the likeliest; 0 = no cut "
                 "(default 0, or an imported model's own)"),
+            opt("--repetition-penalty", type=float, default=None,
+                help="divides the positive logits of the tokens a row has seen (its prompt, what it drew) by this and "
+                "multiplies the negative ones, before the cuts, greedy too (transformers' repetition_penalty); 1 = "
+                "none (default 1, or an imported model's own)"),
             opt("--seed", type=int, default=0, help="sampling seed"),
             opt("--num-samples", type=int, default=1,
                 help="continuations drawn for each prompt, in one batch (transformers' num_return_sequences); the "

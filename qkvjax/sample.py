@@ -35,14 +35,19 @@ class Sampling:
     of the probability left (the largest always kept; ties with the last one kept stay); then only the tokens at
     least ``min_p`` times as likely as the likeliest (min-p sampling, Nguyen et al. 2024, arXiv:2407.01082:
     p_i >= min_p p_max, i.e. z_i >= z_max + log min_p, whatever the earlier cuts left). ``vocab_limit``: only ids
-    below it, greedy included (text that is bytes needs ids < 256 from a table padded wider). None turns a cut
-    off. Hashable: the compiled decode programs are kept per model and settings."""
+    below it, greedy included (text that is bytes needs ids < 256 from a table padded wider).
+    ``repetition_penalty`` p, before all of them, greedy included (CTRL's penalty, Keskar et al. 2019,
+    arXiv:1909.05858, as transformers' ``repetition_penalty``): the logit of every id the row has seen so far (its
+    prompt, the tokens its cache holds, those drawn) becomes z / p where z > 0 and z p where not, so p > 1 makes a
+    seen token less likely whatever its sign. None turns a cut or the penalty off. Hashable: the compiled decode
+    programs are kept per model and settings."""
 
     temperature: float = 0.8
     top_k: int | None = 40
     top_p: float | None = None
     min_p: float | None = None
     vocab_limit: int | None = None
+    repetition_penalty: float | None = None
 
     def __post_init__(self):
         if not 0 <= self.temperature < float("inf"):
@@ -55,6 +60,9 @@ class Sampling:
             raise ValueError(f"min_p={self.min_p}; allowed: None or a number in [0, 1] (0 keeps every token)")
         if self.vocab_limit is not None and self.vocab_limit < 1:
             raise ValueError(f"vocab_limit={self.vocab_limit}; allowed: None or >= 1 (ids below it are drawn)")
+        if self.repetition_penalty is not None and not 0 < self.repetition_penalty < float("inf"):
+            raise ValueError(f"repetition_penalty={self.repetition_penalty}; allowed: None or a finite number > 0 "
+                             "(1 changes nothing, above 1 penalises the ids seen)")  # fmt: skip
 
     def filter(self, logits: jax.Array) -> jax.Array:
         """The logits a token is drawn from, (..., V) -> (..., V): divided by the temperature (> 0), the cut ones
@@ -78,8 +86,18 @@ class Sampling:
             logits = jnp.where(logits < floor, -jnp.inf, logits)
         return logits
 
-    def pick(self, logits: jax.Array, key: jax.Array) -> jax.Array:
-        """The token drawn from each row of ``logits`` (..., V) -> (...,) int32; ``key`` unused when greedy."""
+    def penalised(self, logits: jax.Array, seen: jax.Array | None) -> jax.Array:
+        """``logits`` (..., V) with the repetition penalty applied to the ids ``seen`` (..., V) bool marks; as
+        given where there is no penalty or nothing is marked."""
+        p = self.repetition_penalty
+        if p is None or seen is None:
+            return logits
+        return jnp.where(seen, jnp.where(logits > 0, logits / p, logits * p), logits)
+
+    def pick(self, logits: jax.Array, key: jax.Array, seen: jax.Array | None = None) -> jax.Array:
+        """The token drawn from each row of ``logits`` (..., V) -> (...,) int32; ``key`` unused when greedy;
+        ``seen`` (..., V) bool: the ids the repetition penalty applies to (None: none)."""
+        logits = self.penalised(logits, seen)
         if self.temperature == 0.0:  # the largest logit below the limit; the cuts keep it anyway
             greedy = Sampling(1.0, None, vocab_limit=self.vocab_limit)
             return jnp.argmax(greedy.filter(logits), axis=-1).astype(jnp.int32)
@@ -102,6 +120,7 @@ def check_request(model: DecoderLM, prompts: list[np.ndarray], num_tokens: int, 
         raise ValueError(f"num_tokens={num_tokens}; allowed: >= 1")
     for i, prompt in enumerate(prompts):
         which = "the prompt" if len(prompts) == 1 else f"prompt {i}"
+        check_ids(model, prompt, which)
         before = 0 if held is None else int(held[i])
         if before:  # a continuation: the tokens the cache holds come first
             which = f"{which} after the {before} tokens its cache holds"
@@ -118,48 +137,63 @@ def check_request(model: DecoderLM, prompts: list[np.ndarray], num_tokens: int, 
             )
 
 
+def check_ids(model: DecoderLM, tokens: np.ndarray, what: str) -> None:
+    """Refuses in one line token ids outside the model's vocabulary (an embedding lookup would clamp them)."""
+    vocab = model.config.vocab_size
+    bad = tokens[(tokens < 0) | (tokens >= vocab)]
+    if bad.size:
+        raise ValueError(f"{what} has token id {int(bad[0])}; allowed: ids in [0, {vocab}), the model's vocabulary")
+
+
 @functools.lru_cache(maxsize=8)
 def _programs(model: DecoderLM, sampling: Sampling, scan_unroll: int) -> tuple:
     """The jitted prefill, one-token step and on-device loops of a model and its sampling settings, made once and
     kept (a model is hashable by its config): a second call with the same shapes, as a conversation's next turn,
-    reuses their compiled programs instead of compiling them again."""
+    reuses their compiled programs instead of compiling them again. ``seen`` (B, V) bool, the ids each row has
+    seen, goes through every program beside the cache: None (an empty tree, nothing compiled for it) without a
+    repetition penalty."""
 
-    @functools.partial(jax.jit, donate_argnums=1)  # the cache is updated in place
-    def prefill(params, cache, tokens, lengths, key):
+    def draw(logits, key, seen):  # (B, V) -> (B,), the drawn id marked seen for the next draw
+        token = sampling.pick(logits, key, seen)
+        return token, None if seen is None else seen.at[jnp.arange(token.shape[0]), token].set(True)
+
+    @functools.partial(jax.jit, donate_argnums=(1, 5))  # the cache and the seen ids are updated in place
+    def prefill(params, cache, tokens, lengths, key, seen):
         logits, cache = model.apply({"params": params}, tokens, cache=cache, num_valid=lengths)
         last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # each row's last prompt token
-        return sampling.pick(last, key), cache
+        return *draw(last, key, seen), cache
 
-    def one(params, cache, token, key):
+    def one(params, cache, token, key, seen):
         logits, cache = model.apply({"params": params}, token[:, None], cache=cache)
-        return sampling.pick(logits[:, -1], key), cache
+        return *draw(logits[:, -1], key, seen), cache
 
-    step = jax.jit(one, donate_argnums=1)
+    step = jax.jit(one, donate_argnums=(1, 4))
 
-    @functools.partial(jax.jit, donate_argnums=1)
-    def decode_all(params, cache, token, keys):
+    @functools.partial(jax.jit, donate_argnums=1)  # the seen ids are not returned: nothing to donate them to
+    def decode_all(params, cache, token, keys, seen):
         def body(carry, key):
-            token, cache = carry
-            token, cache = one(params, cache, token, key)
-            return (token, cache), token
+            token, cache, seen = carry
+            token, seen, cache = one(params, cache, token, key, seen)
+            return (token, cache, seen), token
 
-        (_, cache), tokens = jax.lax.scan(body, (token, cache), keys, unroll=min(scan_unroll, len(keys)))
+        (_, cache, _), tokens = jax.lax.scan(body, (token, cache, seen), keys, unroll=min(scan_unroll, len(keys)))
         return tokens.T, cache, len(keys)  # (num_tokens - 1, B) -> (B, num_tokens - 1)
 
     @functools.partial(jax.jit, donate_argnums=1)
-    def decode_until_stop(params, cache, token, keys, stop):
+    def decode_until_stop(params, cache, token, keys, seen, stop):
         # the scan above, ending once every row has drawn a stop id: a while loop with one more condition
         def cond(carry):
-            i, _, _, done, _ = carry
+            i, _, _, _, done, _ = carry
             return (i < len(keys)) & ~jnp.all(done)
 
         def body(carry):
-            i, token, cache, done, out = carry
-            token, cache = one(params, cache, token, keys[i])
-            return i + 1, token, cache, done | jnp.isin(token, stop), out.at[:, i].set(token)
+            i, token, cache, seen, done, out = carry
+            token, seen, cache = one(params, cache, token, keys[i], seen)
+            return i + 1, token, cache, seen, done | jnp.isin(token, stop), out.at[:, i].set(token)
 
         out = jnp.zeros((token.shape[0], len(keys)), jnp.int32)  # (B, num_tokens - 1); after every row's stop: 0
-        i, _, cache, _, out = jax.lax.while_loop(cond, body, (0, token, cache, jnp.isin(token, stop), out))
+        start = (0, token, cache, seen, jnp.isin(token, stop), out)
+        i, _, cache, _, _, out = jax.lax.while_loop(cond, body, start)
         return out, cache, i
 
     return prefill, step, decode_all, decode_until_stop
@@ -178,11 +212,13 @@ def generate_batch(
     seed: int = 0,
     on_token: Callable[[int], None] | None = None,
     vocab_limit: int | None = None,
+    repetition_penalty: float | None = None,
     scan_unroll: int = 1,
     stop_ids: Sequence[int] = (),
     prompt_bucket: int = 1,
     cache: DecodeCache | None = None,
     share_prefix: bool = False,
+    cached_tokens: Sequence[np.ndarray] | None = None,
 ) -> tuple[np.ndarray, dict]:
     """Continues each prompt (1-D int tokens, lengths may differ) by ``num_tokens``, all rows in one batch.
 
@@ -190,8 +226,11 @@ def generate_batch(
     (:class:`~qkvjax.models.lm.DecodeCache` keeps a length per row), so a row decodes as it would alone. With
     ``on_token`` (one prompt only) every token is streamed as it is made, one jitted call per token; otherwise
     all tokens are made on the device in one call (``lax.scan``), with no host round trip per token.
-    ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``vocab_limit``: what a token is drawn from, the fields of
-    a :class:`Sampling` (``temperature`` 0 is greedy; ``**dataclasses.asdict(sampling)`` passes one).
+    ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``vocab_limit``, ``repetition_penalty``: what a token is
+    drawn from, the fields of a :class:`Sampling` (``temperature`` 0 is greedy; ``**dataclasses.asdict(sampling)``
+    passes one). The penalty's seen ids are each row's prompt, the tokens it drew, and with ``cache``,
+    ``cached_tokens``: the tokens row b's cache holds (``lengths[b]`` of them, needed with the penalty), as
+    transformers' ``generate`` penalises every id of ``input_ids``.
     The tokens are made in one program whose layers pick the key prefix they read at run time (a ``lax.switch`` per
     layer and token; programs with the prefix fixed per stretch of steps, no branch, were measured slower,
     x0.89-0.94, on this project's CPU and on an H200, and were removed: benchmarks/README.md, "GPU: the third
@@ -230,8 +269,10 @@ def generate_batch(
             shapes = f"{len(held)} rows" if len(held) != len(prompts) else "other shapes"
             raise ValueError(f"the cache has {shapes}; allowed: DecodeCache.empty(model.config, {len(prompts)}) or "
                              "a cache a call with as many prompts returned")  # fmt: skip
-    sampling = Sampling(temperature, top_k, top_p, min_p, vocab_limit)
+    sampling = Sampling(temperature, top_k, top_p, min_p, vocab_limit, repetition_penalty)
     check_request(model, prompts, num_tokens, held)
+    _check_cached(model, held, cached_tokens)
+    seen = _seen(model, prompts, held, cached_tokens) if repetition_penalty is not None else None
     for name, value, unit in (("scan_unroll", scan_unroll, "decode steps per loop iteration"),
                               ("prompt_bucket", prompt_bucket, "the prefill's width a multiple of it")):  # fmt: skip
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -264,30 +305,32 @@ def generate_batch(
         start_width = min(model.config.max_len, -(-shared // prompt_bucket) * prompt_bucket)  # bucketed as below
         head = np.zeros((1, start_width), np.int32)
         head[0, :shared] = prompts[0][:shared]
-        _, one = prefill(params, DecodeCache.empty(model.config, 1), jnp.asarray(head), jnp.asarray([shared]), base)
+        _, _, one = prefill(params, DecodeCache.empty(model.config, 1), jnp.asarray(head), jnp.asarray([shared]), base,
+                            None)  # fmt: skip
         cache = one.select([0] * b)
     cache = cache if cache is not None else DecodeCache.empty(model.config, b)
-    token, cache = prefill(params, cache, jnp.asarray(padded), jnp.asarray(lengths), jax.random.fold_in(base, 0))
+    token, seen, cache = prefill(params, cache, jnp.asarray(padded), jnp.asarray(lengths), jax.random.fold_in(base, 0),
+                                 seen)  # fmt: skip
     out = [np.asarray(token)]
     run = None  # compiled before the clock starts (the scan's length is static)
     stops = {int(i) for i in stop_ids}
     stop = (jnp.asarray(sorted(stops), jnp.int32),) if stops else ()
     if num_tokens > 1:
-        args = (keys[0],) if on_token else (keys, *stop)
+        args = (keys[0], seen) if on_token else (keys, seen, *stop)
         run = (step if on_token else decode_until_stop if stops else decode_all).lower(params, cache, token, *args)
         run = run.compile()
     first = time.perf_counter()
     if on_token:
         for i in range(num_tokens):
             if i > 0:
-                token, cache = run(params, cache, token, keys[i - 1])
+                token, seen, cache = run(params, cache, token, keys[i - 1], seen)
                 out.append(np.asarray(token))  # the host needs each token to stream it
             if int(out[-1][0]) in stops:
                 break
             on_token(int(out[-1][0]))
         tokens = np.stack(out + [out[-1]] * (num_tokens - len(out)), axis=1)  # after a stop: the stop id
     elif run is not None:
-        rest, cache, steps = run(params, cache, token, keys, *stop)
+        rest, cache, steps = run(params, cache, token, keys, seen, *stop)
         tokens = np.concatenate([out[0][:, None], np.asarray(rest)], axis=1)
     else:
         tokens = out[0][:, None]
@@ -313,6 +356,35 @@ def generate_batch(
     if given:
         stats["cache"] = cache
     return tokens, stats
+
+
+def _check_cached(model: DecoderLM, held, cached_tokens) -> None:
+    """Refuses in one line ``cached_tokens`` that are not the tokens the cache's rows hold (``held``: how many)."""
+    if cached_tokens is None:
+        return
+    if held is None:
+        raise ValueError("cached_tokens are the tokens a cache holds; allowed: with cache only")
+    if len(cached_tokens) != len(held):
+        raise ValueError(f"cached_tokens has {len(cached_tokens)} rows, the cache {len(held)}; allowed: one a row")
+    for b, earlier in enumerate(cached_tokens):
+        if len(earlier) != held[b]:
+            raise ValueError(f"cached_tokens[{b}] has {len(earlier)} tokens, but its cache row holds {held[b]}; "
+                             "allowed: the tokens it holds")  # fmt: skip
+        check_ids(model, np.asarray(earlier, np.int32), f"cached_tokens[{b}]")
+
+
+def _seen(model: DecoderLM, prompts: list[np.ndarray], held, cached_tokens) -> jax.Array:
+    """(B, V) bool: the ids each row has seen before its first draw, for the repetition penalty: its prompt and,
+    with a cache, the tokens it holds (``cached_tokens``, required then)."""
+    if held is not None and cached_tokens is None:
+        raise ValueError("repetition_penalty with a cache penalises the tokens it holds too; allowed: pass them as "
+                         "cached_tokens (row b's lengths[b] tokens)")  # fmt: skip
+    seen = np.zeros((len(prompts), model.config.vocab_size), bool)
+    for b, prompt in enumerate(prompts):
+        seen[b, prompt] = True
+        if cached_tokens is not None:
+            seen[b, np.asarray(cached_tokens[b], np.int32)] = True
+    return jnp.asarray(seen)
 
 
 def _common_prefix(prompts: list[np.ndarray]) -> int:

@@ -216,7 +216,7 @@ def test_a_session_prefills_only_what_follows_the_tokens_its_cache_holds(window)
     """Each turn reuses the last reply's cache for the longest prefix it shares with the newly rendered
     conversation: all of it where the template only appends, rewound to where a template that rewrites earlier
     turns parts (a sliding window's ring cannot rewind: begun again); every reply is the one sampled from the whole
-    conversation."""
+    conversation, its repetition penalty on every token of it included."""
     import io
 
     import jax
@@ -237,7 +237,8 @@ def test_a_session_prefills_only_what_follows_the_tokens_its_cache_holds(window)
         "{% if add_generation_prompt %}<assistant>{% endif %}"
     )
     rewrites = appends.replace("<{{ m.role }}>", "<{{ m.role }}{{ loop.revindex }}>")  # every turn renumbered
-    sampling = {"temperature": 1.0, "top_k": None, "vocab_limit": 128}  # ASCII replies: their text re-encodes alike
+    # ASCII replies: their text re-encodes alike; the penalty reads the tokens the cache holds, given by the session
+    sampling = {"temperature": 1.0, "top_k": None, "vocab_limit": 128, "repetition_penalty": 1.3}
     tok = ByteTokenizer()
     for template in (appends, rewrites):
         session = Session(model, params, tok, template, {}, system="s", num_tokens=6, seed=3, **sampling)

@@ -635,10 +635,11 @@ def test_a_models_own_sampling_settings_are_samples_defaults_and_export_writes_t
     _word_tokenizer(folder / "tokenizer.json", [f"w{i}" for i in range(V)])
     gen = folder / "generation_config.json"
     ids = json.loads(gen.read_text()) if gen.exists() else {}
-    gen.write_text(json.dumps(ids | {"do_sample": True, "temperature": 0.6, "top_k": 7, "top_p": 0.9}))
+    own_settings = {"do_sample": True, "temperature": 0.6, "top_k": 7, "top_p": 0.9, "repetition_penalty": 1.2}
+    gen.write_text(json.dumps(ids | own_settings))
     w = str(tmp_path / "w")
     assert main(["import", str(folder), "--workdir", w]) == 0
-    said = "temperature 0.6, top_k 7, top_p 0.9, min_p off"
+    said = "temperature 0.6, top_k 7, top_p 0.9, min_p off, repetition_penalty 1.2"
     assert f"samples with {said} (its generation_config.json)" in capsys.readouterr().out
     assert main(["info", "--workdir", w]) == 0
     assert f"sampling: {said} (the model's own" in capsys.readouterr().out
@@ -651,16 +652,18 @@ def test_a_models_own_sampling_settings_are_samples_defaults_and_export_writes_t
 
     own, notes = sample()
     assert f"note: sampling with {said} ({w}'s own" in notes and len(own.split()) == 2 + 9, own
-    given, notes = sample("--temperature", "0.6", "--top-k", "7", "--top-p", "0.9", "--min-p", "0")
+    given, notes = sample("--temperature", "0.6", "--top-k", "7", "--top-p", "0.9", "--min-p", "0",
+                          "--repetition-penalty", "1.2")  # fmt: skip
     assert given == own and "note: sampling with" not in notes  # every setting given: nothing of the model's
-    library, _ = sample("--temperature", "0.8", "--top-k", "40", "--top-p", "1", "--min-p", "0")
-    assert library != own  # what `sample` drew before it read the model's settings, with the same seed
+    library = ("--temperature", "0.8", "--top-k", "40", "--top-p", "1", "--min-p", "0", "--repetition-penalty", "1")
+    assert sample(*library)[0] != own  # what `sample` drew before it read the model's settings, with the same seed
     _, notes = sample("--top-k", "0")  # one flag overrides one setting; the note names the others only
-    assert "note: sampling with temperature 0.6, top_p 0.9, min_p off (" in notes
+    assert "note: sampling with temperature 0.6, top_p 0.9, min_p off, repetition_penalty 1.2 (" in notes
 
     assert main(["export", str(tmp_path / "hf"), "--workdir", w]) == 0
     back = transformers.GenerationConfig.from_pretrained(tmp_path / "hf")
-    assert (back.do_sample, back.temperature, back.top_k, back.top_p) == (True, 0.6, 7, 0.9)
+    assert (back.do_sample, back.temperature, back.top_k, back.top_p, back.repetition_penalty) == (True, 0.6, 7, 0.9,
+                                                                                                    1.2)  # fmt: skip
     assert back.eos_token_id == json.loads((folder / "config.json").read_text())["eos_token_id"]
     assert main(["import", str(tmp_path / "hf"), "--workdir", str(tmp_path / "w2")]) == 0  # the round trip
     assert f"samples with {said}" in capsys.readouterr().out
@@ -673,6 +676,52 @@ def test_a_models_own_sampling_settings_are_samples_defaults_and_export_writes_t
     with pytest.raises(ValueError, match=r"generation_config.json: top_p=1.5; allowed: None or a number in") as e:
         import_folder(str(folder), str(tmp_path / "w4"))
     assert "\n" not in str(e.value) and not (tmp_path / "w4").exists()
+
+
+def test_greedy_with_a_repetition_penalty_makes_what_transformers_generate_makes(folders):
+    """transformers' ``generate(repetition_penalty=p)`` penalises every id of ``input_ids``, the prompt's and those
+    drawn: greedy ``generate_batch`` with the same p makes its tokens for two prompts of different lengths in one
+    batch (the on-device loop, and the loop that ends at stop ids), for one streamed prompt, and for a continuation
+    from a cache given the tokens it holds (refused in one line without them, or with others)."""
+    from qkvjax.sample import generate, generate_batch
+
+    folder, ref_model = folders["llama_gqa"]
+    config, params = load_pretrained(folder)
+    model = DecoderLM(config)
+    n, p = 7, 1.8
+
+    def reference(ids: list[int], penalty: float) -> list[int]:
+        with torch.no_grad():  # the mask given: generate would mask the ids equal to pad_token_id
+            out = ref_model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                     max_new_tokens=n, do_sample=False, eos_token_id=V + 1, pad_token_id=0,
+                                     repetition_penalty=penalty)  # fmt: skip
+        return out[0, len(ids) :].tolist()
+
+    own = reference([1, 8], 1.0)[:4]  # the model's own greedy text: what the penalty steers away from
+    prompts = [np.array([1, 8, *own]), np.array([3, 5, 3])]
+    want = [reference(x.tolist(), p) for x in prompts]
+    assert all(want[b] != reference(x.tolist(), 1.0) for b, x in enumerate(prompts))  # the penalty changes both
+    greedy = {"temperature": 0.0, "repetition_penalty": p}
+    for stops in ((), (V + 1,)):  # a stop id never drawn: every token, from the while loop
+        assert generate_batch(model, params, prompts, n, stop_ids=stops, **greedy)[0].tolist() == want
+    streamed = []
+    generate(model, params, prompts[0], n, on_token=streamed.append, **greedy)
+    assert streamed == want[0]
+
+    head, rest = prompts[0][:5], prompts[0][5:]  # all but the last token read into a cache, the last continued
+    _, stats = generate(model, params, head, 1, temperature=0.0, cache=DecodeCache.empty(config, 1))
+    cache = stats["cache"]
+    assert int(cache.lengths[0]) == 5
+    for given, message in (
+        (None, "repetition_penalty with a cache penalises the tokens it holds too; allowed: "),
+        ([head[:3]], r"cached_tokens\[0\] has 3 tokens, but its cache row holds 5; allowed: "),
+    ):
+        with pytest.raises(ValueError, match=f"^{message}") as e:
+            generate(model, params, rest, n, cache=cache, cached_tokens=given, **greedy)
+        assert "\n" not in str(e.value)
+    assert generate(model, params, rest, n, cache=cache, cached_tokens=[head], **greedy)[0].tolist() == want[0]
+    with pytest.raises(ValueError, match=rf"^prompt 1 has token id {V}; allowed: ids in \[0, {V}\), the model's"):
+        generate_batch(model, params, [prompts[0], np.array([3, V])], n)
 
 
 def test_chat_sample_as_transformers_apply_chat_template_and_generate(folders, tmp_path, capsys, monkeypatch):

@@ -117,12 +117,49 @@ def test_greedy_ignores_the_cuts_but_not_the_limit(logits):
         ("min_p", -0.1, r"None or a number in \[0, 1\]"),
         ("min_p", 1.01, r"None or a number in \[0, 1\]"),
         ("vocab_limit", 0, "None or >= 1"),
+        ("repetition_penalty", 0.0, "None or a finite number > 0"),
+        ("repetition_penalty", float("inf"), "None or a finite number > 0"),
     ],
 )
 def test_sampling_refuses_a_setting_out_of_range_in_one_line(field, value, allowed):
     with pytest.raises(ValueError, match=rf"^{field}={value}; allowed: {allowed}") as e:
         Sampling(**{field: value})
     assert "\n" not in str(e.value)
+
+
+def _seen_ids() -> tuple[np.ndarray, np.ndarray]:
+    """Each row's earlier ids (9, with repeats) and the (B, V) mask of them."""
+    ids = np.random.default_rng(5).integers(0, V, (B, 9))
+    seen = np.zeros((B, V), bool)
+    np.put_along_axis(seen, ids, True, axis=1)
+    return ids, seen
+
+
+def test_repetition_penalty_divides_a_seen_ids_positive_logit_and_multiplies_a_negative_one(logits):
+    """The float64 reference of CTRL's penalty, on the seen ids only, and greedy picks the largest penalised logit."""
+    ids, seen = _seen_ids()
+    z = logits.astype(np.float64)
+    for p in (0.7, 1.3, 2.5):
+        ours = np.asarray(Sampling(repetition_penalty=p).penalised(jnp.asarray(logits), jnp.asarray(seen)))
+        want = np.where(seen, np.where(z > 0, z / p, z * p), z)
+        np.testing.assert_allclose(ours, want, rtol=1e-6)
+        assert (ours != logits)[seen].mean() > 0.9 and np.all(ours[~seen] == logits[~seen])
+        greedy = Sampling(0.0, None, repetition_penalty=p).pick(jnp.asarray(logits), None, jnp.asarray(seen))
+        np.testing.assert_array_equal(np.asarray(greedy), want.argmax(-1))
+    assert not np.array_equal(want.argmax(-1), logits.argmax(-1))  # the penalty changed some row's pick
+    unmarked = Sampling(repetition_penalty=2.5).penalised(jnp.asarray(logits), None)  # nothing seen: as given
+    np.testing.assert_array_equal(np.asarray(unmarked), logits)
+
+
+def test_repetition_penalty_is_transformers_repetition_penalty_processor(logits):
+    """The reference of the ecosystem: transformers' RepetitionPenaltyLogitsProcessor on the rows' input ids."""
+    torch = pytest.importorskip("torch", reason="the hf extra has transformers' RepetitionPenaltyLogitsProcessor")
+    process = pytest.importorskip("transformers.generation.logits_process", reason="the hf extra")
+    ids, seen = _seen_ids()
+    for p in (0.7, 1.3, 2.5):
+        theirs = process.RepetitionPenaltyLogitsProcessor(p)(torch.tensor(ids), torch.tensor(logits)).numpy()
+        ours = np.asarray(Sampling(repetition_penalty=p).penalised(jnp.asarray(logits), jnp.asarray(seen)))
+        np.testing.assert_allclose(ours, theirs, rtol=1e-6, err_msg=str(p))
 
 
 def test_equal_settings_are_one_key_for_the_compiled_programs():

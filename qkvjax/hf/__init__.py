@@ -190,7 +190,8 @@ def generation_config(sampling: dict, ids: dict) -> dict:
     special ids, which generate then reads from this file rather than from config.json."""
     cuts = {"top_k": sampling.get("top_k") or 0, "top_p": sampling.get("top_p") or 1.0}
     out = ids | {"do_sample": True, "temperature": sampling["temperature"]} | cuts
-    return out | ({"min_p": sampling["min_p"]} if sampling.get("min_p") else {})
+    extra = {k: sampling[k] for k in ("min_p", "repetition_penalty") if sampling.get(k)}  # left out when off
+    return out | extra
 
 
 __all__ = [

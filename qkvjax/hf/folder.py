@@ -58,7 +58,8 @@ def generation_sampling(folder: str) -> dict:
     """The sampling a folder's ``generation_config.json`` asks transformers' ``generate`` for, as
     :class:`~qkvjax.sample.Sampling` fields: {} unless it sets ``do_sample`` (without it ``generate`` is greedy and
     ``qkvjax sample`` keeps its own defaults); a setting it leaves out takes ``generate``'s default (temperature 1,
-    top_k 50, top_p 1: no cut, no min_p). One line naming the file where a value is out of range."""
+    top_k 50, top_p 1: no cut, no min_p, a repetition penalty of 1: none). One line naming the file where a value is
+    out of range."""
     from qkvjax.sample import Sampling
 
     given = read_generation_config(folder)
@@ -68,9 +69,10 @@ def generation_sampling(folder: str) -> dict:
     def value(key, default):  # transformers reads a null as the default
         return default if given.get(key) is None else given[key]
 
-    top_p = value("top_p", 1.0)
+    top_p, penalty = value("top_p", 1.0), value("repetition_penalty", 1.0)
     fields = {"temperature": value("temperature", 1.0), "top_k": value("top_k", 50) or None,  # 0: no cut
-              "top_p": None if top_p == 1.0 else top_p, "min_p": given.get("min_p")}  # fmt: skip
+              "top_p": None if top_p == 1.0 else top_p, "min_p": given.get("min_p"),
+              "repetition_penalty": None if penalty == 1.0 else penalty}  # fmt: skip
     try:
         Sampling(**fields)
     except (TypeError, ValueError) as e:
