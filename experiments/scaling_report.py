@@ -585,7 +585,32 @@ def speed_markdown(path: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_report(out: Path | str, speed: Path | None = SPEED) -> Path:
+def beside_markdown(rows: list[dict], other: list[dict], here: str, there: str) -> list[str]:
+    """Each variant that both sweeps ran at a (corpus, size) both ran: its mean final loss in each, their
+    difference, and its Δ vs separate in each (paired by seed within its own sweep). Set beside, not tested against
+    each other: the two sweeps train different models, each at its own rates."""
+    cells, theirs = finals(rows), finals(other)
+    lines = [f"## Beside `{there}`", "",
+             "Every variant both sweeps ran, at the sizes both ran: mean final validation loss in each, here minus "
+             "there, and Δ vs separate in each, paired by seed within its own sweep (mean [95% t interval] d). "
+             "Different models at their own rates: set beside, not tested against each other.", "",
+             f"| corpus | d | variant | loss `{there}` | loss `{here}` | here - there | Δ `{there}` | Δ `{here}` |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    shared = sorted({(c, s) for c, s, _ in cells} & {(c, s) for c, s, _ in theirs})
+    for corpus, size in shared:
+        for variant in VARIANT_ORDER:
+            a, b = paired(theirs, corpus, size, variant), paired(cells, corpus, size, variant)
+            if a is None or b is None:
+                continue
+            delta = [_delta_ci(e) + f" ({e['delta_n']})" if "delta" in e else "—" for e in (a, b)]
+            lines.append(f"| {corpus} | {size} | {variant} | {a['mean']:.3f} ({a['n']}) | {b['mean']:.3f} ({b['n']}) "
+                         f"| {b['mean'] - a['mean']:+.3f} | {delta[0]} | {delta[1]} |")  # fmt: skip
+    return lines + [""] if shared else []
+
+
+def write_report(out: Path | str, speed: Path | None = SPEED, beside: Path | str | None = None) -> Path:
+    """``summary.md`` and the plots of the results folder ``out``; ``beside``: another such folder whose variants
+    the summary sets beside these (:func:`beside_markdown`)."""
     out = Path(out)
     rows = read_csv(out / "runs.csv")
     if not rows:
@@ -593,6 +618,12 @@ def write_report(out: Path | str, speed: Path | None = SPEED) -> Path:
     protocol = out / PROTOCOL_FILE
     positions = json.loads(protocol.read_text())["protocol"].get("positions") if protocol.exists() else None
     text = summary_markdown(rows, read_csv(out / "curves.csv"), positions)
+    if beside is not None:
+        other = read_csv(Path(beside) / "runs.csv")
+        if not other:
+            raise ValueError(f"--beside {beside}: no finished runs in its runs.csv; allowed: a scaling.py results "
+                             "folder")  # fmt: skip
+        text += "\n" + "\n".join(beside_markdown(rows, other, out.name, Path(beside).name))
     if speed is not None and speed.exists():
         text += "\n" + speed_markdown(speed)
     (out / "summary.md").write_text(text)
@@ -605,13 +636,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("out", help="the results folder of experiments/scaling.py")
     p.add_argument("--speed", type=Path, default=SPEED, help="a benchmarks/scaling_speed.py --json file "
                    "(default: %(default)s)")  # fmt: skip
+    p.add_argument(
+        "--beside",
+        type=Path,
+        default=None,
+        help="another results folder of experiments/scaling.py: its variants set beside these, size by size",
+    )
     args = p.parse_args(argv)
     if not args.speed.exists():
         print(f"scaling_report: error: --speed {args.speed}: no such file; allowed: a benchmarks/scaling_speed.py "
               "--json file", file=sys.stderr)  # fmt: skip
         return 2
     try:
-        print(write_report(args.out, args.speed))
+        print(write_report(args.out, args.speed, args.beside))
     except ValueError as e:
         print(f"scaling_report: error: {e}", file=sys.stderr)
         return 2

@@ -319,6 +319,44 @@ def test_the_report_pairs_two_ties_with_each_other_by_seed():
     assert "| python_docs | 96 |" not in table  # no gqa at d=96: no row
 
 
+def test_the_report_sets_another_sweeps_variants_beside_its_own(tmp_path, capsys):
+    """``--beside FOLDER``: each variant both sweeps ran at a size both ran, with its mean loss in each, here minus
+    there, and each sweep's own paired Δ vs separate; a variant or size only one sweep ran has no row."""
+    from experiments import scaling_report
+
+    def rows(offsets: dict, sizes: tuple, shift: float) -> list[dict]:
+        out = []
+        for size in sizes:
+            for seed in range(3):
+                for variant, off in offsets.items():
+                    loss = 2.0 - size / 1000 + shift + off + 0.01 * seed * (variant == "mqa")
+                    out.append({"stage": "final", "corpus": "python_docs", "size": str(size), "variant": variant,
+                                "seed": str(seed), "learning_rate": "0.004", "params": "1000", "epochs": "0.5",
+                                "tokens": "9", "kv_cache_bytes_per_token": "48", "final_val_loss": repr(loss),
+                                "best_eval_loss": repr(loss), "last_eval_loss": repr(loss),
+                                "run": f"{variant}-{size}-{seed}", "tokens_per_s": "1"})  # fmt: skip
+        return out
+
+    here = rows({"separate": 0.0, "mqa": 0.03, "mla_half": 0.05}, (48, 96), -0.2)
+    there = rows({"separate": 0.0, "mqa": 0.01, "shared_qk": 0.04}, (48, 160), 0.0)
+    lines = scaling_report.beside_markdown(here, there, "rope", "learned")
+    table = [line for line in lines if line.startswith("| python_docs")]
+    mqa_here = statistics.fmean(2.0 - 0.048 - 0.2 + 0.03 + 0.01 * s for s in range(3))
+    mqa_there = statistics.fmean(2.0 - 0.048 + 0.01 + 0.01 * s for s in range(3))
+    assert [line.split(" | ")[1:3] for line in table] == [["48", "separate"], ["48", "mqa"]]
+    cols = table[1].split(" | ")
+    assert cols[3:6] == [f"{mqa_there:.3f} (3)", f"{mqa_here:.3f} (3)", f"{mqa_here - mqa_there:+.3f}"]
+    assert cols[6].startswith("+0.020 [") and cols[7].startswith("+0.040 [")  # each sweep's own paired Δ
+    for folder, data in (("a", here), ("b", there)):
+        (tmp_path / folder).mkdir()
+        append_rows(tmp_path / folder / "runs.csv", tuple(data[0]), data)
+    summary = scaling_report.write_report(tmp_path / "a", speed=None, beside=tmp_path / "b").read_text()
+    assert "## Beside `b`" in summary and table[1] in summary
+    assert scaling_report.main([str(tmp_path / "a"), "--beside", str(tmp_path / "none")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("scaling_report: error: --beside ") and err.count("\n") == 1
+
+
 def test_the_report_pairs_seeds_and_fits_the_trend_through_every_seed(tmp_path):
     """scaling_report on constructed rows: Δ paired by seed with its t interval, the trend through every seed's
     Δ equal to numpy's least squares (float64), a penalty built to shrink reported as shrinking, PNGs written."""
