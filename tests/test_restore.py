@@ -389,6 +389,10 @@ def test_convert_to_mla_reports_errors_and_uptrains_from_its_config_json(run, tm
         (["sample", "--workdir={run}", "--prompt=hi", "--top-p=0"], r"top_p=0.0; allowed: None or a number in \(0, 1"),
         (["sample", "--workdir={run}", "--prompt=hi", "--top-p=1.5"], r"top_p=1.5; allowed"),
         (["sample", "--workdir={run}", "--prompt=hi", "--min-p=-0.1"], r"min_p=-0.1; allowed: None or a number in \[0"),
+        (
+            ["sample", "--workdir={run}", "--prompt=hi", "--repetition-penalty=0"],
+            r"repetition_penalty=0.0; allowed: None or a finite number > 0",
+        ),
         (["sample", "--workdir={run}", "--prompt=hi", "--chat"], r"--chat: .* has no chat template.*allowed: a prompt"),
         (["sample", "--workdir={run}", "--prompt=hi", "--system=be brief"], r"--system .*allowed: with --chat only"),
         (["sample", "--workdir={run}", "--prompt=hi", "--messages=c.json"], r"--messages .*allowed: with --chat only"),
