@@ -254,23 +254,23 @@ def place_labels(ax, points: list[tuple], fontsize: float = 7, offset_px: float 
     to_display = ax.transData.transform
     spots = [tuple(to_display(p[:2])) for p in points]
     marker = 5.0  # half a marker's width in pixels: labels keep off every point
-    placed = [(px - marker, py - marker, px + marker, py + marker) for px, py in spots]
+    placed = [_marker_box(spot, marker) for spot in spots]
     frame = ax.bbox
     label_y = {}  # display height of each label's centre
     for i in sorted(range(len(points)), key=lambda i: (spots[i][1], spots[i][0])):
-        (px, py), (w, h) = spots[i], sizes[i]
-        own = (px - marker, py - marker, px + marker, py + marker)
+        py, h = spots[i][1], sizes[i][1]
+        own = _marker_box(spots[i], marker)
         others = [b for b in placed if b != own]
         y = py
         for k in range(2 * math.ceil(frame.height / (h / 2)) + 1):  # 0, +1, -1, +2, ... half heights off the point
             y = py + (k + 1) // 2 * (1 if k % 2 else -1) * h / 2
-            box = (px + offset_px, y - h / 2 - 1, px + offset_px + w, y + h / 2 + 1)
+            box = _label_box(spots[i], sizes[i], y, offset_px)
             inside = frame.y0 <= box[1] and box[3] <= frame.y1
             if inside and not any(_overlap(box, b) for b in others):
                 break
         else:
             y = py  # no free place: keep it by its point rather than out of sight
-        placed.append((px + offset_px, y - h / 2 - 1, px + offset_px + w, y + h / 2 + 1))
+        placed.append(_label_box(spots[i], sizes[i], y, offset_px))
         label_y[i] = y
     _uncross(spots, sizes, label_y, marker, offset_px)
     for i, (px, py) in enumerate(spots):
@@ -289,12 +289,13 @@ def _uncross(spots: list, sizes: list, label_y: dict, marker: float, offset_px: 
     so a higher point's label can land under a lower one's, and their leader lines would cross. Every swap removes
     an inversion of the pair; the rounds are bounded all the same."""
 
+    markers = [_marker_box(spot, marker) for spot in spots]
+
     def box(i: int, y: float) -> tuple:
-        (px, _), (w, h) = spots[i], sizes[i]
-        return (px + offset_px, y - h / 2 - 1, px + offset_px + w, y + h / 2 + 1)
+        return _label_box(spots[i], sizes[i], y, offset_px)
 
     def free(i: int, y: float, skip: int, y_skip: float) -> bool:  # label i at y, label ``skip`` at y_skip
-        points = [(px - marker, py - marker, px + marker, py + marker) for k, (px, py) in enumerate(spots) if k != i]
+        points = [b for k, b in enumerate(markers) if k != i]
         labels = [box(k, label_y[k]) for k in label_y if k not in (i, skip)] + [box(skip, y_skip)]
         return not any(_overlap(box(i, y), b) for b in points + labels)
 
@@ -308,6 +309,18 @@ def _uncross(spots: list, sizes: list, label_y: dict, marker: float, offset_px: 
                 swapped = True
         if not swapped:
             return
+
+
+def _marker_box(spot: tuple, marker: float) -> tuple:
+    """The display box (x0, y0, x1, y1) a label keeps off around a point at ``spot``."""
+    px, py = spot
+    return (px - marker, py - marker, px + marker, py + marker)
+
+
+def _label_box(spot: tuple, size: tuple, y: float, offset_px: float) -> tuple:
+    """The display box of a label of ``size`` (w, h) centred at height ``y``, ``offset_px`` right of its point."""
+    (px, _), (w, h) = spot, size
+    return (px + offset_px, y - h / 2 - 1, px + offset_px + w, y + h / 2 + 1)
 
 
 def _overlap(a: tuple, b: tuple) -> bool:
