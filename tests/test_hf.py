@@ -672,6 +672,20 @@ def test_a_models_own_sampling_settings_are_samples_defaults_and_export_writes_t
     gen.write_text(json.dumps(ids | {"temperature": 0.6}))  # no do_sample: generate is greedy, qkvjax's defaults
     assert main(["import", str(folder), "--workdir", str(tmp_path / "w3")]) == 0
     assert not (tmp_path / "w3" / "sampling.json").exists() and "samples with" not in capsys.readouterr().out
+    # greedy generate still penalises repeats: the penalty alone comes, and goes back with do_sample false
+    gen.write_text(json.dumps(ids | {"do_sample": False, "temperature": 0.6, "repetition_penalty": 1.3}))
+    assert main(["import", str(folder), "--workdir", str(tmp_path / "w5")]) == 0
+    assert "samples with repetition_penalty 1.3 (its" in capsys.readouterr().out
+    assert json.loads((tmp_path / "w5" / "sampling.json").read_text()) == {"repetition_penalty": 1.3}
+    w = str(tmp_path / "w5")
+    _, notes = sample("--temperature", "0")
+    assert f"note: sampling with repetition_penalty 1.3 ({w}'s own" in notes
+    assert sample("--temperature", "0")[0] != sample("--temperature", "0", "--repetition-penalty", "1")[0]
+    assert main(["export", str(tmp_path / "hf5"), "--workdir", w]) == 0
+    back = transformers.GenerationConfig.from_pretrained(tmp_path / "hf5")
+    assert (back.do_sample, back.repetition_penalty) == (False, 1.3)
+    assert main(["import", str(tmp_path / "hf5"), "--workdir", str(tmp_path / "w6")]) == 0  # the round trip
+    assert (tmp_path / "w6" / "sampling.json").read_text() == (tmp_path / "w5" / "sampling.json").read_text()
     gen.write_text(json.dumps(ids | {"do_sample": True, "top_p": 1.5}))
     with pytest.raises(ValueError, match=r"generation_config.json: top_p=1.5; allowed: None or a number in") as e:
         import_folder(str(folder), str(tmp_path / "w4"))

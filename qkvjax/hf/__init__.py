@@ -185,13 +185,16 @@ def export_workdir(workdir: str, folder: str, fmt: str | None = None, step: int 
 
 def generation_config(sampling: dict, ids: dict) -> dict:
     """``generation_config.json`` for an imported model's own sampling settings (``sampling``, Sampling fields),
-    written so that transformers' ``generate`` draws as ``qkvjax sample`` does: ``do_sample``, every cut written
-    out, one that is off as off (``top_k`` 0, ``top_p`` 1: left out, generate would cut at its top_k of 50), and the
-    special ids, which generate then reads from this file rather than from config.json."""
-    cuts = {"top_k": sampling.get("top_k") or 0, "top_p": sampling.get("top_p") or 1.0}
-    out = ids | {"do_sample": True, "temperature": sampling["temperature"]} | cuts
+    written so that transformers' ``generate`` draws as the model's source folder asked: ``do_sample``, every cut
+    written out, one that is off as off (``top_k`` 0, ``top_p`` 1: left out, generate would cut at its top_k of 50),
+    and the special ids, which generate then reads from this file rather than from config.json. A model whose folder
+    asked only for a repetition penalty (greedy, :func:`~qkvjax.hf.folder.generation_sampling`) gets that back
+    with ``do_sample`` false."""
     extra = {k: sampling[k] for k in ("min_p", "repetition_penalty") if sampling.get(k)}  # left out when off
-    return out | extra
+    if "temperature" not in sampling:
+        return ids | {"do_sample": False} | extra
+    cuts = {"top_k": sampling.get("top_k") or 0, "top_p": sampling.get("top_p") or 1.0}
+    return ids | {"do_sample": True, "temperature": sampling["temperature"]} | cuts | extra
 
 
 __all__ = [

@@ -56,28 +56,28 @@ def read_generation_config(folder: str) -> dict:
 
 def generation_sampling(folder: str) -> dict:
     """The sampling a folder's ``generation_config.json`` asks transformers' ``generate`` for, as
-    :class:`~qkvjax.sample.Sampling` fields: {} unless it sets ``do_sample`` (without it ``generate`` is greedy and
-    ``qkvjax sample`` keeps its own defaults); a setting it leaves out takes ``generate``'s default (temperature 1,
-    top_k 50, top_p 1: no cut, no min_p, a repetition penalty of 1: none). One line naming the file where a value is
-    out of range."""
+    :class:`~qkvjax.sample.Sampling` fields. Where it sets ``do_sample``: every field, a setting it leaves out taking
+    ``generate``'s default (temperature 1, top_k 50, top_p 1: no cut, no min_p, a repetition penalty of 1: none).
+    Without it ``generate`` is greedy and ``qkvjax sample`` keeps its own defaults, all but the repetition penalty,
+    which ``generate`` applies to greedy decoding too: that one field where the folder sets it (other than 1), else
+    {}. One line naming the file where a value is out of range."""
     from qkvjax.sample import Sampling
 
     given = read_generation_config(folder)
-    if given.get("do_sample") is not True:
-        return {}
 
     def value(key, default):  # transformers reads a null as the default
         return default if given.get(key) is None else given[key]
 
     top_p, penalty = value("top_p", 1.0), value("repetition_penalty", 1.0)
-    fields = {"temperature": value("temperature", 1.0), "top_k": value("top_k", 50) or None,  # 0: no cut
-              "top_p": None if top_p == 1.0 else top_p, "min_p": given.get("min_p"),
-              "repetition_penalty": None if penalty == 1.0 else penalty}  # fmt: skip
+    fields = {"repetition_penalty": None if penalty == 1.0 else penalty}
+    if given.get("do_sample") is True:
+        fields = {"temperature": value("temperature", 1.0), "top_k": value("top_k", 50) or None,  # 0: no cut
+                  "top_p": None if top_p == 1.0 else top_p, "min_p": given.get("min_p")} | fields  # fmt: skip
     try:
         Sampling(**fields)
     except (TypeError, ValueError) as e:
         raise ValueError(f"{os.path.join(folder, GENERATION_CONFIG)}: {e}") from None
-    return fields
+    return fields if "temperature" in fields or fields["repetition_penalty"] is not None else {}
 
 
 MAX_TOKENIZER_BYTES = 256 << 20  # a tokenizer.json larger than this is not one (Llama 3's is 9 MB)
