@@ -142,8 +142,9 @@ def special_tokens(workdir) -> dict:
 def sampling_defaults(workdir) -> dict:
     """An imported model's own sampling settings, as :class:`~qkvjax.sample.Sampling` fields (``temperature``,
     ``top_k``, ``top_p``, ``min_p``, ``repetition_penalty``; a model imported before the penalty was read has no
-    such key: none): what ``sample`` draws with where no flag says otherwise; {} for a run trained here and a model
-    whose folder did not ask for sampling."""
+    such key: none): what ``sample`` draws with where no flag says otherwise; only the penalty for a model whose
+    folder asked for greedy decoding with one; {} for a run trained here and a model whose folder asked for
+    neither."""
     return _imported_json(workdir, SAMPLING_FILE)
 
 
