@@ -309,6 +309,7 @@ def _convert(args: argparse.Namespace) -> int:
 
 def _import(args: argparse.Namespace) -> int:
     from qkvjax.hf import import_folder
+    from qkvjax.hf.folder import unapplied_generation
     from qkvjax.models.encoder import EncoderConfig, parameter_count
     from qkvjax.sample import describe_sampling
     from qkvjax.workdir import chat_template, sampling_defaults, stop_ids
@@ -321,6 +322,10 @@ def _import(args: argparse.Namespace) -> int:
     chat = ", chat template (sample --chat)" if not encoder and chat_template(args.workdir) else ""
     own = describe_sampling(sampling_defaults(args.workdir))
     own = f", samples with {own} (its generation_config.json)" if own and not encoder else ""
+    if not encoder and (unapplied := unapplied_generation(args.folder)):
+        said = ", ".join(f"{k} {v}" for k, v in unapplied.items())
+        print(f"note: {args.folder}'s generation_config.json also sets {said}, which qkvjax sample does not apply: "
+              "its tokens can differ from transformers' generate", file=sys.stderr)  # fmt: skip
     print(
         f"imported {args.folder}{kind}: {m.num_layers} layers, D={m.d_model}, N={m.attention.num_heads}, "
         f"K={m.attention.kv_heads}, V={m.vocab_size}, {parameter_count(m):,} parameters, tokenizer "

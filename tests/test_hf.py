@@ -635,12 +635,16 @@ def test_a_models_own_sampling_settings_are_samples_defaults_and_export_writes_t
     _word_tokenizer(folder / "tokenizer.json", [f"w{i}" for i in range(V)])
     gen = folder / "generation_config.json"
     ids = json.loads(gen.read_text()) if gen.exists() else {}
-    own_settings = {"do_sample": True, "temperature": 0.6, "top_k": 7, "top_p": 0.9, "repetition_penalty": 1.2}
+    # typical_p: one that generate applies and qkvjax does not, named on import
+    own_settings = {"do_sample": True, "temperature": 0.6, "top_k": 7, "top_p": 0.9, "repetition_penalty": 1.2,
+                    "typical_p": 0.95}  # fmt: skip
     gen.write_text(json.dumps(ids | own_settings))
     w = str(tmp_path / "w")
     assert main(["import", str(folder), "--workdir", w]) == 0
     said = "temperature 0.6, top_k 7, top_p 0.9, min_p off, repetition_penalty 1.2"
-    assert f"samples with {said} (its generation_config.json)" in capsys.readouterr().out
+    out = capsys.readouterr()
+    assert f"samples with {said} (its generation_config.json)" in out.out
+    assert f"note: {folder}'s generation_config.json also sets typical_p 0.95, which qkvjax sample does not" in out.err
     assert main(["info", "--workdir", w]) == 0
     assert f"sampling: {said} (the model's own" in capsys.readouterr().out
 
@@ -669,9 +673,14 @@ def test_a_models_own_sampling_settings_are_samples_defaults_and_export_writes_t
     assert f"samples with {said}" in capsys.readouterr().out
     assert (tmp_path / "w2" / "sampling.json").read_text() == (tmp_path / "w" / "sampling.json").read_text()
 
-    gen.write_text(json.dumps(ids | {"temperature": 0.6}))  # no do_sample: generate is greedy, qkvjax's defaults
+    # no do_sample: generate is greedy, qkvjax's defaults; what would change generate's greedy tokens is named
+    gen.write_text(json.dumps(ids | {"temperature": 0.6, "typical_p": 0.9, "no_repeat_ngram_size": 3, "num_beams": 1,
+                                     "suppress_tokens": []}))  # fmt: skip
     assert main(["import", str(folder), "--workdir", str(tmp_path / "w3")]) == 0
-    assert not (tmp_path / "w3" / "sampling.json").exists() and "samples with" not in capsys.readouterr().out
+    out = capsys.readouterr()
+    assert not (tmp_path / "w3" / "sampling.json").exists() and "samples with" not in out.out
+    assert f"note: {folder}'s generation_config.json also sets no_repeat_ngram_size 3, which qkvjax" in out.err
+    assert "typical_p" not in out.err and "num_beams" not in out.err and "suppress" not in out.err
     # greedy generate still penalises repeats: the penalty alone comes, and goes back with do_sample false
     gen.write_text(json.dumps(ids | {"do_sample": False, "temperature": 0.6, "repetition_penalty": 1.3}))
     assert main(["import", str(folder), "--workdir", str(tmp_path / "w5")]) == 0

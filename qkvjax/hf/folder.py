@@ -80,6 +80,26 @@ def generation_sampling(folder: str) -> dict:
     return fields if "temperature" in fields or fields["repetition_penalty"] is not None else {}
 
 
+# generate's settings that change which tokens it makes, each with the value that leaves it off (transformers'
+# GenerationConfig defaults); qkvjax applies none of them. Those in SAMPLED_ONLY cut only where do_sample is true.
+UNAPPLIED = {"typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "num_beams": 1, "no_repeat_ngram_size": 0,
+             "bad_words_ids": None, "min_length": 0, "min_new_tokens": 0, "suppress_tokens": None,
+             "begin_suppress_tokens": None, "forced_bos_token_id": None, "forced_eos_token_id": None,
+             "sequence_bias": None, "exponential_decay_length_penalty": None, "penalty_alpha": None,
+             "guidance_scale": 1.0}  # fmt: skip
+SAMPLED_ONLY = ("typical_p", "epsilon_cutoff", "eta_cutoff")
+
+
+def unapplied_generation(folder: str) -> dict:
+    """The settings of a folder's ``generation_config.json`` that change the tokens transformers' ``generate``
+    makes and that ``qkvjax sample`` does not apply (:data:`UNAPPLIED`; an off value, null or empty list left
+    out): what a user is told on import, since sample's tokens can then differ from generate's."""
+    given = read_generation_config(folder)
+    sampled = given.get("do_sample") is True
+    on = {k: v for k, v in given.items() if k in UNAPPLIED and v not in (UNAPPLIED[k], None, [], {})}
+    return {k: v for k, v in on.items() if sampled or k not in SAMPLED_ONLY}
+
+
 MAX_TOKENIZER_BYTES = 256 << 20  # a tokenizer.json larger than this is not one (Llama 3's is 9 MB)
 
 
