@@ -687,9 +687,9 @@ def test_a_models_own_sampling_settings_are_samples_defaults_and_export_writes_t
     assert "samples with repetition_penalty 1.3 (its" in capsys.readouterr().out
     assert json.loads((tmp_path / "w5" / "sampling.json").read_text()) == {"repetition_penalty": 1.3}
     w = str(tmp_path / "w5")
-    _, notes = sample("--temperature", "0")
+    greedy, notes = sample("--temperature", "0")
     assert f"note: sampling with repetition_penalty 1.3 ({w}'s own" in notes
-    assert sample("--temperature", "0")[0] != sample("--temperature", "0", "--repetition-penalty", "1")[0]
+    assert greedy != sample("--temperature", "0", "--repetition-penalty", "1")[0]
     assert main(["export", str(tmp_path / "hf5"), "--workdir", w]) == 0
     back = transformers.GenerationConfig.from_pretrained(tmp_path / "hf5")
     assert (back.do_sample, back.repetition_penalty) == (False, 1.3)
