@@ -68,16 +68,19 @@ def generation_sampling(folder: str) -> dict:
     def value(key, default):  # transformers reads a null as the default
         return default if given.get(key) is None else given[key]
 
-    top_p, penalty = value("top_p", 1.0), value("repetition_penalty", 1.0)
+    penalty = value("repetition_penalty", 1.0)
     fields = {"repetition_penalty": None if penalty == 1.0 else penalty}
     if given.get("do_sample") is True:
+        top_p = value("top_p", 1.0)
         fields = {"temperature": value("temperature", 1.0), "top_k": value("top_k", 50) or None,  # 0: no cut
                   "top_p": None if top_p == 1.0 else top_p, "min_p": given.get("min_p")} | fields  # fmt: skip
+    elif fields["repetition_penalty"] is None:
+        return {}  # greedy, no penalty: nothing of the folder's
     try:
         Sampling(**fields)
     except (TypeError, ValueError) as e:
         raise ValueError(f"{os.path.join(folder, GENERATION_CONFIG)}: {e}") from None
-    return fields if "temperature" in fields or fields["repetition_penalty"] is not None else {}
+    return fields
 
 
 # generate's settings that change which tokens it makes, each with the value that leaves it off (transformers'
