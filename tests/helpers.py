@@ -43,9 +43,12 @@ def run_in_process(args: list[str]) -> int:
 
 
 def xla_flags(devices: int) -> str:
-    """XLA_FLAGS for a test process: ``devices`` CPU devices, compiled at backend optimisation level 0 (the suite
-    is compile-bound; see tests/conftest.py)."""
-    return f"--xla_force_host_platform_device_count={devices} --xla_backend_optimization_level=0"
+    """XLA_FLAGS for a test process: ``devices`` CPU devices, compiled at backend optimisation level 0 with XLA's
+    elemental fusion emitters (the suite is compile-bound; see tests/conftest.py)."""
+    return (
+        f"--xla_force_host_platform_device_count={devices} --xla_backend_optimization_level=0 "
+        "--xla_cpu_use_fusion_emitters=false"
+    )
 
 
 def run_in_new_process(args: list[str], devices: int = 8, timeout: float = 240, **popen):

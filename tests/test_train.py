@@ -302,3 +302,33 @@ def test_learning_curve_places_an_evaluation_at_its_interval_s_rate():
         (13, 2.2, None, 2.1),  # + 3 x 10 at 25 tok/s
         (15, 3.0, 2.0, 1.9),
     ]
+
+
+def test_one_process_writes_replicated_arrays_whole_compiling_nothing_and_orbax_reads_them(tmp_path, caplog):
+    """orbax's replica-parallel writing (each of R replicas writes 1/R of a replicated array) slices every array on
+    every device, one compiled program each; one process writes each array whole, in the standard layout."""
+    import orbax.checkpoint as ocp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from qkvjax.workdir import export_params
+
+    everywhere = NamedSharding(jax.make_mesh((8,), ("data",)), PartitionSpec())
+    # orbax splits an axis the replicas divide: D = 16 here, odd sizes elsewhere
+    tree = {"w_q": np.arange(16 * 3 * 5, dtype=np.float32).reshape(16, 3, 5), "scale": np.arange(24, dtype=np.float32)}
+    tree = jax.device_put(tree, everywhere)
+    caplog.set_level(logging.WARNING)
+    jax.config.update("jax_log_compiles", True)  # the context manager is thread-local; orbax writes on its threads
+    try:
+        mngr = checkpoint.manager(str(tmp_path / "run"))
+        checkpoint.save(mngr, 3, tree, {"epoch": 0}, {"seed": 0})
+        checkpoint.close(mngr)
+        copy = export_params(tmp_path / "run", 3, tree)
+    finally:
+        jax.config.update("jax_log_compiles", False)
+    assert not [r.getMessage() for r in caplog.records if "Compiling" in r.getMessage()]
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+    with ocp.StandardCheckpointer() as plain:  # any orbax reader: the files and typestr are orbax's own
+        for where in (copy, tmp_path / "run" / "checkpoints" / "3" / "state"):
+            back = plain.restore(where, target)
+            for k in tree:
+                np.testing.assert_array_equal(np.asarray(back[k]), np.asarray(tree[k]), err_msg=f"{where} {k}")

@@ -4,7 +4,8 @@ Layout: ``WORKDIR/checkpoints/<step>/{state,data,config}`` plus ``WORKDIR/params
 evaluation). A save still in flight (killed mid-write) is a ``*.orbax-checkpoint-tmp`` directory that orbax never
 lists, so the newest *complete* step is always the one restored. Restores are strict: the checkpoint's tree must
 equal the expected one, key for key and shape for shape, or the error lists what is missing, unexpected or
-reshaped. Restoring onto another mesh or device count only needs the target shardings.
+reshaped. Restoring onto another mesh or device count only needs the target shardings. The files are orbax's
+standard ones; one process writes each replicated array whole (:func:`qkvjax.workdir.state_handler`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from qkvjax.train import tensorstore_leak
-from qkvjax.workdir import DAMAGED_DIR, is_remote, write_text
+from qkvjax.workdir import DAMAGED_DIR, is_remote, state_handler, write_text
 from qkvjax.workdir import path as workdir_path
 
 ITEMS = ("state", "data", "config")
@@ -101,7 +102,7 @@ def manager(workdir: str, max_to_keep: int = 3, read_only: bool = False) -> ocp.
         max_to_keep=max_to_keep, create=not read_only, read_only=read_only, enable_async_checkpointing=True
     )
     handlers = {
-        "state": ocp.StandardCheckpointHandler(),
+        "state": ocp.StandardCheckpointHandler() if read_only else state_handler(),
         "data": ocp.JsonCheckpointHandler(),
         "config": ocp.JsonCheckpointHandler(),
     }

@@ -442,7 +442,7 @@ class Loop:
         self.flops_per_token = train_flops_per_token(config.model, config.seq_len)
         self.devices = 1 if jax.devices()[0].platform == "cpu" else jax.device_count()
         self.peak = self.tc.peak_flops or measure_peak_flops(config.model.attention.dtype) * self.devices
-        self.schedule = learning_rate_schedule(self.tc)
+        self.schedule = jax.jit(learning_rate_schedule(self.tc))  # one program, not one per eager op it makes
         self.writer = MetricsWriter(prep.workdir, latest, self.tc.tensorboard)
         self._announce()
         self.progress = TrainProgress(self.step, self.tc.num_steps, enabled=jax.process_index() == 0)
