@@ -4,6 +4,7 @@ cause, and every checkpoint folder stays where it was; a workdir whose checkpoin
 afresh by itself; metrics.jsonl is never cut below the newest restorable step."""
 
 import errno
+import gc
 import json
 import os
 import shutil
@@ -110,6 +111,14 @@ def test_without_an_inventory_only_undecodable_bytes_count_as_damage(run, monkey
     assert not checkpoint.is_damage(MemoryError())
 
 
+# orbax gives up on the array's other reads when one fails and leaves them unawaited; at garbage collection each turns
+# the GeneratorExit that closes it into an Exception (serialization.py's `_read_array_index_and_device_put` catches
+# BaseException), which Python reports as unraisable. Collected here, at the end of the test that causes them, rather
+# than as noise in whichever later test happens to collect them.
+ABANDONED_READS = "Exception ignored in. <coroutine object _read_array_index_and_device_put"
+
+
+@pytest.mark.filterwarnings(f"ignore:{ABANDONED_READS}:pytest.PytestUnraisableExceptionWarning")
 def test_a_mesh_the_saved_layout_cannot_take_is_not_damage(run):
     """A restore onto shardings that cannot hold the arrays (an axis of 8 over dimensions of 3, 5, ...) fails, is
     reported as a read error, and moves nothing."""
@@ -136,6 +145,7 @@ def test_a_mesh_the_saved_layout_cannot_take_is_not_damage(run):
     with pytest.raises(checkpoint.CheckpointReadError, match=r"checkpoint step 4 .*not evidence of damage"):
         checkpoint.restore(mngr, 4, target)
     mngr.close()
+    gc.collect()  # orbax's abandoned reads (above)
     assert snapshot(run) == before
 
 
