@@ -182,11 +182,14 @@ def plot(rows: list[dict], path: Path) -> None:
     """``self`` per layer (the mean over heads), one thin line per run coloured by variant, a panel per positions
     and size."""
     from experiments import report
+    from experiments.scaling_report import VARIANT_ORDER, variant_color
 
     plt = report.pyplot()
     panels = sorted({(r["positions"], int(r["size"])) for r in rows})
-    variants = sorted({r["variant"] for r in rows}, key=lambda v: (v != "separate", v))
-    colour = {v: plt.get_cmap("tab10")(i) for i, v in enumerate(variants)}
+    known = [v for v in VARIANT_ORDER if v in {r["variant"] for r in rows}]  # the ladder's order and colours
+    variants = known + sorted({r["variant"] for r in rows} - set(known))
+    others = iter(plt.get_cmap("Dark2").colors)
+    colour = {v: variant_color(v) if v in VARIANT_ORDER else next(others) for v in variants}
     fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.4), sharey=True, squeeze=False)
     for ax, (positions, size) in zip(axes[0], panels, strict=True):
         runs = sorted({r["run"] for r in rows if (r["positions"], int(r["size"])) == (positions, size)})
