@@ -99,11 +99,12 @@ def run_weights(workdir: str, windows: int, batch: int = 16) -> list[np.ndarray]
     from qkvjax.data.tokenizer import load_tokenizer, tokenize_splits
     from qkvjax.evaluate import load
     from qkvjax.models.lm import DecoderLM
+    from qkvjax.workdir import load_config
 
+    if layers := load_config(workdir).model.layers:  # refused before anything is restored
+        raise ValueError(f"{workdir}: a per-layer pattern {layers!r}; allowed: one attention config in every layer")
     model, params, config = load(workdir)
     cfg = config.model
-    if cfg.layers:
-        raise ValueError(f"{workdir}: a per-layer pattern {cfg.layers!r}; allowed: one attention config in every layer")
     einsum = dataclasses.replace(cfg, attention=dataclasses.replace(cfg.attention, implementation="einsum"))
     model = DecoderLM(einsum)
     text = load_splits(config.data.dataset, config.data.source_path, os.path.expanduser(config.data.data_dir))
