@@ -77,15 +77,23 @@ def test_a_runs_weights_are_causal_softmax_rows_one_map_per_head(gqa_run):
         assert not np.allclose(w[:, 0], w[:, 1])  # the two query heads that read one K/V head differ
 
 
-def test_the_cli_writes_a_row_per_layer_and_head_keeps_other_runs_and_reports_again(gqa_run, tmp_path, capsys):
+@pytest.fixture
+def unfinished(gqa_run, tmp_path):
+    """The run as it was before its last step: no params/ export."""
+    copy = tmp_path / "unfinished"
+    shutil.copytree(gqa_run, copy, ignore=shutil.ignore_patterns("params"))
+    return copy
+
+
+def test_the_cli_writes_a_row_per_layer_and_head_keeps_other_runs_and_reports_again(
+    gqa_run, unfinished, tmp_path, capsys
+):
     other = {"run": "another", "positions": "learned", "size": "7", "variant": "mqa", "learning_rate": "0.01",
              "seed": "1", "windows": "5", "layer": "0", "head": "0"}  # fmt: skip
     stale = dict(other, run=gqa_run.name, positions="rope", size="32", variant="gqa", learning_rate="0.003", seed="0")
     for name in attention_stats.STATS:
         other[name] = stale[name] = "0.5"
     replace_rows(tmp_path / "attention.csv", attention_stats.COLUMNS, [other, stale])
-    unfinished = tmp_path / "unfinished"
-    shutil.copytree(gqa_run, unfinished, ignore=shutil.ignore_patterns("params"))
     assert attention_stats.main([str(gqa_run), str(unfinished), "--out", str(tmp_path), "--windows", "2"]) == 0
     assert f"skipped {unfinished}: not finished" in capsys.readouterr().err
     rows = read_csv(tmp_path / "attention.csv")
@@ -115,9 +123,7 @@ def test_the_cli_writes_a_row_per_layer_and_head_keeps_other_runs_and_reports_ag
         ([], r"no runs given and no .*attention.csv to report"),
     ],
 )
-def test_errors_are_one_line(args, match, gqa_run, tmp_path, capsys):
-    unfinished = tmp_path / "unfinished"
-    shutil.copytree(gqa_run, unfinished, ignore=shutil.ignore_patterns("params"))
+def test_errors_are_one_line(args, match, gqa_run, unfinished, tmp_path, capsys):
     runs = {"RUN": str(gqa_run), "NOTHING": str(tmp_path / "nothing"), "UNFINISHED": str(unfinished)}
     args = [runs.get(a, a) for a in args]
     assert attention_stats.main([*args, "--out", str(tmp_path / "out")]) == 2
