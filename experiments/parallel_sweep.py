@@ -4,18 +4,20 @@ training these small models is idle most of each step), under one deadline; resu
     python experiments/parallel_sweep.py --workers 4 --budget-s 420 --out experiments/results/scaling_corpus2 \\
         -- --corpus experiments/corpora/python_docs.txt --stages lr-large,large --lr-grid 2e-3,4e-3,8e-3 ...
 
-Everything after ``--`` goes to every worker as it is (``--out`` and ``--claims`` excepted). The stages run one at
-a time, each in rounds: every worker starts from a copy of ``--out``'s ``runs.csv``, ``curves.csv`` and
-``protocol.json`` in a scratch folder of its own, takes the stage's next run that no other worker has claimed
-(``scaling.py --claims``: one claim file per run, created exclusively), and trains until the stage has nothing
-left for it; each finished run's row and curve are appended to ``--out`` (fsynced, as the sweep does) within
-seconds of its end, so a parent killed mid-round (a session's stop) loses only the runs still training. A
-stage whose plan depends on finished runs (a rate sweep extending past a winning edge, the seeded stage at the
-rates the sweep picked) gets another round until a round adds nothing. At the deadline the workers get SIGTERM
-(each saves its run's checkpoint; SIGKILL after TERM_GRACE_S): finished runs are already in ``--out``; a stopped
-run's checkpoint stays in the scratch folder's one ``runs/`` (every worker's ``runs`` links to it), so whichever
-worker claims the run next resumes it, if the scratch folder is still there, else starts it again. SIGTERM to the
-parent stops the workers the same way (its exit code is then 143).
+Everything after ``--`` goes to every worker as it is (``--out``, ``--claims`` and ``--stages``' order excepted).
+Every worker takes the stages together, in the sweep's order: from a copy of ``--out``'s ``runs.csv``,
+``curves.csv`` and ``protocol.json`` in a scratch folder of its own, it trains each stage's runs in turn that it
+can plan and no other worker has claimed (``scaling.py --claims``: one claim file per run, created exclusively)
+until none is left. A seeded stage plans a variant once that variant's own rate sweep is finished, so a worker with no
+sweep run left starts the settled variants' seeds instead of waiting for the slowest sweep. Each finished run's
+row and curve are appended to ``--out`` (fsynced, as the sweep does) within seconds of its end, so a parent killed
+mid-run (a session's stop) loses only the runs still training; a worker that ran out of work starts afresh
+whenever ``--out`` gains rows (a rate settled, a step past a winning edge planned), and the call ends when no
+worker can plan anything. At the deadline the workers get SIGTERM (each saves its run's checkpoint; SIGKILL after
+TERM_GRACE_S): finished runs are already in ``--out``; a stopped run's checkpoint stays in the scratch folder's one
+``runs/`` (every worker's ``runs`` links to it), so whichever worker claims the run next resumes it, if the
+scratch folder is still there, else starts it again. SIGTERM to the parent stops the workers the same way (its
+exit code is then 143); a worker that fails is reported with its log's tail, and the exit code is then 1.
 """
 
 from __future__ import annotations
@@ -117,43 +119,64 @@ def _exit_on_sigterm(signum, frame):
     raise SystemExit(128 + signum)  # 143, as a shell reports a SIGTERM
 
 
-def run_round(args, stage: str, passed: list[str], deadline: float) -> int:
-    """One round of ``stage`` in every worker; the number of rows it added to ``--out``."""
+def start_worker(args, i: int, passed: list[str], stages: list[str], claims: Path):
+    """Worker ``i``: ``scaling.py`` on fresh copies of ``--out``'s files, training the runs of ``stages`` it can
+    plan and no other worker has claimed, stage by stage, until none is left; its output goes to its log."""
+    out, folder = Path(args.out), Path(args.scratch) / f"w{i}"  # made by pool_runs
+    for name in COPIED:
+        if (out / name).exists():
+            shutil.copyfile(out / name, folder / name)
+        else:
+            (folder / name).unlink(missing_ok=True)
+    cmd = [sys.executable, str(SCALING), *passed, "--out", str(folder), "--stages", ",".join(stages),
+           "--claims", str(claims)]  # fmt: skip
+    log = open(folder / "worker.log", "a")
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True), log
+
+
+def run_pool(args, stages: list[str], passed: list[str], deadline: float) -> tuple[int, list[int]]:
+    """Keeps ``--workers`` workers busy on every stage at once until nothing can be planned or the deadline; the
+    number of rows added to ``--out`` and the workers that failed.
+
+    A worker sees the rows finished when it started and its own: one that runs out of work exits, and its slot
+    starts a fresh worker whenever ``--out`` has gained rows since (another worker's, which may have settled a
+    rate or added a step past a winning edge). The claims last the whole call, so a worker's stale view never
+    retrains a run another took; a later call takes a run this one stopped again."""
     out, scratch = Path(args.out), Path(args.scratch)
-    claims = scratch / f"claims-{stage}-{time.monotonic_ns()}"  # fresh each round: a killed run can be retaken
+    claims = scratch / f"claims-{time.monotonic_ns()}"
     pool_runs(scratch, args.workers)
-    procs = []
-    for i in range(args.workers):
-        folder = scratch / f"w{i}"  # made by pool_runs
-        for name in COPIED:
-            if (out / name).exists():
-                shutil.copyfile(out / name, folder / name)
-            else:
-                (folder / name).unlink(missing_ok=True)
-        cmd = [sys.executable, str(SCALING), *passed, "--out", str(folder), "--stages", stage, "--claims", str(claims)]
-        log = open(folder / "worker.log", "a")
-        procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True), log))
-    added = 0
-    # Finished runs are merged every POLL_S, not only at the round's end: a parent killed mid-round (a session's
-    # stop) then loses only the runs still training.
+    slots: list = [None] * args.workers  # (process, log) while a worker runs
+    started_at = [-1] * args.workers  # rows in --out when the slot's worker started
+    failed, added = [], 0
     next_merge = time.monotonic() + POLL_S
     try:
-        while any(p.poll() is None for p, _ in procs) and time.monotonic() < deadline:
-            time.sleep(0.5)
-            if time.monotonic() >= next_merge:
+        while time.monotonic() < deadline:
+            # Finished runs are merged as they come, not when a worker exits: a parent killed mid-run (a
+            # session's stop) then loses only the runs still training.
+            if time.monotonic() >= next_merge or any(s and s[0].poll() is not None for s in slots):
                 added += sum(merge(out, scratch / f"w{i}") for i in range(args.workers))
-                next_merge += POLL_S
+                next_merge = time.monotonic() + POLL_S
+            for i, slot in enumerate(slots):
+                if slot and slot[0].poll() is not None:
+                    slot[1].close()
+                    slots[i] = None
+                    if slot[0].returncode != 0:
+                        failed.append(i)
+                        tail = (scratch / f"w{i}" / "worker.log").read_text().splitlines()[-15:]
+                        print(f"worker {i} exited {slot[0].returncode}:\n" + "\n".join(tail), file=sys.stderr)
+            rows = len(read_csv(out / "runs.csv"))
+            for i in range(args.workers):
+                if slots[i] is None and i not in failed and rows > started_at[i]:
+                    slots[i], started_at[i] = start_worker(args, i, passed, stages, claims), rows
+            if not any(slots):
+                break
+            time.sleep(0.5)
     finally:
-        _stop(procs)
-        for _, log in procs:
-            log.close()
+        _stop([s for s in slots if s])  # the deadline, or SIGTERM to this process: each saves its checkpoint
+        for slot in filter(None, slots):
+            slot[1].close()
     added += sum(merge(out, scratch / f"w{i}") for i in range(args.workers))
-    stopped = (0, 128 + signal.SIGTERM, -signal.SIGTERM, -signal.SIGKILL)  # done, or stopped at the deadline
-    failed = [i for i, (p, _) in enumerate(procs) if p.returncode not in stopped]
-    for i in failed:
-        tail = (scratch / f"w{i}" / "worker.log").read_text().splitlines()[-15:]
-        print(f"worker {i} exited {procs[i][0].returncode}:\n" + "\n".join(tail), file=sys.stderr)
-    return added
+    return added, failed
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -185,16 +208,9 @@ def main(argv: list[str] | None = None) -> int:
         train_split_bytes(data)  # preparing one data_dir at the same time would race
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # the workers share one accelerator
     stages = [s for s in STAGES if s in sweep.stages]  # the sweep's own order
-    total = 0
-    for stage in stages:
-        while time.monotonic() < deadline - 10:
-            added = run_round(args, stage, passed, deadline)
-            total += added
-            print(f"parallel_sweep: {stage}: {added} runs added", flush=True)
-            if not added:
-                break
-    print(f"parallel_sweep: {total} runs added to {args.out}/runs.csv", flush=True)
-    return 0
+    added, failed = run_pool(args, stages, passed, deadline)
+    print(f"parallel_sweep: {added} runs added to {args.out}/runs.csv", flush=True)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

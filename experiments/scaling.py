@@ -33,6 +33,8 @@ parameter count). Stages, in this order (``--stages`` picks; each skips what is 
   large      ``--large-variants`` at the largest size at its own rates where ``lr-large`` ran, else the middle size's
 
 ``--minor-seeds N`` trains the variants outside LARGE_VARIANTS (the five main ones) at the first N seeds only.
+A seeded stage trains a variant once that variant's own rate sweep is finished (its grid and any step past a
+winning edge), never at a rate the sweep could still move; the other variants need not be finished.
 
 Every finished run appends one fsynced row to ``runs.csv`` and its curve to ``curves.csv``; a rerun skips finished
 runs and resumes a killed one from its checkpoint. The plan and an estimated wall time (from tokens/s measured by
@@ -158,25 +160,29 @@ class Sweep:
                 by_rate.setdefault(float(r["learning_rate"]), {})[int(r["seed"])] = float(r["final_val_loss"])
         return {lr: statistics.fmean(v.values()) for lr, v in by_rate.items() if len(v) == len(seeds)}
 
-    def lr_runs(self, stage: str, size: int) -> list[Run]:
-        """The sweep's runs at ``size`` still to train: the grid, then one step past a winning edge."""
-        out = []
+    def rates_left(self, size: int, variant: str) -> list[float]:
+        """The rates ``variant``'s sweep at ``size`` has still to finish at every sweep seed: the grid, then one
+        step past a winning edge; [] once its rate is settled (or ``--learning-rate`` fixes it)."""
+        if self.args.learning_rate is not None:
+            return []
         grid = self.args.lr_grid
+        rates, done = set(grid), set(self.sweep_losses(size, variant))
+        if rates <= done:  # the grid is finished: extend past an edge that wins
+            best = self.best_lr(size, variant)
+            limit = self.args.max_extensions
+            if best == min(done) and math.log2(min(grid) / best) < limit:
+                rates.add(best / 2)
+            elif best == max(done) and math.log2(best / max(grid)) < limit:
+                rates.add(best * 2)
+        return sorted(rates - done)
+
+    def lr_runs(self, stage: str, size: int) -> list[Run]:
+        """The sweep's runs at ``size`` still to train."""
         variants = [v for v in self.args.variants if stage != "lr-large" or v in self.args.large_variants]
-        for variant in variants:
-            rates = set(grid)
-            done = set(self.sweep_losses(size, variant))
-            if rates <= done:  # the grid is finished: extend past an edge that wins
-                best = self.best_lr(size, variant)
-                limit = self.args.max_extensions
-                if best == min(done) and math.log2(min(grid) / best) < limit:
-                    rates.add(best / 2)
-                elif best == max(done) and math.log2(best / max(grid)) < limit:
-                    rates.add(best * 2)
-            runs = [self.run(stage, "primary", size, variant, lr, seed)
-                    for seed in self.args.sweep_seeds for lr in sorted(rates - done)]  # fmt: skip
-            out += [r for r in runs if not self.done(r)]
-        return out
+        runs = [self.run(stage, "primary", size, variant, lr, seed)
+                for variant in variants for seed in self.args.sweep_seeds
+                for lr in self.rates_left(size, variant)]  # fmt: skip
+        return [r for r in runs if not self.done(r)]
 
     def group(self, stage: str) -> tuple[int, str, list[str], int]:
         """A seeded stage's size, corpus, variants and the size whose sweep chose their rates."""
@@ -192,7 +198,9 @@ class Sweep:
 
     def seeded_run(self, stage: str, variant: str, seed: int, label: str | None = None) -> Run:
         size, corpus, _, rate_size = self.group(stage)
-        lr = self.best_lr(rate_size, variant)
+        # a rate the sweep may still move is not one to train at: workers running the stages side by side
+        # (parallel_sweep.py) start a variant's seeds once its own sweep is finished, not every variant's
+        lr = None if self.rates_left(rate_size, variant) else self.best_lr(rate_size, variant)
         run = self.run(label or stage, corpus, size, variant, lr if lr is not None else SHARED_LR, seed)
         return run if lr is not None else dataclasses.replace(run, learning_rate=float("nan"))  # rate not known yet
 

@@ -4,6 +4,7 @@ import csv
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import re
 import signal
@@ -513,6 +514,13 @@ def test_rates_are_chosen_on_the_mean_of_the_sweep_seeds_at_every_size(tmp_path,
                            "final_val_loss": str(loss)})  # fmt: skip
     assert sweep.best_lr(16, "separate") == 2e-3
     assert [(r.learning_rate, r.seed) for r in sweep.stage_runs("lr-large")] == [(4e-3, 1)]
+    # 4e-3 may still win: the seeded runs wait for the sweep (NaN: planned, not trained), whatever leads now
+    assert [(r.variant, r.seed) for r in sweep.stage_runs("large") if math.isnan(r.learning_rate)] == [
+        ("separate", 2), ("separate", 3)]  # fmt: skip
+    run = sweep.run("lr-large", "primary", 16, "separate", 4e-3, 1)
+    row = {"run": run.name, "stage": "lr-large", "corpus": run.corpus, "size": "16", "variant": "separate"}
+    sweep.rows.append({**row, "seed": "1", "learning_rate": "0.004", "final_val_loss": "1.65"})
+    assert sweep.stage_runs("lr-large") == [] and sweep.rates_left(16, "separate") == []  # 2e-3 wins inside
     large = sweep.stage_runs("large")  # at the largest size's own rate; seeds 0 and 1 are the sweep's runs
     assert [(r.variant, r.learning_rate, r.seed) for r in large] == [("separate", 2e-3, 2), ("separate", 2e-3, 3)]
     args.stages = ["small"]
@@ -534,6 +542,39 @@ def test_rates_are_chosen_on_the_mean_of_the_sweep_seeds_at_every_size(tmp_path,
                                "final_val_loss": "1.0"})  # fmt: skip
     assert {(r.variant, r.seed) for r in sweep.stage_runs("large")} == {
         ("separate", 2), ("separate", 3), ("bilinear", 2)}  # fmt: skip
+
+
+def test_a_variant_seeds_once_its_own_sweep_settles_while_another_extends_past_an_edge(tmp_path, small_text):
+    """Workers taking the stages side by side (parallel_sweep.py): a variant whose sweep is finished gets its
+    seeded runs at once; one whose grid is finished but won at the edge waits for the step past it, and then for
+    that step's verdict (its seeds never train at a rate the sweep could still move)."""
+    argv = ["--out", str(tmp_path), "--corpus", small_text, "--sizes", "8,12,16", "--lr-grid", "2e-3,4e-3,8e-3",
+            "--sweep-seeds", "0,1", "--seeds", "0,1,2", "--variants", "separate,shared_qk",
+            "--stages", "lr-large,large"]  # fmt: skip
+    sweep = scaling.Sweep(scaling.build_parser().parse_args(argv))
+
+    def finish(variant, lr, losses):
+        for seed, loss in enumerate(losses):
+            run = sweep.run("lr-large", "primary", 16, variant, lr, seed)
+            sweep.rows.append({"run": run.name, "stage": "lr-large", "corpus": run.corpus, "size": "16",
+                               "variant": variant, "seed": str(seed), "learning_rate": repr(lr),
+                               "final_val_loss": str(loss)})  # fmt: skip
+
+    for lr, loss in ((2e-3, 1.31), (4e-3, 1.27), (8e-3, 1.29)):
+        finish("separate", lr, (loss, loss + 0.01))  # 4e-3 wins inside the grid: settled
+    for lr, loss in ((2e-3, 1.21), (4e-3, 1.23), (8e-3, 1.26)):
+        finish("shared_qk", lr, (loss, loss - 0.01))  # 2e-3 wins at the low edge: 1e-3 next
+    assert sweep.rates_left(16, "separate") == [] and sweep.rates_left(16, "shared_qk") == [1e-3]
+    assert [(r.variant, r.learning_rate, r.seed) for r in sweep.stage_runs("lr-large")] == [
+        ("shared_qk", 1e-3, 0), ("shared_qk", 1e-3, 1)]  # fmt: skip
+
+    def large():
+        return {(r.variant, r.seed): r.learning_rate for r in sweep.stage_runs("large")}
+
+    plan = large()
+    assert plan[("separate", 2)] == 4e-3 and math.isnan(plan[("shared_qk", 2)]) and len(plan) == 2
+    finish("shared_qk", 1e-3, (1.25, 1.24))  # the step past the edge loses: 2e-3 is settled
+    assert sweep.rates_left(16, "shared_qk") == [] and large() == {("separate", 2): 4e-3, ("shared_qk", 2): 2e-3}
 
 
 @pytest.mark.parametrize("n", [2, 3, 5])
@@ -699,6 +740,33 @@ def test_parallel_sweep_trains_every_run_once_across_workers(tmp_path, small_tex
     assert sorted(merged) == sorted(r["run"] for r in rows)  # each row merged once, as its run finished
     again = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and "0 runs added" in again.stdout and len(_rows(out)) == 6
+
+
+@pytest.mark.slow  # ~3 min: two workers take a real rate sweep and its seeds side by side (pytest -m slow)
+def test_parallel_workers_seed_each_variant_at_the_rate_its_finished_sweep_chose(tmp_path, small_text, data_dir):
+    """Rate sweeps whose edges may win (extensions planned as rows arrive) and the seeded stage, taken by two
+    workers at once: every run trains once, and each seed-1 run is at the rate its variant's whole sweep chose."""
+    out = tmp_path / "sweep"
+    sweep_args = ["--corpus", small_text, "--data-dir", data_dir, "--sizes", "8,12,16", "--layers", "1",
+                  "--context", "16", "--variants", "separate,shared_kv", "--seeds", "0,1", "--lr-grid", "2e-3,8e-3",
+                  "--stages", "lr-small,small", "--tokens-per-param", "1", "--token-scale", "0.6"]  # fmt: skip
+    env = {**os.environ, "XLA_FLAGS": xla_flags(1), "PYTHONUNBUFFERED": "1"}
+    command = [sys.executable, "experiments/parallel_sweep.py", "--out", str(out), "--workers", "2",
+               "--budget-s", "600", "--scratch", str(tmp_path / "scratch"), "--", *sweep_args]  # fmt: skip
+    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=700)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = _rows(out)
+    sweep = scaling.Sweep(scaling.build_parser().parse_args([*sweep_args, "--out", str(out)]))
+    for variant in ("separate", "shared_kv"):
+        assert sweep.rates_left(8, variant) == []  # the sweep finished, extensions included
+        seeded = [r for r in rows if r["variant"] == variant and r["stage"] == "small"]
+        assert [(float(r["learning_rate"]), r["seed"]) for r in seeded] == [(sweep.best_lr(8, variant), "1")]
+    logs = [tmp_path / "scratch" / f"w{i}" / "worker.log" for i in (0, 1)]
+    trained = [line.split("] ", 1)[1].split(":")[0] for p in logs for line in p.read_text().splitlines()
+               if line.startswith("--- ")]  # fmt: skip
+    assert sorted(trained) == sorted(r["run"] for r in rows)  # each run once, by one worker
+    again = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and "0 runs added" in again.stdout and len(_rows(out)) == len(rows)
 
 
 def test_the_report_picks_rates_on_the_sweep_seeds_mean_and_counts_their_runs_as_seeds():
