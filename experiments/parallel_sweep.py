@@ -167,6 +167,8 @@ def run_pool(args, stages: list[str], passed: list[str], deadline: float) -> tup
             rows = len(read_csv(out / "runs.csv"))
             for i in range(args.workers):
                 if slots[i] is None and i not in failed and rows > started_at[i]:
+                    again = " again" if started_at[i] >= 0 else ""
+                    print(f"parallel_sweep: w{i} starts{again} from {rows} finished runs", flush=True)
                     slots[i], started_at[i] = start_worker(args, i, passed, stages, claims), rows
             if not any(slots):
                 break
