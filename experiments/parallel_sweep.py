@@ -148,6 +148,7 @@ def run_pool(args, stages: list[str], passed: list[str], deadline: float) -> tup
     slots: list = [None] * args.workers  # (process, log) while a worker runs
     started_at = [-1] * args.workers  # rows in --out when the slot's worker started
     failed, added = [], 0
+    before = len(read_csv(out / "runs.csv"))  # only this call appends to --out: rows = before + added
     next_merge = time.monotonic() + POLL_S
     try:
         while time.monotonic() < deadline:
@@ -164,7 +165,7 @@ def run_pool(args, stages: list[str], passed: list[str], deadline: float) -> tup
                         failed.append(i)
                         tail = (scratch / f"w{i}" / "worker.log").read_text().splitlines()[-15:]
                         print(f"worker {i} exited {slot[0].returncode}:\n" + "\n".join(tail), file=sys.stderr)
-            rows = len(read_csv(out / "runs.csv"))
+            rows = before + added
             for i in range(args.workers):
                 if slots[i] is None and i not in failed and rows > started_at[i]:
                     again = " again" if started_at[i] >= 0 else ""
