@@ -788,9 +788,9 @@ def drive(args) -> int:
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     if args.smoke:
         env.setdefault("JAX_PLATFORMS", "cpu")
-        # one CPU device, whatever the caller set; toy shapes are compile-bound: XLA's backend at level 0 (as the
-        # test suite compiles, tests/conftest.py)
-        env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"
+        # one CPU device, whatever the caller set; toy shapes are compile-bound: XLA's backend at level 0 and its
+        # elemental fusion emitters (as the test suite compiles, tests/conftest.py)
+        env["XLA_FLAGS"] = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
     env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # each section's own peak, and room for torch
     work = out / "sections"  # each section's json; merged into gpu_check.json after every section
     work.mkdir(exist_ok=True)

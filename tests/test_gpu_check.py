@@ -30,7 +30,7 @@ def test_an_unknown_row_variant_or_section_is_refused_before_any_section_runs(tm
 
 
 def test_gpu_check_smoke_runs_the_measuring_sections_in_ci(tmp_path):
-    # The sections whose code a visit most needs, in CI (~45 s): the ceilings, MLA with rotary against float64 (its
+    # The sections whose code a visit most needs, in CI (~38 s): the ceilings, MLA with rotary against float64 (its
     # cuDNN padding and absorbed decode), a train step, sampling. The rest is the slow test below.
     proc = subprocess.run(
         [sys.executable, "benchmarks/gpu_check.py", "--smoke", "--out", str(tmp_path), "--sections",
