@@ -13,8 +13,10 @@ measures how much of the weight trained models give it; the expectation was writ
 Finished runs only (a run writes its ``params/`` export when it reaches its last step; others are skipped with a
 note, so a glob over a sweep's scratch folder takes what is done). Rows t >= 1 only (the first query has no other
 key). Every statistic is computed in float64 from the weights the
-model computes (``implementation='einsum'``, the path that hands them to analysis; the maths of every path is the
-same), unfolded from the grouped layout (B, K, T G, S) to (B, N, T, S), query head n = k G + g.
+model computes (collecting them takes the einsum kernel, the one path that hands them out, whatever the run's
+implementation; the maths of every path is the same), unfolded from the grouped layout (B, K, T G, S) to
+(B, N, T, S), query head n = k G + g with each layer's own N and K (a per-layer pattern may vary them; a layer
+reading another's K/V reads them with its own queries, so it has maps of its own).
 
     python experiments/attention_stats.py --out experiments/results/scaling_rope/attention RUN_DIR [RUN_DIR ...]
 
@@ -26,7 +28,6 @@ a line per run).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import re
 import statistics
@@ -74,7 +75,7 @@ def head_stats(weights: np.ndarray) -> dict[str, np.ndarray]:
 
 def describe(workdir: str) -> dict:
     """The run's positions (a learned table, rotary, both or none), size, variant, rate and seed: the variant from a
-    sweep run's folder name where it has one, else the scheme."""
+    sweep run's folder name where it has one, else its layer pattern, else the scheme."""
     from qkvjax.workdir import load_config
 
     config = load_config(workdir)
@@ -84,7 +85,7 @@ def describe(workdir: str) -> dict:
         "run": os.path.basename(os.path.normpath(workdir)),
         "positions": "+".join(["learned"] * table + ["rope"] * rope) or "none",
         "size": config.model.d_model,
-        "variant": match.group(2) if match else config.model.attention.scheme,
+        "variant": match.group(2) if match else config.model.layers or config.model.attention.scheme,
         "learning_rate": config.train.learning_rate,
         "seed": config.seed,
     }
@@ -98,15 +99,9 @@ def run_weights(workdir: str, windows: int, batch: int = 16) -> list[np.ndarray]
     from qkvjax.data.builders import load_splits
     from qkvjax.data.tokenizer import load_tokenizer, tokenize_splits
     from qkvjax.evaluate import load
-    from qkvjax.models.lm import DecoderLM
-    from qkvjax.workdir import load_config
 
-    if layers := load_config(workdir).model.layers:  # refused before anything is restored
-        raise ValueError(f"{workdir}: a per-layer pattern {layers!r}; allowed: one attention config in every layer")
     model, params, config = load(workdir)
     cfg = config.model
-    einsum = dataclasses.replace(cfg, attention=dataclasses.replace(cfg.attention, implementation="einsum"))
-    model = DecoderLM(einsum)
     text = load_splits(config.data.dataset, config.data.source_path, os.path.expanduser(config.data.data_dir))
     tokens = tokenize_splits({"validation": text["validation"]}, load_tokenizer(config.data.tokenizer, workdir))
     seq = config.seq_len
@@ -124,7 +119,7 @@ def run_weights(workdir: str, windows: int, batch: int = 16) -> list[np.ndarray]
     per_layer: list[list[np.ndarray]] = [[] for _ in range(cfg.num_layers)]
     for lo in range(0, windows, batch):
         for i, w in enumerate(collect(params, ids[lo : lo + batch])):
-            per_layer[i].append(unfold(np.asarray(w), cfg.attention.num_heads))
+            per_layer[i].append(unfold(np.asarray(w), cfg.layer_attention[i].config.num_heads))
     return [np.concatenate(ws) for ws in per_layer]
 
 

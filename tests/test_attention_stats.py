@@ -77,6 +77,22 @@ def test_a_runs_weights_are_causal_softmax_rows_one_map_per_head(gqa_run):
         assert not np.allclose(w[:, 0], w[:, 1])  # the two query heads that read one K/V head differ
 
 
+def test_a_per_layer_pattern_gives_each_layer_its_own_maps_whatever_the_implementation(tmp_path, small_text, data_dir):
+    # Layer 0 has 2 K/V heads for 4 query heads, layer 1 reads them (Cross-Layer Attention) with 4 queries of its
+    # own; trained with XLA's kernel, which hands out no weights: collecting them takes the einsum kernel instead.
+    w = tmp_path / "pattern"
+    args = {"train.num_steps": 2, "train.eval_every": 100, "model.layers": "[kv=2], [kv_from=-1]",
+            "model.attention.implementation": "xla", "model.attention.head_dim": "7"}  # fmt: skip
+    assert run_in_process(train_args(w, small_text, data_dir, **args)) == 0
+    layers = attention_stats.run_weights(str(w), windows=3, batch=2)
+    assert [x.shape for x in layers] == [(3, 4, 32, 32)] * 2
+    for x in layers:
+        np.testing.assert_allclose(x.sum(-1), 1.0, atol=1e-5)
+        assert np.all(np.triu(x, k=1) == 0)
+    assert not np.allclose(layers[0], layers[1])  # one K/V, two layers' queries
+    assert attention_stats.describe(str(w))["variant"] == "[kv=2], [kv_from=-1]"
+
+
 @pytest.fixture
 def unfinished(gqa_run, tmp_path):
     """The run as it was before its last step: no params/ export."""

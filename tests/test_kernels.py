@@ -303,6 +303,7 @@ def test_chunked_applies_to_plain_fresh_scores_only():
     assert picks(implementation="chunked") == "chunked"
     assert picks(implementation="chunked", rel_table=rand(7, N, 2 * M + 1)) == "blocks"  # custom scores
     assert picks(implementation="chunked", dropout=0.25) == "einsum"
+    assert picks(implementation="chunked", collecting=True) == "einsum"  # analysis needs the whole (T, S) rows
     assert picks(qkv=cached_qkv(), layout=CACHED, start=START, implementation="chunked") == "prefix"
 
 
@@ -338,6 +339,8 @@ def test_einsum_and_xla_split_on_what_dot_product_attention_takes():
     assert picks(implementation="cudnn", qkv=fresh_qkv(u=H), causal=False) == "xla"
     assert picks(implementation="xla", causal=False) == "einsum"  # values wider than keys
     assert picks(implementation="xla", qkv=fresh_qkv(u=H - 2), causal=False) == "xla"  # narrower: padded
+    for fused in ("xla", "cudnn", "auto"):  # no fused kernel hands out the weights analysis collects
+        assert picks(implementation=fused, qkv=fresh_qkv(u=H), causal=False, collecting=True) == "einsum"
     assert picks(implementation="xla", qkv=fresh_qkv(u=H), causal=False, self_mask=True) == "einsum"
     assert picks(implementation="einsum", qkv=fresh_qkv(u=H), causal=False) == "einsum"
 

@@ -76,7 +76,8 @@ class AttentionConfig:
         whose program holding cuDNN's kernel failed to compile (:func:`kernels.falls_back_from_cudnn`; an explicit
         'cudnn' fails instead). None picks per backend (:func:`resolve_implementation`):
         'einsum' on CPU, 'auto' on a GPU, 'xla' elsewhere. Schemes with custom logits (bilinear, Reformer's self-mask, a
-        relative bias), attention dropout and decoding from a cache always take 'einsum'.
+        relative bias), attention dropout, decoding from a cache and analysis collecting the (T, S) weights
+        (``mutable=["intermediates"]``) always take 'einsum'.
       chunk_size: keys per block of the 'chunked' implementation.
       causal_block: the 'einsum' implementation's causal self-attention (no other mask, custom logits or
         dropout) is computed in blocks of this many queries, each scored only against the keys up to its last

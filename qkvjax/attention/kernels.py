@@ -18,8 +18,9 @@ blocks     causal self-attention over fresh keys with no other mask (any score f
 prefix     reading a decode cache: only the shortest prefix of slots holding the longest row
            (:func:`core.within_prefix`). Decoding.
 einsum     everything else this package computes itself (:func:`attend`): custom scores (bilinear forms,
-           Reformer's self-mask, a relative bias), attention dropout, a cache, values wider than keys, or
-           ``implementation='einsum'``; the one path that also hands its (T, S) weights to analysis.
+           Reformer's self-mask, a relative bias), attention dropout, a cache, values wider than keys,
+           analysis collecting the weights, or ``implementation='einsum'``; the one path that hands its (T, S)
+           weights to analysis, so collecting them takes it whatever the implementation.
 xla        plain q.k scores with nothing above: ``jax.nn.dot_product_attention`` (:func:`dot_product`): cuDNN
            flash attention with ``implementation='cudnn'``, and on a GPU by default where jax takes the call
            and XLA compiles it (:func:`falls_back_from_cudnn`).
@@ -328,7 +329,10 @@ def falls_back_from_cudnn(step: Callable, say: Callable[[str], None]) -> Callabl
 
 def _chunked_applies(a: Inputs) -> bool:
     s = a.slots
-    return a.how.implementation == "chunked" and not a.custom and not a.rules.window and s.start is None
+    return (
+        a.how.implementation == "chunked" and not a.custom and not a.rules.window and s.start is None
+        and not a.how.collecting
+    )  # fmt: skip
 
 
 def _window_applies(a: Inputs) -> bool:
@@ -351,11 +355,12 @@ def _blocks_applies(a: Inputs, window: int = 0) -> bool:
 
 def _einsum_applies(a: Inputs) -> bool:
     """What ``jax.nn.dot_product_attention`` cannot take: custom scores, a cache, keys laid out (B, K, S, H),
-    values wider than the keys (narrower ones are padded, :func:`_xla`); or asked for."""
+    values wider than the keys (narrower ones are padded, :func:`_xla`), analysis collecting the (T, S) weights
+    (no fused kernel hands them out, whatever the implementation); or asked for."""
     s, q = a.slots, a.queries
     return bool(
         a.custom or a.how.implementation in ("einsum", "chunked") or s.start is not None or s.layout == CACHED
-        or s.value_dim > q.q.shape[-1]
+        or s.value_dim > q.q.shape[-1] or a.how.collecting
     )  # fmt: skip
 
 
