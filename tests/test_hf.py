@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from qkvjax.hf import export_workdir, import_folder, load_pretrained, model_of
+from qkvjax.hf.folder import generation_sampling
 from qkvjax.models.encoder import encoder_param_count
 from qkvjax.models.lm import DecodeCache, DecoderLM, param_count
 
@@ -496,6 +497,39 @@ def test_bad_folders_are_refused_in_one_line(folders, tmp_path, edit, message):
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="^[^\n]*" + __import__("re").escape(message)):
         load_pretrained(str(folder))
+
+
+@pytest.mark.parametrize("name", ["config.json", "generation_config.json", "model.safetensors.index.json"])
+def test_a_folders_json_files_are_read_as_untrusted_input_and_refused_in_one_line(folders, tmp_path, name):
+    import re
+    import shutil
+
+    from qkvjax.hf.folder import MAX_JSON_BYTES
+
+    src, _ = folders["llama_gqa"]
+    folder = tmp_path / "m"
+    shutil.copytree(src, folder)
+    file = folder / name
+    (folder / "other.json").write_text("{}")
+    cases = [
+        (lambda: file.write_text("{not json"), f"{file} is not JSON: Expecting property name"),
+        (lambda: file.write_bytes(b'{"a": "\xff"}'), f"{file} is not JSON: 'utf-8' codec can't decode byte 0xff"),
+        (lambda: file.write_text("[1, 2]"), f"{file} holds a JSON list; allowed: an object"),
+        (lambda: file.symlink_to(folder / "other.json"), f"file {file} is a symbolic link; allowed: regular files"),
+        (lambda: file.symlink_to(f"{src}/config.json"), f"file {name!r} points outside {folder}; allowed"),
+        (lambda: file.mkdir(), f"file {file} is not a regular file; allowed: regular files only"),
+        (lambda: os.mkfifo(file), f"file {file} is not a regular file; allowed: regular files only"),
+        (lambda: file.write_bytes(b" " * (MAX_JSON_BYTES + 1)), f"allowed: at most {MAX_JSON_BYTES:,}"),
+    ]
+    for make, message in cases:
+        if file.is_dir() and not file.is_symlink():
+            file.rmdir()
+        elif os.path.lexists(file):
+            file.unlink()
+        make()
+        with pytest.raises(ValueError, match="^[^\n]*" + re.escape(message) + "[^\n]*$"):
+            load_pretrained(str(folder))
+            generation_sampling(str(folder))  # generation_config.json is read on import, not by load_pretrained
 
 
 def test_a_missing_shard_is_named(folders, tmp_path):

@@ -25,15 +25,33 @@ WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 
 
+MAX_JSON_BYTES = 64 << 20  # config.json, generation_config.json, the index: kB to a few MB on the Hub
+
+
 def read_config(folder: str) -> dict:
     """The folder's ``config.json`` as a dict; one line naming what is missing otherwise."""
     if not os.path.isdir(folder):
         raise ValueError(f"{folder!r} is not a folder; pass a Hugging Face model folder (config.json + *.safetensors)")
-    file = os.path.join(folder, CONFIG)
-    if not os.path.isfile(file):
+    if not os.path.lexists(os.path.join(folder, CONFIG)):
         raise ValueError(f"{folder} has no {CONFIG}; a Hugging Face model folder holds config.json and *.safetensors")
-    with open(file) as f:
-        return json.load(f)
+    return read_json(folder, CONFIG)
+
+
+def read_json(folder: str, name: str) -> dict | None:
+    """The JSON object in ``folder/name`` (None if there is none), read as :func:`read_bounded` reads an untrusted
+    folder's files (a regular file inside it, at most MAX_JSON_BYTES); one line naming the file where it is not
+    UTF-8 JSON holding an object."""
+    data = read_bounded(folder, name, "file", MAX_JSON_BYTES)
+    if data is None:
+        return None
+    file = os.path.join(folder, name)
+    try:
+        value = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ValueError(f"{file} is not JSON: {str(e).splitlines()[0]}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{file} holds a JSON {type(value).__name__}; allowed: an object")
+    return value
 
 
 def special_ids(folder: str, names: tuple[str, ...]) -> dict:
@@ -46,12 +64,7 @@ def special_ids(folder: str, names: tuple[str, ...]) -> dict:
 
 def read_generation_config(folder: str) -> dict:
     """The folder's ``generation_config.json`` as a dict ({} where it has none)."""
-    file = os.path.join(folder, GENERATION_CONFIG)
-    if not os.path.isfile(file):
-        return {}
-    with open(file) as f:
-        given = json.load(f)
-    return given if isinstance(given, dict) else {}
+    return read_json(folder, GENERATION_CONFIG) or {}
 
 
 def generation_sampling(folder: str) -> dict:
@@ -115,6 +128,8 @@ def inside(folder: str, name: str, what: str) -> str:
         raise ValueError(f"{what} {name!r} points outside {folder}; allowed: files inside the folder")
     if os.path.islink(file):
         raise ValueError(f"{what} {file} is a symbolic link; allowed: regular files only")
+    if not os.path.isfile(file):  # a folder, a pipe or a device would hang or fail the read later
+        raise ValueError(f"{what} {file} is not a regular file; allowed: regular files only")
     return file
 
 
@@ -150,12 +165,11 @@ def checked_tokenizer(folder: str) -> bytes | None:
 def weight_files(folder: str) -> list[str]:
     """The safetensors files holding the folder's weights, after checking every shard the index lists exists."""
     index = os.path.join(folder, INDEX)
-    if os.path.isfile(index):
-        with open(inside(folder, INDEX, "index")) as f:
-            try:
-                shards = sorted(set(json.load(f)["weight_map"].values()))
-            except (ValueError, KeyError, TypeError, AttributeError) as e:
-                raise ValueError(f"{index} is not a safetensors index (a weight_map of names to files): {e}") from None
+    if os.path.lexists(index):
+        try:
+            shards = sorted(set(read_json(folder, INDEX)["weight_map"].values()))
+        except (KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{index} is not a safetensors index (a weight_map of names to files): {e}") from None
         for shard in shards:
             if not isinstance(shard, str) or os.path.isabs(shard) or ".." in shard.replace("\\", "/").split("/"):
                 raise ValueError(f"{index} names shard {shard!r} outside {folder}; allowed: files inside the folder")
