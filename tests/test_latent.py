@@ -17,6 +17,7 @@ from qkvjax import AttentionConfig, DecoderLM, ModelConfig, attention_cost
 from qkvjax.analyze import layer_from_params
 from qkvjax.attention import KV, Attention, LatentAttention, attention_module
 from qkvjax.attention.costs import cost_table
+from qkvjax.attention.schemes import SCHEMES
 from qkvjax.convert import convert, latent_attention_params, latent_config, rotary_split
 from qkvjax.models.lm import DecodeCache, kv_cache_bytes_per_token, param_count
 from tests.test_attention import init_params, inputs, np_rotary, np_softmax, padding_mask
@@ -331,6 +332,11 @@ def test_the_zoo_picks_the_module_and_lists_mla():
     cost = attention_cost(AttentionConfig(num_heads=12, head_dim=64, scheme="mla", dtype="bfloat16"), 768, 1024)
     assert int(row[-2].replace(",", "")) == cost.kv_cache_bytes_per_token == 4 * 64 * 2  # R = 4 H, bfloat16
     assert int(row[2].replace(",", "")) == cost.params
+    header, *rows = table.splitlines()[1:]  # every column lines up under its header, the longest names included
+    ends = [header.index(name) + len(name) for name in ("params", "FLOPs/token")]
+    assert max(map(len, SCHEMES)) > 12 and len(rows) == len(SCHEMES)
+    for line in rows:
+        assert all(line[end - 1].isdigit() and line[end] == " " for end in ends), line
 
 
 def np_partial_rotary(x, pos, kept_pairs, interleaved, base=10000.0):

@@ -152,22 +152,26 @@ def cost_table(
         raise ValueError(f"seq_len={seq_len}; allowed: an integer >= 1")
     base = attention_cost(AttentionConfig(num_heads, head_dim, num_kv_heads, "separate", dtype=dtype), d_model, seq_len)
     k = num_heads if num_kv_heads is None else num_kv_heads
+    groups = {
+        name: "{" + "}{".join(scheme.groups) + "}" + ("+W_QK" if scheme.bilinear else "@R" if scheme.latent else "")
+        for name, scheme in SCHEMES.items()
+    }
+    w, g = max(map(len, ["scheme", *groups])), max(map(len, ["groups", *groups.values()]))  # columns that line up
     lines = [
         f"one attention layer: d_model={d_model}, N={num_heads}, K={k}, H={head_dim}, seq_len={seq_len}, "
         f"cache dtype={dtype}; FLOPs are forward, per token attending to seq_len keys",
-        f"{'scheme':<12} {'groups':<10} {'params':>11} {'x sep':>6} {'proj FLOPs':>11} {'FLOPs/token':>12} "
+        f"{'scheme':<{w}} {'groups':<{g}} {'params':>11} {'x sep':>6} {'proj FLOPs':>11} {'FLOPs/token':>12} "
         f"{'x sep':>6} {'KV bytes/tok':>12} {'x sep':>6}",
     ]
-    for name, scheme in SCHEMES.items():
-        groups = "{" + "}{".join(scheme.groups) + "}" + ("+W_QK" if scheme.bilinear else "@R" if scheme.latent else "")
+    for name in SCHEMES:
         try:
             cfg = AttentionConfig(num_heads, head_dim, num_kv_heads, name, dtype=dtype)
         except ValueError as e:
-            lines.append(f"{name:<12} {groups:<10} n/a: {str(e).split(';')[0]}")
+            lines.append(f"{name:<{w}} {groups[name]:<{g}} n/a: {str(e).split(';')[0]}")
             continue
         c = attention_cost(cfg, d_model, seq_len)
         lines.append(
-            f"{name:<12} {groups:<10} {c.params:>11,} {c.params / base.params:>6.2f} {c.projection_flops:>11,} "
+            f"{name:<{w}} {groups[name]:<{g}} {c.params:>11,} {c.params / base.params:>6.2f} {c.projection_flops:>11,} "
             f"{c.flops_per_token:>12,} {c.flops_per_token / base.flops_per_token:>6.2f} "
             f"{c.kv_cache_bytes_per_token:>12,} {c.kv_cache_bytes_per_token / base.kv_cache_bytes_per_token:>6.2f}"
         )
