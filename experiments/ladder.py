@@ -55,16 +55,18 @@ def params_matched_mlp_dim(model: ModelConfig, reference: AttentionConfig) -> in
 
 
 def size_config(d_model: int, variant: str, learning_rate: float, seed: int, tokens: int, data: DataConfig,
-                layers: int = NUM_LAYERS, context: int = CONTEXT, positions: str = "learned") -> Config:  # fmt: skip
+                layers: int = NUM_LAYERS, context: int = CONTEXT, positions: str = "learned",
+                heads: int = NUM_HEADS) -> Config:  # fmt: skip
     """The model and training of one run: width ``d_model``, ``tokens`` training tokens, ``positions`` one of
-    POSITIONS (rotary: ``attention.rope`` on every layer and no position table)."""
+    POSITIONS (rotary: ``attention.rope`` on every layer and no position table), ``heads`` query heads N of width
+    H = D / N (a variant's K/V heads are its fraction of N: ``mqa``'s quarter is one of 4 heads, two of 8)."""
     if positions not in POSITIONS:
         raise ValueError(f"positions={positions!r}; allowed: {', '.join(POSITIONS)}")
     spec = dict(VARIANTS[variant])
     fraction, params_of = spec.pop("kv_heads_fraction", None), spec.pop("params_of", None)
     cache_fraction = spec.pop("kv_rank_fraction", None)
-    kv_heads = None if fraction is None else max(1, round(NUM_HEADS * fraction))
-    attention = AttentionConfig(num_heads=NUM_HEADS, head_dim=d_model // NUM_HEADS, num_kv_heads=kv_heads,
+    kv_heads = None if fraction is None else max(1, round(heads * fraction))
+    attention = AttentionConfig(num_heads=heads, head_dim=d_model // heads, num_kv_heads=kv_heads,
                                 rope=positions == "rope", **spec)  # fmt: skip
     if cache_fraction is not None:  # the latent's cached width R + H_r is the fraction of D
         kv_rank = max(1, round(d_model * cache_fraction) - attention.rope_dim)
@@ -72,7 +74,8 @@ def size_config(d_model: int, variant: str, learning_rate: float, seed: int, tok
     model = ModelConfig(attention=attention, d_model=d_model, num_layers=layers, max_len=context,
                         learned_positions=positions == "learned")  # fmt: skip
     if params_of is not None:
-        reference = size_config(d_model, params_of, learning_rate, seed, tokens, data, layers, context, positions).model
+        reference = size_config(d_model, params_of, learning_rate, seed, tokens, data, layers, context, positions,
+                                heads).model  # fmt: skip
         model = dataclasses.replace(model, mlp_dim=params_matched_mlp_dim(model, reference.attention))
     steps = max(1, math.ceil(tokens / (BATCH * context)))
     every = max(1, steps // 10)

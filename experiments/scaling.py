@@ -4,13 +4,13 @@ on Tiny Shakespeare and a second corpus; resumable.
     python experiments/scaling.py --out experiments/results/scaling_cpu [--stages a,b,...] [--token-scale F]
         [--sizes 48,96,160] [--seeds 0,1,2] [--corpus FILE] [--second-corpus FILE] [--plan-only]
 
-Protocol (``size_config``): a GPT-2-style byte-level decoder, 4 layers, 4 heads of width D/4, MLP 4D, context 128,
-batch 16, learned positions (``--positions rope``: rotary ones, no table); AdamW (weight decay 0.1, b2 0.99), 5%
-warmup, cosine to 10%. A size is its width D (default 48, 96, 160: 0.13M, 0.48M and 1.29M parameters for ``separate``,
-a 10x span; 160 rather than 192 keeps a large run near 25 minutes on a 2-core CPU instead of 45). Every run at a size
-sees the same number of tokens, ``--tokens-per-param`` (10) x ``separate``'s parameters at that size x
-``--token-scale``, so tied schemes, having fewer parameters, see slightly more than 10 per parameter. The final loss
-is the mean next-byte cross-entropy over the whole validation split.
+Protocol (``size_config``): a GPT-2-style byte-level decoder, 4 layers, 4 heads of width D/4 (``--heads N``: N of
+width D/N), MLP 4D, context 128, batch 16, learned positions (``--positions rope``: rotary ones, no table); AdamW
+(weight decay 0.1, b2 0.99), 5% warmup, cosine to 10%. A size is its width D (default 48, 96, 160: 0.13M, 0.48M and
+1.29M parameters for ``separate``, a 10x span; 160 rather than 192 keeps a large run near 25 minutes on a 2-core CPU
+instead of 45). Every run at a size sees the same number of tokens, ``--tokens-per-param`` (10) x ``separate``'s
+parameters at that size x ``--token-scale``, so tied schemes, having fewer parameters, see slightly more than 10 per
+parameter. The final loss is the mean next-byte cross-entropy over the whole validation split.
 
 Variants (``VARIANTS``: data, not branches): the tying schemes of the registry plus ``gqa`` (``separate`` with N/2
 KV heads: ``shared_kv``'s cache) and ``bilinear_params`` (``bilinear`` with the MLP narrowed to ``separate``'s
@@ -126,13 +126,13 @@ class Sweep:
 
     def tokens(self, size: int) -> int:
         reference = size_config(size, "separate", 1e-3, 0, 1, self.corpora["primary"][1], self.args.layers,
-                                self.args.context, self.args.positions)  # fmt: skip
+                                self.args.context, self.args.positions, self.args.heads)  # fmt: skip
         return max(1, round(self.args.tokens_per_param * param_count(reference.model) * self.args.token_scale))
 
     def run(self, stage, corpus, size, variant, lr, seed) -> Run:
         name, data = self.corpora[corpus]
         config = size_config(size, variant, lr, seed, self.tokens(size), data, self.args.layers, self.args.context,
-                             self.args.positions)  # fmt: skip
+                             self.args.positions, self.args.heads)  # fmt: skip
         return Run(stage, name, size, variant, lr, seed, config)
 
     def done(self, run: Run) -> dict | None:
@@ -311,7 +311,7 @@ def estimate_s(run: Run, tokens_per_s: dict[int, float]) -> float:
 def check_protocol(sweep: Sweep) -> None:
     """A results folder holds one protocol: sizes may be added, seeds too, but not another model or budget."""
     a = sweep.args
-    protocol = {"layers": a.layers, "context": a.context, "heads": NUM_HEADS, "batch": BATCH,
+    protocol = {"layers": a.layers, "context": a.context, "heads": a.heads, "batch": BATCH,
                 "tokens_per_param": a.tokens_per_param, "token_scale": a.token_scale,
                 "primary": sweep.corpora["primary"][0], "lr_grid": list(a.lr_grid),
                 "learning_rate": a.learning_rate,
@@ -536,6 +536,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--minor-seeds", type=_positive(int), default=None,
                    help="seeds for the variants outside the five main ones (default: all of --seeds)")  # fmt: skip
     p.add_argument("--layers", type=_positive(int), default=NUM_LAYERS, help=f"default: {NUM_LAYERS}")
+    p.add_argument("--heads", type=_positive(int), default=NUM_HEADS,
+                   help=f"query heads N per layer, H = D / N (default: {NUM_HEADS}); a variant's K/V heads are its "
+                   "fraction of N")  # fmt: skip
     p.add_argument("--context", type=_positive(int), default=CONTEXT, help=f"default: {CONTEXT}")
     p.add_argument("--positions", choices=POSITIONS, default="learned",
                    help="learned: an absolute table (default); rope: rotary positions in every layer, no table, "
@@ -566,14 +569,16 @@ def check_args(args) -> None:
     if len(args.sizes) != 3 or len(set(args.sizes)) != 3:
         raise ValueError(f"--sizes={args.sizes}; allowed: three distinct widths (small, middle, large)")
     for size in args.sizes:
-        if size < NUM_HEADS or size % NUM_HEADS:
-            raise ValueError(f"--sizes: {size}; allowed: a multiple of {NUM_HEADS} (the heads), at least {NUM_HEADS}")
+        if size < args.heads or size % args.heads:
+            raise ValueError(f"--sizes: {size}; allowed: a multiple of --heads {args.heads}, at least {args.heads}")
     for size in args.sizes:  # every model the sweep may build, built now: its config's own check, before any write
         for variant in dict.fromkeys([*args.variants, *args.large_variants]):
             try:
-                size_config(size, variant, 1e-3, 0, 1, DataConfig(), args.layers, args.context, args.positions)
+                size_config(size, variant, 1e-3, 0, 1, DataConfig(), args.layers, args.context, args.positions,
+                            args.heads)  # fmt: skip
             except ValueError as e:
-                raise ValueError(f"--sizes {size}, variant {variant}, --positions {args.positions}: {e}") from None
+                raise ValueError(f"--sizes {size}, variant {variant}, --positions {args.positions}, --heads "
+                                 f"{args.heads}: {e}") from None  # fmt: skip
     if len(set(args.seeds)) != len(args.seeds) or min(args.seeds) < 0:
         raise ValueError(f"--seeds={args.seeds}; allowed: distinct integers >= 0")
     if not args.sweep_seeds or not set(args.sweep_seeds) <= set(args.seeds):

@@ -208,12 +208,20 @@ def train_delta(cells: dict, train: dict[str, float], corpus: str, size: int, va
 POSITIONS_TEXT = {None: "learned absolute positions", "rope": "rotary positions in every layer, no position table"}
 
 
-def summary_markdown(rows: list[dict], curves: list[dict] = (), positions: str | None = None) -> str:
-    """The summary of a results folder's rows; ``positions``: its protocol's (None: learned, the default)."""
+def summary_markdown(rows: list[dict], curves: list[dict] = (), positions: str | None = None,
+                     heads: int | None = None) -> str:  # fmt: skip
+    """The summary of a results folder's rows; ``positions``, ``heads``: its protocol's (None: learned positions,
+    the ladder's 4 heads)."""
     cells = finals(rows)
     train = tail_train_loss(curves)
     best = best_rates(rows)
-    lines = [f"# Scaling sweep: {len(rows)} finished runs", "", f"Models with {POSITIONS_TEXT[positions]}.", ""]
+    from experiments.ladder import NUM_HEADS  # imports qkvjax: here, not for the module's other readers
+
+    n = "" if heads in (None, NUM_HEADS) else (
+        f"; {heads} heads per layer of width D / {heads} (each variant's K/V heads its fraction of them: `mqa`'s "
+        f"quarter is {max(1, round(heads / 4))} of {heads}, `gqa`'s half {max(1, round(heads / 2))})"
+    )  # fmt: skip
+    lines = [f"# Scaling sweep: {len(rows)} finished runs", "", f"Models with {POSITIONS_TEXT[positions]}{n}.", ""]
     means = sweep_means(rows)
     sweep = {cell: {lr: m for lr, (m, _) in by_lr.items()} for cell, by_lr in means.items()}
     if sweep:
@@ -616,8 +624,8 @@ def write_report(out: Path | str, speed: Path | None = SPEED, beside: Path | str
     if not rows:
         raise ValueError(f"{out / 'runs.csv'} has no finished runs yet")
     protocol = out / PROTOCOL_FILE
-    positions = json.loads(protocol.read_text())["protocol"].get("positions") if protocol.exists() else None
-    text = summary_markdown(rows, read_csv(out / "curves.csv"), positions)
+    settings = json.loads(protocol.read_text())["protocol"] if protocol.exists() else {}
+    text = summary_markdown(rows, read_csv(out / "curves.csv"), settings.get("positions"), settings.get("heads"))
     if beside is not None:
         other = read_csv(Path(beside) / "runs.csv")
         if not other:

@@ -85,6 +85,28 @@ def test_under_rotary_positions_every_variant_rotates_and_keeps_its_cache():
         scaling.size_config(160, "separate", 1e-3, 0, 1, DataConfig(), positions="alibi")
 
 
+def test_more_heads_narrow_each_head_and_keep_every_variants_cache_and_parameters():
+    """``heads=8``: H = D / 8; a variant's K/V heads are its fraction of N (``mqa``'s quarter: 2 of 8), so each
+    caches what it caches at 4 heads and has the same parameters (the projections are D x D either way), under rotary
+    positions too, where a latent's rotary key H_r = H / 2 comes out of its rank: a narrower key leaves a wider rank,
+    so there the latent has a few more parameters."""
+    from qkvjax.models.lm import kv_cache_bytes_per_token
+
+    for positions in ("learned", "rope"):
+        for variant in ("separate", "gqa", "mqa", "mla_half", "shared_qk"):
+            four = scaling.size_config(96, variant, 1e-3, 0, 1, DataConfig(), positions=positions).model
+            eight = scaling.size_config(96, variant, 1e-3, 0, 1, DataConfig(), positions=positions, heads=8).model
+            assert (eight.attention.num_heads, eight.attention.head_dim) == (8, 12), variant
+            assert kv_cache_bytes_per_token(eight) == kv_cache_bytes_per_token(four), (positions, variant)
+            if (positions, variant) == ("rope", "mla_half"):
+                assert param_count(four) < param_count(eight) < 1.02 * param_count(four)
+            else:
+                assert param_count(eight) == param_count(four), (positions, variant)
+    mqa = scaling.size_config(96, "mqa", 1e-3, 0, 1, DataConfig(), heads=8).model.attention
+    half = scaling.size_config(96, "mla_half", 1e-3, 0, 1, DataConfig(), positions="rope", heads=8).model.attention
+    assert mqa.kv_heads == 2 and (half.kv_rank, half.rope_dim) == (42, 6)  # 2 x 2 x 12 = 42 + 6 = D / 2
+
+
 def test_every_ladder_variant_has_a_place_and_a_colour_of_its_own_in_the_report():
     """The report orders (and colours) only the variants in VARIANT_ORDER: a variant left out would train and
     never be reported; a colour shared by two variants would merge them in the plots; a head-to-head row must
@@ -175,19 +197,28 @@ def test_the_sweep_end_to_end_survives_a_sigkill_and_resumes(tmp_path, small_tex
         ("--token-scale", "nan", "allowed: a finite number > 0"),
         ("--token-scale", "-1", "allowed: a finite number > 0"),
         ("--sizes", "8,8,16", "three distinct widths"),
-        ("--sizes", "8,10,16", "10; allowed: a multiple of 4"),
+        ("--sizes", "8,10,16", "10; allowed: a multiple of --heads 4"),
         (
             "--sizes",
             "8,12,16 --variants separate --positions rope",
-            "--sizes 12, variant separate, --positions rope: rope=True needs an even head_dim; got head_dim=3",
+            "--sizes 12, variant separate, --positions rope, --heads 4: rope=True needs an even head_dim; got "
+            "head_dim=3",
         ),
         (
             "--sizes",
             "16,32,56 --variants separate,mla --positions rope",
-            "--sizes 56, variant mla, --positions rope: "
+            "--sizes 56, variant mla, --positions rope, --heads 4: "
             "the decoupled rotary width of scheme 'mla' must be even; got rope_head_dim=7",
         ),
-        ("--variants", "separate,bilinear --positions rope", "variant bilinear, --positions rope:"),
+        ("--variants", "separate,bilinear --positions rope", "variant bilinear, --positions rope, --heads 4:"),
+        ("--sizes", "16,32,60 --heads 8", "--sizes: 60; allowed: a multiple of --heads 8, at least 8"),
+        (
+            "--sizes",
+            "48,64,96 --heads 8 --variants separate,mla_half --positions rope",
+            "--sizes 48, variant mla_half, --positions rope, --heads 8: the decoupled rotary width of scheme 'mla' "
+            "must be even; got rope_head_dim=3",
+        ),
+        ("--heads", "0", "argument --heads"),
         ("--positions", "relative", "argument --positions: invalid choice: 'relative'"),
         ("--sizes", "8,16", "three distinct widths"),
         ("--stages", "lr-huge", "unknown stage 'lr-huge'"),
@@ -434,9 +465,15 @@ def test_the_report_pairs_seeds_and_fits_the_trend_through_every_seed(tmp_path):
     )
     append_rows(tmp_path / "runs.csv", fields, rows)  # fmt: skip
     for positions, text in ((None, "learned absolute positions"), ("rope", "rotary positions in every layer")):
-        (tmp_path / PROTOCOL_FILE).write_text(json.dumps({"protocol": {"positions": positions}}))
+        (tmp_path / PROTOCOL_FILE).write_text(json.dumps({"protocol": {"positions": positions, "heads": 4}}))
         summary = scaling_report.write_report(tmp_path, speed=None).read_text()
         assert summary.split("\n")[2] == f"Models with {text}" + ("." if positions is None else ", no position table.")
+    (tmp_path / PROTOCOL_FILE).write_text(json.dumps({"protocol": {"positions": "rope", "heads": 8}}))  # not the 4
+    summary = scaling_report.write_report(tmp_path, speed=None).read_text()
+    assert summary.split("\n")[2] == (
+        "Models with rotary positions in every layer, no position table; 8 heads per layer of width D / 8 (each "
+        "variant's K/V heads its fraction of them: `mqa`'s quarter is 2 of 8, `gqa`'s half 4)."
+    )
 
 
 def test_the_report_copies_speed_from_a_benchmark_file_and_refuses_a_missing_one(tmp_path, capsys):
@@ -818,3 +855,7 @@ def test_a_results_folder_refuses_a_sweep_under_other_positions(tmp_path, small_
     del record["protocol"]["positions"]  # a folder from before the field: learned positions
     (tmp_path / PROTOCOL_FILE).write_text(json.dumps(record))
     scaling.check_protocol(scaling.Sweep(learned))
+    assert record["protocol"]["heads"] == 4  # and the heads: another count is another protocol
+    more = scaling.build_parser().parse_args([*argv, "--heads", "8"])
+    with pytest.raises(ValueError, match=r"another protocol \(heads: 4 -> 8\)"):
+        scaling.check_protocol(scaling.Sweep(more))
