@@ -212,11 +212,11 @@ def summary_markdown(rows: list[dict], curves: list[dict] = (), positions: str |
                      heads: int | None = None) -> str:  # fmt: skip
     """The summary of a results folder's rows; ``positions``, ``heads``: its protocol's (None: learned positions,
     the ladder's 4 heads)."""
+    from experiments.ladder import NUM_HEADS  # imports qkvjax: here, not for the module's other readers
+
     cells = finals(rows)
     train = tail_train_loss(curves)
     best = best_rates(rows)
-    from experiments.ladder import NUM_HEADS  # imports qkvjax: here, not for the module's other readers
-
     n = "" if heads in (None, NUM_HEADS) else (
         f"; {heads} heads per layer of width D / {heads} (each variant's K/V heads its fraction of them: `mqa`'s "
         f"quarter is {max(1, round(heads / 4))} of {heads}, `gqa`'s half {max(1, round(heads / 2))})"
