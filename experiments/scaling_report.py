@@ -25,6 +25,7 @@ import json
 import math
 import statistics
 import sys
+import textwrap
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make the repository importable
@@ -543,8 +544,10 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
     so_far = " so far" if sizes < 3 else ""
     fits = ("dashed: least-squares trend through every seed's Δ; shaded: its 95% band" if sizes >= 3
             else "the least-squares trend is drawn once 3 sizes are in (through two it repeats a segment)")  # fmt: skip
-    fig.suptitle(f"Tying penalty against model size: {title}, {sizes} of 3 sizes{so_far}; mean over seeds with 95% "
-                 f"t intervals (3 or more seeds)\n{fits}", fontsize=10)  # fmt: skip
+    head = (f"Tying penalty against model size: {title}, {sizes} of 3 sizes{so_far}; mean over seeds with 95% "
+            "t intervals (3 or more seeds)")  # fmt: skip
+    width = int(13 * fig.get_figwidth())  # characters of a 10-point line across the figure: one panel is narrow
+    fig.suptitle("\n".join(textwrap.fill(line, width) for line in (head, fits)), fontsize=10)
     fig.tight_layout()
     written.append(out / "delta_vs_params.png")
     fig.savefig(written[-1], dpi=120)
