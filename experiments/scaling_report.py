@@ -213,14 +213,17 @@ def summary_markdown(rows: list[dict], curves: list[dict] = (), positions: str |
                      heads: int | None = None) -> str:  # fmt: skip
     """The summary of a results folder's rows; ``positions``, ``heads``: its protocol's (None: learned positions,
     the ladder's 4 heads)."""
-    from experiments.ladder import NUM_HEADS  # imports qkvjax: here, not for the module's other readers
+    from experiments.ladder import NUM_HEADS, VARIANTS  # imports qkvjax: here, not for the module's other readers
+
+    def kv(variant: str) -> int:  # its K/V heads at ``heads``, as ladder.size_config derives them
+        return max(1, round(heads * VARIANTS[variant]["kv_heads_fraction"]))
 
     cells = finals(rows)
     train = tail_train_loss(curves)
     best = best_rates(rows)
     n = "" if heads in (None, NUM_HEADS) else (
         f"; {heads} heads per layer of width D / {heads} (each variant's K/V heads its fraction of them: `mqa`'s "
-        f"quarter is {max(1, round(heads / 4))} of {heads}, `gqa`'s half {max(1, round(heads / 2))})"
+        f"quarter is {kv('mqa')} of {heads}, `gqa`'s half {kv('gqa')})"
     )  # fmt: skip
     lines = [f"# Scaling sweep: {len(rows)} finished runs", "", f"Models with {POSITIONS_TEXT[positions]}{n}.", ""]
     means = sweep_means(rows)
