@@ -353,6 +353,13 @@ def _analyze(args: argparse.Namespace) -> int:
         raise ValueError(f"pass exactly one of --workdir DIR or --safetensors FILE --format {'|'.join(FORMATS)}")
     if args.safetensors is not None and args.format is None:
         raise ValueError(f"--safetensors needs --format; allowed: {', '.join(FORMATS)}")
+    if args.workdir is not None:  # a run's config.json says all of these; a silently ignored flag misleads
+        given = [f for f, v in (("--format", args.format), ("--label", args.label), ("--num-heads", args.num_heads),
+                                ("--num-kv-heads", args.num_kv_heads)) if v is not None]  # fmt: skip
+        if given:
+            raise ValueError(f"{', '.join(given)} go(es) with --safetensors only; a --workdir's config names its heads")
+    elif args.step is not None:
+        raise ValueError(f"--step={args.step} goes with --workdir only; a safetensors file holds one set of weights")
     if args.random_seeds < 1:
         raise ValueError(f"--random-seeds={args.random_seeds}; allowed: an integer >= 1")
     for flag, path in (("--json", args.json), ("--plot", args.plot)):

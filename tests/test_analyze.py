@@ -212,6 +212,10 @@ def test_analyze_cli_errors(tmp_path, capsys):
     assert run_in_process(["analyze", "--workdir", str(tmp_path), "--json", str(tmp_path / "no" / "r.json")]) == 2
     assert "does not exist" in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "no")
+    assert run_in_process(["analyze", "--workdir", str(tmp_path), "--num-heads", "3", "--label", "x"]) == 2
+    assert "--label, --num-heads go(es) with --safetensors only" in capsys.readouterr().err
+    assert run_in_process(["analyze", "--safetensors", str(tmp_path / "x"), "--format", "gpt2", "--step", "5"]) == 2
+    assert "--step=5 goes with --workdir only" in capsys.readouterr().err
 
 
 def test_kv_rank_error_is_the_eckart_young_residual_of_keys_and_values_side_by_side():
