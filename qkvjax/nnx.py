@@ -2,10 +2,11 @@
 :class:`DecoderLM`, running the same stages as the linen modules, not a bridge around them.
 
 The attention stages are shared code: a scheme's parameters are made by one function for both frameworks
-(``tied_projections``, ``latent_projections``), called with a *maker* whose ``make_kernel``/``make_param`` create
-``nnx.Param`` variables here (and ``self.param`` in linen), and the call goes through the same pipeline
-(:func:`qkvjax.attention.module.run`: project, finish new keys, cache, scores, output). The block and the decoder
-use the same norms, MLP maths, family options and layer patterns as :mod:`qkvjax.models.lm`.
+(``tied_projections``, ``latent_projections``; :func:`qkvjax.attention.module.stages` picks one), called with a
+*maker* whose ``make_kernel``/``make_param`` create ``nnx.Param`` variables here (and ``self.param`` in linen), and
+the call goes through the same pipeline (:func:`qkvjax.attention.module.run`: project, finish new keys, cache,
+scores, output). The block and the decoder use the same norms, MLP maths, family options and layer patterns as
+:mod:`qkvjax.models.lm`.
 
 Parameters carry the linen modules' names and logical axes, and the trees are the same: ``params(module)`` gives
 the linen parameter dict of an NNX module, ``load_params(module, params)`` puts a linen dict (a checkpoint,
@@ -32,8 +33,7 @@ from jax import Array
 from qkvjax import axes
 from qkvjax.attention import KV, AttentionConfig, core
 from qkvjax.attention.base import Call, kernel_init
-from qkvjax.attention.latent import Latent, latent_projections
-from qkvjax.attention.module import Tied, run, tied_projections
+from qkvjax.attention.module import run, stages
 from qkvjax.models.family import MLPS, Family, dense_init
 from qkvjax.models.lm import DecodeCache, ModelConfig, unembed
 from qkvjax.models.norm import layer_norm, rms_norm
@@ -59,7 +59,7 @@ class _Maker:
 
 class Attention(nnx.Module):
     """The zoo's attention layer for any ``config`` (a partition scheme, the bilinear form or a latent scheme), as
-    :class:`qkvjax.attention.Attention` / ``LatentAttention`` compute it, with the same parameter names and shapes.
+    :class:`qkvjax.attention.Attention` computes it, with the same parameter names and shapes.
 
     ``reads_kv=True`` makes a layer that reads another layer's keys and values (``kv=``; Cross-Layer Attention): it
     has no K/V kernels. Called with ``inputs_q`` (B, T, D), ``inputs_kv`` (B, S, D) or None, ``mask``, ``causal``,
@@ -73,10 +73,7 @@ class Attention(nnx.Module):
         self._stages(_Maker(self, config, rngs))
 
     def _stages(self, make: _Maker):
-        cfg = self.config
-        if cfg.tying.latent:
-            return Latent(cfg, latent_projections(cfg, self.d_model, make))
-        return Tied(cfg, tied_projections(cfg, self.d_model, self.reads_kv, make))
+        return stages(self.config, self.d_model, self.reads_kv, make)
 
     def __call__(
         self,
@@ -95,8 +92,6 @@ class Attention(nnx.Module):
         call = Call.of(cfg, inputs_q, inputs_kv, mask, causal, positions, False, deterministic, kv, cache, return_kv)
         if (kv is not None) != self.reads_kv:
             raise ValueError(f"kv= given to a layer built with reads_kv={self.reads_kv}; build it as it is called")
-        if cfg.tying.latent and kv is not None:
-            raise ValueError(f"scheme {cfg.scheme!r} reads no other layer's K/V; kv= is not supported")
         return run(self, call, self._stages(_Maker(self, cfg)))
 
     # what the pipeline asks of the module besides its config

@@ -498,6 +498,8 @@ def test_invalid_config_raises(kwargs, match):
         (lambda m, x: m.init(jax.random.key(0), x, mask=jnp.ones((B, 4, T, T), bool)), r"broadcastable to"),
         (lambda m, x: m.init(jax.random.key(0), x, jnp.ones((B, S, D)), decode=True), r"self-attention only"),
         (lambda m, x: m.init(jax.random.key(0), x, positions=jnp.zeros((B, T + 1), jnp.int32)), r"positions"),
+        (lambda m, x: m.init(jax.random.key(0), x[:, :0]), rf"T >= 1 queries and S >= 1 keys; got inputs_q \({B}, 0"),
+        (lambda m, x: m.init(jax.random.key(0), x, x[:, :0]), rf"S >= 1 keys; got .* inputs_kv \({B}, 0, {D}\)"),
     ],
 )
 def test_invalid_input_raises_before_compiling(call, match):

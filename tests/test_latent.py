@@ -77,7 +77,7 @@ def test_matches_the_float64_reference(kv, extra):
     cfg = mla(kv, **extra)
     x, y = inputs(0, B, T, D), inputs(1, B, S, D)
     params = init_params(cfg, x, 2)
-    model = LatentAttention(cfg)
+    model = Attention(cfg)  # the zoo's one module takes a latent scheme as any other
     np.testing.assert_allclose(
         model.apply({"params": params}, x, causal=True),
         mla_reference(params, cfg, x, causal=True),
@@ -323,10 +323,21 @@ def test_conversion_refuses_bad_ranks_and_models_it_cannot_carry():
         convert(model_cfg, {}, num_kv_heads=1, rank=4)
 
 
-def test_the_zoo_picks_the_module_and_lists_mla():
-    assert attention_module(mla()) is LatentAttention
-    with pytest.raises(ValueError, match=r"latent scheme: its module is qkvjax.attention.LatentAttention"):
-        Attention(mla()).init(jax.random.key(0), inputs(0, B, T, D))
+def test_one_module_takes_every_scheme_and_the_table_lists_mla():
+    """``Attention`` runs a latent config (the old name ``LatentAttention`` is the same computation); decode=True
+    and kv= are refused in one line for it, before anything is made."""
+    x, cfg = inputs(0, B, T, D), mla(**FULL)
+    assert attention_module(cfg) is Attention and issubclass(LatentAttention, Attention)
+    params = init_params(cfg, x, 5)
+    np.testing.assert_array_equal(
+        Attention(cfg).apply({"params": params}, x, causal=True),
+        LatentAttention(cfg).apply({"params": params}, x, causal=True),
+    )
+    refused = r"scheme 'mla' decodes with the functional cache only \(cache=, DecodeCache\) and reads no other layer"
+    with pytest.raises(ValueError, match=refused):
+        Attention(cfg).init(jax.random.key(0), x, decode=True)
+    with pytest.raises(ValueError, match=refused):
+        Attention(cfg).apply({"params": params}, x, kv=KV({"latent": jnp.zeros((B, T, R))}))
     table = cost_table(d_model=768, num_heads=12, seq_len=1024)
     row = next(line for line in table.splitlines() if line.startswith("mla ")).split()
     cost = attention_cost(AttentionConfig(num_heads=12, head_dim=64, scheme="mla", dtype="bfloat16"), 768, 1024)

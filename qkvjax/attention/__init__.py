@@ -9,9 +9,10 @@ from qkvjax.attention.schemes import SCHEMES, Scheme, get_scheme, register_schem
 
 
 def attention_module(config: AttentionConfig) -> type:
-    """The module class that implements ``config``'s scheme: :class:`LatentAttention` for a latent scheme, else
-    :class:`Attention` (both are built as ``cls(config)`` and called alike)."""
-    return LatentAttention if config.tying.latent else Attention
+    """The module class that implements ``config``'s scheme: :class:`Attention`, which takes every scheme (kept for
+    code written when a latent scheme had a module of its own, :class:`LatentAttention`)."""
+    del config  # every scheme's module is the same one
+    return Attention
 
 
 __all__ = [

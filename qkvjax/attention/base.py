@@ -104,6 +104,11 @@ def check_inputs(cfg, x_q, x_kv, mask, positions, decode, self_attention, kv, ca
         raise ValueError("pass at most one of kv= (another layer's K/V), cache= and decode=True")
     if kv is not None and (cfg.tying.ties_query_to_kv or cfg.tying.bilinear):
         raise ValueError(f"scheme {cfg.scheme!r} makes keys or values from the query projection; kv= is not allowed")
+    if cfg.tying.latent and (decode or kv is not None):
+        raise ValueError(
+            f"scheme {cfg.scheme!r} decodes with the functional cache only (cache=, DecodeCache) and reads no other "
+            "layer's K/V; decode=True and kv= are not supported"
+        )
     if (kv is not None and kv.start is not None or cache is not None) and positions is not None:
         raise ValueError("a cache gives each row's positions (its start); pass positions=None")
     if cache is not None and not self_attention:
@@ -122,6 +127,9 @@ def check_inputs(cfg, x_q, x_kv, mask, positions, decode, self_attention, kv, ca
     if decode and positions is not None:
         raise ValueError("decode=True takes positions from the cache index; pass positions=None")
     b, t, _ = x_q.shape
+    if t == 0 or x_kv.shape[1] == 0:  # a softmax over no keys, or no queries, has no meaning to give
+        raise ValueError(f"Attention needs T >= 1 queries and S >= 1 keys; got inputs_q {x_q.shape}, inputs_kv "
+                         f"{x_kv.shape}")  # fmt: skip
     if positions is not None and positions.shape != (b, t):
         raise ValueError(f"positions must have shape (B, T) = {(b, t)}; got {positions.shape}")
     if mask is not None:

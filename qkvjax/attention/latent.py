@@ -15,7 +15,8 @@ With ``use_bias`` the queries' non-rotary part gets a bias ``b_q: (N, H)`` and t
 same for every key, which the softmax removes; a value bias reaches the output as sum_n b_v W^O_n, a constant the
 output bias holds. So ``qkvjax convert --to mla`` carries a biased model (GPT-2, Qwen2 without rotary) exactly.
 
-The layer runs the pipeline of :mod:`qkvjax.attention.module`; :class:`Latent` is its stages. Training and a
+The layer runs the pipeline of :mod:`qkvjax.attention.module` (:class:`qkvjax.attention.Attention` takes a latent
+config as any other); :class:`Latent` is its stages. Training and a
 forward pass without a cache use the form as written: the slots' reader up-projects K and V from the latents, and
 any kernel of :data:`qkvjax.attention.kernels.KERNELS` applies (``chunked``, ``blocks``, ...). Decoding caches only
 ``c`` (R per token) and the rotated ``x W^KR`` (H_r) and is read by the ``absorbed`` kernel: since
@@ -40,10 +41,10 @@ from jax import Array
 
 from qkvjax import axes
 from qkvjax.attention import core, kernels
-from qkvjax.attention.base import AttentionModule, Call
+from qkvjax.attention.base import Call
 from qkvjax.attention.cache import FRESH, KV, prefix
 from qkvjax.attention.config import AttentionConfig
-from qkvjax.attention.module import Positions, Stages, run
+from qkvjax.attention.module import Attention, Positions, Stages
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,21 +143,12 @@ def norm(x: Array, scale: Array | None, eps: float) -> Array:
     return x if scale is None else core.rms_norm(x, scale, eps)
 
 
-class LatentAttention(AttentionModule):
-    """Attention of a latent scheme (``config.tying.latent``), called like :class:`qkvjax.attention.Attention`:
-    ``inputs_q`` (B, T, D), ``inputs_kv`` (B, S, D) or None, ``mask``, ``causal``, ``positions`` (B, T),
-    ``cache=KV`` (a functional decode cache: ``{"latent": (B, S, R), "k_rope": (B, S, H_r)}`` and each row's
-    start; ``"k_rope"`` is (B, K, S, H_r) with ``rope_key_per_head``) and ``return_kv``. flax's ``decode=True``
-    variables and cross-layer ``kv=`` are not supported."""
-
-    @nn.compact
-    def forward(self, call: Call):
-        if call.decode or call.kv is not None:
-            raise ValueError(
-                f"scheme {self.config.scheme!r} decodes with the functional cache only (cache=, DecodeCache) and "
-                "reads no other layer's K/V; decode=True and kv= are not supported"
-            )
-        return run(self, call, Latent(self.config, latent_projections(self.config, call.shape[2], self)))
+class LatentAttention(Attention):
+    """:class:`qkvjax.attention.Attention`, which takes a latent scheme too; this name is kept for code written
+    when MLA had a module of its own. Called with ``inputs_q`` (B, T, D), ``inputs_kv`` (B, S, D) or None,
+    ``mask``, ``causal``, ``positions`` (B, T), ``cache=KV`` (a functional decode cache: ``{"latent": (B, S, R),
+    "k_rope": (B, S, H_r)}`` and each row's start; ``"k_rope"`` is (B, K, S, H_r) with ``rope_key_per_head``) and
+    ``return_kv``; flax's ``decode=True`` variables and cross-layer ``kv=`` are not supported."""
 
 
 def latent_projections(cfg: AttentionConfig, d: int, make) -> LatentProjections:

@@ -7,14 +7,15 @@ key tensors it finishes when made and how it finishes its queries (stage 2), and
 (stage 4's :class:`~qkvjax.attention.kernels.Slots`). Everything else is written here once: the cache (stage 3,
 :mod:`qkvjax.attention.cache`), positions (:func:`positions`), the rules of stage 4 (masks, causality by index,
 Reformer's self-mask, dropout: :func:`rules`), the output projection (stage 5). Stage 4's kernel is the first row
-of :data:`qkvjax.attention.kernels.KERNELS` whose ``applies`` test holds. Two modules provide stages:
-:class:`Attention` (:class:`Tied`, every partition scheme and the bilinear form) and
-:class:`qkvjax.attention.latent.LatentAttention` (MLA).
+of :data:`qkvjax.attention.kernels.KERNELS` whose ``applies`` test holds. Two kinds of stages exist (:func:`stages`
+picks one from the config): :class:`Tied` (every partition scheme and the bilinear form) and
+:class:`qkvjax.attention.latent.Latent` (MLA); the linen :class:`Attention` and :class:`qkvjax.nnx.Attention` run
+either, so one module takes every scheme.
 
-Where a scheme differs from ``separate`` is data (:mod:`qkvjax.attention.schemes`), read at four places, all in
-:class:`Attention` and :class:`Tied`:
+Where a partition scheme differs from ``separate`` is data (:mod:`qkvjax.attention.schemes`), read at four places,
+all in :func:`tied_projections` and :class:`Tied`:
 
-1. parameters (:meth:`Attention.projections`): one kernel ``w_<group>`` per group of the partition, (D, N, H) if it
+1. parameters (:func:`tied_projections`): one kernel ``w_<group>`` per group of the partition, (D, N, H) if it
    makes queries, else (D, K, H); a bilinear form's ``w_qk_merged`` (N, D, D) instead of queries and keys;
 2. roles (:func:`project`): each role reads its group's tensor (``scheme.group_of``), so tied roles are one tensor;
 3. what is cached and handed on: one tensor per K/V group (``scheme.kv_groups``), plus a bilinear key side's ``x``;
@@ -41,7 +42,7 @@ from qkvjax.attention.cache import FRESH, KV, linen_cache, prefix, slot_position
 from qkvjax.attention.config import AttentionConfig, resolve_implementation
 from qkvjax.attention.schemes import Scheme
 
-__all__ = ["KV", "Attention", "AttentionModule", "Positions", "Stages", "Tied", "positions", "run"]
+__all__ = ["KV", "Attention", "AttentionModule", "Positions", "Stages", "Tied", "positions", "run", "stages"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,7 +259,8 @@ class Tied(Stages):
 
 
 class Attention(AttentionModule):
-    """Multi-head attention whose Q/K/V projections are tied as ``config.scheme`` says.
+    """Multi-head attention whose Q/K/V projections are tied as ``config.scheme`` says: every scheme of the zoo,
+    the latent one (MLA, :mod:`qkvjax.attention.latent`, with its own parameters and cache) included.
 
     ``out_t = sum_n softmax_s(score_n(t, s)) v_{s,n} W^O_n`` with ``score_n(t, s) = q_{t,n} . k_{s,kv(n)} / sqrt(H)``
     (or ``x_t^T W_QK[n] x_s / sqrt(H)`` for a bilinear scheme), where each distinct projection is one kernel
@@ -277,18 +279,24 @@ class Attention(AttentionModule):
       collection, then call with ``decode=True, mutable=["cache"]``; one position counter for the whole batch.
 
     Caches hold each K/V group once (one tensor for ``shared_kv``), plus the input ``x`` when the key side of a
-    bilinear form needs it (:mod:`qkvjax.attention.cache`).
+    bilinear form needs it (:mod:`qkvjax.attention.cache`). A latent scheme caches its latent and rotary key part
+    and takes ``cache=`` only (neither ``decode=True`` nor ``kv=``).
     """
 
     @nn.compact
     def forward(self, call: Call):
-        if self.config.tying.latent:
-            raise ValueError(
-                f"scheme {self.config.scheme!r} is a latent scheme: its module is qkvjax.attention.LatentAttention "
-                "(qkvjax.attention.attention_module(config) picks the module for any config)"
-            )
-        projections = tied_projections(self.config, call.shape[2], call.kv is not None, self)
-        return run(self, call, Tied(self.config, projections))
+        return run(self, call, stages(self.config, call.shape[2], call.kv is not None, self))
+
+
+def stages(cfg: AttentionConfig, d: int, reads_kv: bool, make) -> Stages:
+    """Any config's stages, their parameters made by ``make`` (the linen module or :mod:`qkvjax.nnx`'s maker): a
+    latent scheme's (:class:`qkvjax.attention.latent.Latent`), else a partition's or the bilinear form's
+    (:class:`Tied`)."""
+    if cfg.tying.latent:
+        from qkvjax.attention.latent import Latent, latent_projections  # latent.py builds on this module's pipeline
+
+        return Latent(cfg, latent_projections(cfg, d, make))
+    return Tied(cfg, tied_projections(cfg, d, reads_kv, make))
 
 
 def tied_projections(cfg: AttentionConfig, d: int, reads_kv: bool, make) -> Projections:

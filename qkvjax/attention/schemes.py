@@ -17,7 +17,7 @@ or values. Two variations ride on top of a partition:
 * ``latent`` -- Multi-head Latent Attention (DeepSeek-AI 2024, DeepSeek-V2, arXiv:2405.04434, section 2.1): the
   ``kv`` group is factored, ``k_{s,j} = c_s W^UK_j`` and ``v_{s,j} = c_s W^UV_j`` with one shared latent
   ``c_s = norm(x_s W^DKV)`` of width R, so K and V tie their first factor only (a partial K = V tying) and the cache
-  holds ``c`` alone. Its module is :class:`qkvjax.attention.latent.LatentAttention`.
+  holds ``c`` alone. Its stages are :class:`qkvjax.attention.latent.Latent`, run by the same ``Attention``.
 
 Adding a scheme is one :func:`register_scheme` call; nothing else in the package branches on a scheme's name.
 What a scheme costs is read off this data by :mod:`qkvjax.attention.costs`.

@@ -16,7 +16,7 @@ import numpy as np
 from jax import Array
 
 from qkvjax import axes
-from qkvjax.attention import KV, Attention, AttentionConfig, LayerAttention, attention_module, core, stack_cost
+from qkvjax.attention import KV, Attention, AttentionConfig, LayerAttention, core, stack_cost
 from qkvjax.attention.cache import CACHED, cache_shapes, settle
 from qkvjax.attention.costs import causal_keys_seen, keys_seen
 from qkvjax.attention.layers import expand, producers
@@ -134,8 +134,8 @@ class Block(nn.Module):
     (pre-norm) or after each residual sum (post-norm, ``config.family.norm_position``).
 
     ``attention_cls`` is any linen module built as ``attention_cls(attention)`` and called like ``Attention`` (the
-    benchmark swaps in flax's own attention this way); the default ``Attention`` stands for the zoo's module of
-    the layer's scheme (:func:`qkvjax.attention.attention_module`); ``attention`` defaults to ``config.attention``.
+    benchmark swaps in flax's own attention this way); the default is the zoo's ``Attention``, which takes every
+    scheme; ``attention`` defaults to ``config.attention``.
     ``causal=False`` makes it an encoder block. ``config`` is a ModelConfig or anything with the same
     ``attention``, ``mlp_width``, ``dtype``, ``param_dtype`` and ``dropout_rate`` (the encoder's config). Returns
     ``(x, KV)`` with the K/V its attention used (another layer may read them), or ``(x, None)`` for an
@@ -170,8 +170,7 @@ class Block(nn.Module):
             extra["decode"] = True
         att = self.attention or cfg.attention
         cls = self.attention_cls
-        if cls is Attention:
-            cls = attention_module(att)
+        if cls is Attention:  # the zoo's module (a user's attention_cls need not take these)
             extra |= {"kv": kv, "cache": cache, "return_kv": True}
         ln_attention, ln_mlp = _layer_norm(cfg, "ln_attention"), _layer_norm(cfg, "ln_mlp")
         out = cls(att, name="attention")(
