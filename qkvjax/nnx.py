@@ -35,7 +35,7 @@ from qkvjax.attention import KV, AttentionConfig, core
 from qkvjax.attention.base import Call, kernel_init
 from qkvjax.attention.module import run, stages
 from qkvjax.models.family import MLPS, Family, dense_init
-from qkvjax.models.lm import DecodeCache, ModelConfig, unembed
+from qkvjax.models.lm import DecodeCache, ModelConfig, check_call, unembed
 from qkvjax.models.norm import layer_norm, rms_norm
 
 
@@ -217,8 +217,7 @@ class DecoderLM(nnx.Module):
     def __call__(self, tokens: Array, *, positions=None, cache: DecodeCache | None = None, num_valid=None,
                  deterministic: bool = True):  # fmt: skip
         cfg, dt = self.config, self.config.dtype
-        if tokens.ndim != 2 or tokens.shape[1] > cfg.max_len:
-            raise ValueError(f"DecoderLM takes tokens (B, T) with T <= max_len={cfg.max_len}; got {tokens.shape}")
+        check_call(cfg, tokens, positions, cache, num_valid)
         x = jnp.take(self.embed[...], tokens, axis=0).astype(dt)
         if cfg.learned_positions:
             pos = jnp.broadcast_to(jnp.arange(tokens.shape[1])[None], tokens.shape) if positions is None else positions

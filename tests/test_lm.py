@@ -66,6 +66,26 @@ def test_too_long_input_is_refused():
         DecoderLM(lm()).init(jax.random.key(0), jnp.zeros((1, T + 1), jnp.int32))
 
 
+@pytest.mark.parametrize(
+    "tokens,kw,match",
+    [
+        (jnp.zeros((B, 5)), {}, r"integer tokens of shape \(B, T\); got float32 \(3, 5\)"),
+        (jnp.zeros((B, 5), jnp.int32), {"num_valid": 2}, r"num_valid= says .* goes with cache= only"),
+        (jnp.zeros((B + 2, 1), jnp.int32), {"cache": B}, r"cache= holds 3 rows; tokens \(5, 1\) have B=5"),
+        (jnp.zeros((B, 5), jnp.int32), {"cache": B, "num_valid": jnp.ones((2, B))}, r"num_valid has shape \(2, 3\)"),
+        (jnp.zeros((B, 5), jnp.int32), {"cache": B, "num_valid": jnp.array([5, 6, 0])},
+         r"num_valid=\[5, 6, 0\]; allowed: 0 <= num_valid <= T=5 per row"),
+    ],
+)  # fmt: skip
+def test_bad_calls_are_refused_in_one_line_before_compiling(tokens, kw, match):
+    cfg = lm()
+    if "cache" in kw:
+        kw = kw | {"cache": DecodeCache.empty(cfg, kw["cache"])}
+    params = jax.eval_shape(DecoderLM(cfg).init, jax.random.key(0), jnp.zeros((1, T), jnp.int32))["params"]
+    with pytest.raises(ValueError, match=match):
+        jax.eval_shape(lambda p: DecoderLM(cfg).apply({"params": p}, tokens, **kw), params)  # traced, not compiled
+
+
 def test_logical_axes_shard_heads_and_replicate_what_does_not_divide():
     cfg = ModelConfig(
         attention=AttentionConfig(num_heads=4, head_dim=3, num_kv_heads=1, scheme="shared_kv"),

@@ -128,6 +128,8 @@ def test_gradients_equal_the_linen_ones_under_nnx_jit():
     grads = nnx.jit(nnx.grad(lambda m: loss(m(tokens))))(model)
     want = jax.grad(lambda p: loss(DecoderLM(config).apply({"params": p}, tokens)))(qnnx.params(model))
     jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, atol=1e-6), nnx.to_pure_dict(grads), want)
+    with pytest.raises(ValueError, match=rf"cache= holds 3 rows; tokens \(2, {T}\) have B=2"):  # linen's checks
+        model(tokens, cache=DecodeCache.empty(config, 3))
 
 
 def test_a_tree_of_another_shape_is_refused_in_one_line():

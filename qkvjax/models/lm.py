@@ -272,6 +272,36 @@ class DecodeCache:
         return sum(x.nbytes for x in jax.tree.leaves(self.kv))
 
 
+def check_call(cfg: ModelConfig, tokens: Array, positions, cache: DecodeCache | None, num_valid) -> None:
+    """:class:`DecoderLM`'s arguments, checked while tracing (before anything compiles); ``num_valid``'s values
+    only when they are concrete (under jit the caller checks)."""
+    if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise ValueError(f"DecoderLM takes integer tokens of shape (B, T); got {tokens.dtype} {tokens.shape}")
+    (b, t), wanted = tokens.shape, len(producers(cfg.layer_attention))
+    if t > cfg.max_len:
+        raise ValueError(f"sequence length {t} exceeds the model's max_len={cfg.max_len}")
+    if cache is None:
+        if num_valid is not None:
+            raise ValueError("num_valid= says how much of each row a cache keeps; it goes with cache= only")
+        return
+    if positions is not None or len(cache.kv) != wanted:
+        raise ValueError(
+            f"cache= needs positions=None and one entry per K/V-producing layer ({wanted}); got {len(cache.kv)} "
+            "(build it with DecodeCache.empty)"
+        )
+    if cache.lengths.shape != (b,):
+        raise ValueError(f"cache= holds {cache.lengths.shape[0]} rows; tokens {tokens.shape} have B={b} (build it "
+                         "with DecodeCache.empty(config, B))")  # fmt: skip
+    if num_valid is None:
+        return
+    if np.ndim(num_valid) > 1 or np.size(num_valid) not in (1, b):
+        raise ValueError(f"num_valid has shape {np.shape(num_valid)}; allowed: a scalar or (B,) = ({b},)")
+    if not isinstance(num_valid, jax.core.Tracer) and not np.all(
+        (0 <= np.asarray(num_valid)) & (np.asarray(num_valid) <= t)
+    ):
+        raise ValueError(f"num_valid={np.asarray(num_valid).tolist()}; allowed: 0 <= num_valid <= T={t} per row")
+
+
 class DecoderLM(nn.Module):
     """tokens (B, T) int -> logits (B, T, V) in float32.
 
@@ -299,15 +329,7 @@ class DecoderLM(nn.Module):
         deterministic: bool = True,
     ):
         cfg = self.config
-        if tokens.ndim != 2:
-            raise ValueError(f"DecoderLM takes tokens of shape (B, T); got {tokens.shape}")
-        if tokens.shape[1] > cfg.max_len:
-            raise ValueError(f"sequence length {tokens.shape[1]} exceeds the model's max_len={cfg.max_len}")
-        if cache is not None and (positions is not None or len(cache.kv) != len(producers(cfg.layer_attention))):
-            raise ValueError(
-                f"cache= needs positions=None and one entry per K/V-producing layer "
-                f"({len(producers(cfg.layer_attention))}); got {len(cache.kv)} (build it with DecodeCache.empty)"
-            )
+        check_call(cfg, tokens, positions, cache, num_valid)
         embed = token_table(self, cfg)
         x = jnp.take(embed, tokens, axis=0).astype(cfg.dtype)
         if cfg.learned_positions:
