@@ -100,7 +100,10 @@ def whole_or_absent(target, holds: str):
     staging = target.parent / f".{target.name}.partial"
     if staging.exists():  # what a killed attempt left: never a finished output
         staging.rmtree()
-    staging.mkdir(parents=True)
+    try:
+        staging.mkdir(parents=True)
+    except OSError as e:  # a parent that is a file, a read-only or missing mount: one line naming the target
+        raise ValueError(f"{target} cannot be created: {e.strerror or e}; choose a folder that can be written") from e
     try:
         yield staging
         if not is_remote(staging):

@@ -253,7 +253,10 @@ def train(config: Config, workdir: str, *, overwrite: bool = False) -> dict:
     lock = WorkdirLock(workdir)
     created = not workdir.exists()
     if jax.process_index() == 0:
-        workdir.mkdir(parents=True, exist_ok=True)
+        try:
+            workdir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # a read-only or missing mount, no permission: say which flag
+            raise ValueError(f"--workdir={workdir} cannot be created: {e.strerror or e}") from e
         lock.acquire()
     try:
         return _train(config, workdir, overwrite, lock)

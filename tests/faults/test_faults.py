@@ -187,6 +187,7 @@ def test_a_damaged_newest_checkpoint_is_moved_aside_and_training_falls_back(tmp_
         (["train", f"--config={os.path.join(os.path.dirname(TINY), '..', '..', 'README.md')}", "--workdir={w}"],
          r"is not a Python file"),
         (["train", f"--config={TINY}", "--workdir={file}"], r"is a file; pass a folder"),
+        (["train", f"--config={TINY}", "--workdir={file}/run"], r"--workdir=.*afile/run cannot be created: Not a dir"),
         (["schemes", "--num-heads", "0"], r"num_heads=0; allowed: an integer >= 1"),
         (["train", f"--config={TINY}", "--workdir=s3://bucket/run"], r"cannot be written to s3://; allowed: .*gs://"),
         (["info", "--workdir=s3://bucket/run"], r"cannot be written to s3://"),

@@ -58,6 +58,13 @@ def _every_boundary(args: list[str], target, cwd, limit: int = 80) -> int:
     raise AssertionError(f"more than {limit} boundaries")
 
 
+def test_a_target_that_cannot_be_made_is_one_line(gpt2, tmp_path, capsys):
+    (tmp_path / "afile").write_text("x")
+    assert run_in_process(["import", str(gpt2), "--workdir", str(tmp_path / "afile" / "w")]) == 2
+    err = capsys.readouterr().err
+    assert "afile/w cannot be created: Not a directory" in err and len(err.strip().splitlines()) == 1, err
+
+
 @pytest.mark.slow  # ~36 runs of the CLI: 3 minutes; CI kills each command at its first and its publishing boundary
 def test_import_and_export_are_whole_or_absent_at_every_kill(gpt2, tmp_path):
     w, out = tmp_path / "w", tmp_path / "exported"
