@@ -77,6 +77,10 @@ def test_eval_batches_predict_every_byte_once():
     assert weights.sum() == len(tokens) - 1
     np.testing.assert_array_equal(targets[weights > 0], tokens[1:])
     assert len(list(eval_batches(tokens, 9, 4, max_batches=2))) == 2
+    two = list(eval_batches(tokens[:2], 9, 4))  # the least an evaluation takes: one target after one token
+    assert two[0]["weights"].sum() == 1 and two[0]["targets"][0, 0] == tokens[1]
+    with pytest.raises(ValueError, match=r"the evaluated split has 1 tokens; evaluation needs at least 2"):
+        next(eval_batches(tokens[:1], 9, 4))
 
 
 @pytest.mark.parametrize("stride", [1, 4, 8, 9])

@@ -67,7 +67,10 @@ def eval_batches(
 
     The last window and the last batch are padded; ``weights`` is 1 for a scored target and 0 otherwise.
     """
-    check_corpus(tokens, 1, "evaluation")
+    if len(tokens) < 2:  # one target after one token of context
+        raise ValueError(
+            f"the evaluated split has {len(tokens)} tokens; evaluation needs at least 2; use a longer text"
+        )
     n = len(tokens) - 1  # targets
     stride = seq_len if stride is None else check_stride(stride, seq_len)
     spans, done = [], 0  # (window start, window length, its first scored place); the targets scored so far
