@@ -68,6 +68,13 @@ port=${QKVJAX_PORT:-8482}
 [[ $port =~ ^[0-9]+$ && $port -ge 1 && $port -le 65535 ]] || die "QKVJAX_PORT=$port; allowed: 1 to 65535"
 
 cd "$(dirname "$0")/.."
+# The slice gets `git archive HEAD` and runs from the repository root: a config HEAD lacks never reaches it, and
+# edits not committed stay here.
+git cat-file -e "HEAD:${config#./}" 2>/dev/null ||
+  die "--config=$config is not a file in this checkout's HEAD (the slice gets git archive HEAD); commit it and pass its path from the repository root"
+if [[ -n $(git status --porcelain --untracked-files=no) ]]; then
+  echo "tpu_vm.sh: warning: uncommitted changes to tracked files stay here; the slice runs HEAD $(git rev-parse --short HEAD)" >&2
+fi
 tarball=/tmp/qkvjax-$name.tar.gz
 remote_install="set -e; rm -rf qkvjax; mkdir qkvjax; tar -xzf qkvjax.tar.gz -C qkvjax; cd qkvjax; python3 -m venv .venv; .venv/bin/pip install -q -e \".[gcs]\" \"jax[tpu]\""
 remote_train="cd qkvjax && .venv/bin/qkvjax train --distributed --distributed-timeout $timeout --coordinator-port $port $(quote "$@")"

@@ -78,6 +78,8 @@ def test_tpu_vm_runs_what_it_printed(tmp_path):
         (["my-tpu", "zone", "v9-8", *TRAIN], "unknown accelerator type 'v9-8'; allowed: v2-N"),
         (["my-tpu", "zone", "v5p-64", TRAIN[0], "--workdir=/home/me/run"], "v5p-64 has 8 hosts: --workdir=/home/me/run must be on Cloud Storage"),
         (["my-tpu", "zone", "v4-8", TRAIN[0]], "no --workdir=DIR given"),
+        (["my-tpu", "zone", "v4-8", "--config=/home/me/mine.py", TRAIN[1]], "--config=/home/me/mine.py is not a file in this checkout's HEAD"),
+        (["my-tpu", "zone", "v4-8", "--config=experiments/configs/uncommitted.py", TRAIN[1]], "commit it and pass its path from the repository root"),
     ],
 )  # fmt: skip
 def test_tpu_vm_refuses_bad_arguments(args, message):
