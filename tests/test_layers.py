@@ -65,7 +65,7 @@ def test_the_command_line_sets_a_pattern():
         ("separate*3", r"describes 3 layers but the model has num_layers=4"),
         ("separte*4", r"unknown scheme 'separte'"),
         ("separate*4[kv=2]", r"expected ',' between entries, got '\[kv=2\]'"),
-        ("[kv_from=-1]*4", r"layer 0 of pattern .*kv_from=-1 is not an earlier layer"),
+        ("[kv_from=-1]*4", r"layer 0 of pattern .*kv_from=-1: the first layer has no earlier layer to read K/V from"),
         ("separate, [kv_from=1], separate*2", r"layer 1 of pattern .*kv_from=1 is not an earlier layer"),
         ("separate*2, [kv_from=0,kv=2], separate", r"layer 2 of pattern .*layer 0's K/V .*K=4.* this layer's .*K=2"),
         ("separate, shared_kv[kv_from=0], separate*2", r"layer 1 .*groups \('k', 'v'\).*groups \('kv',\)"),

@@ -204,6 +204,8 @@ def _donor_index(i: int, raw: str, earlier: list[LayerAttention], pattern: str) 
     except ValueError:
         raise ValueError(f"{where}; allowed: an earlier layer's index, or -n for n layers back") from None
     j = i + j if j < 0 else j
+    if i == 0:
+        raise ValueError(f"{where}: the first layer has no earlier layer to read K/V from; it must make its own")
     if not 0 <= j < i:
         raise ValueError(f"{where} is not an earlier layer; allowed: 0 to {i - 1}, or -1 to -{i}")
     return j if earlier[j].kv_from is None else earlier[j].kv_from
