@@ -95,6 +95,13 @@ def describe(workdir: str) -> dict:
     }
 
 
+def _metrics(m: dict | None) -> str:
+    """One logged row for a person: 5 significant digits (``--json`` keeps every digit)."""
+    if not m:
+        return "none logged yet"
+    return "  ".join(f"{k} {v:.5g}" if isinstance(v, float) else f"{k} {v}" for k, v in m.items() if k != "eval")
+
+
 def format_description(info: dict) -> str:
     lines = [f"workdir {info['workdir']}  {info['model']}  scheme {info['scheme']}", "checkpoints:"]
     for c in info["checkpoints"]:
@@ -123,7 +130,7 @@ def format_description(info: dict) -> str:
     lines.append(f"parameters: {info['parameters']['total']:,}")
     for name, n in info["parameters"]["by_component"].items():
         lines.append(f"  {name:<32} {n:>12,}")
-    lines.append(f"last train metrics: {json.dumps(info['last_train_metrics'])}")
-    lines.append(f"last eval metrics:  {json.dumps(info['last_eval_metrics'])}")
+    lines.append(f"last train metrics: {_metrics(info['last_train_metrics'])}")
+    lines.append(f"last eval metrics:  {_metrics(info['last_eval_metrics'])}")
     lines.append("config: " + json.dumps(info["config"], indent=2))
     return "\n".join(lines)

@@ -308,6 +308,12 @@ def test_info_lists_checkpoints_parameters_and_metrics(run, capsys):
     assert sum(by.values()) == info["parameters"]["total"]
     assert {"attention/w_q", "attention/w_k", "attention/w_v", "attention/w_o", "embed"} <= set(by)
     assert info["last_train_metrics"]["step"] == 4 and info["last_eval_metrics"]["eval"]
+    assert run_in_process(["info", f"--workdir={run}"]) == 0  # for a person: one line per row, 5 digits
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("last train metrics: "))
+    assert (
+        line.startswith("last train metrics: step 4  loss ")
+        and f"loss {info['last_train_metrics']['loss']:.5g}  " in line
+    )
 
 
 def test_python_load_gives_the_trained_model_ready_to_apply(run):
