@@ -321,6 +321,12 @@ def main(argv=None) -> int:
         "`qkvjax schemes --num-layers L` that fit the preset; 'none' for none)",
     )
     args = p.parse_args(argv)
+    unknown = [s for s in args.schemes.split(",") if s not in SCHEMES]
+    if unknown:  # before the baseline's minutes, not a "skipped" line after them
+        p.error(f"--schemes: unknown {', '.join(map(repr, unknown))}; allowed: {', '.join(SCHEMES)}")
+    for flag in ("batch_size", "steps", "decode_tokens", "decode_batch"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')}={getattr(args, flag)}; allowed: an integer >= 1")
 
     overrides = dict(TIMING_OVERRIDES)
     if args.quick:
@@ -334,7 +340,10 @@ def main(argv=None) -> int:
     if args.remat:
         overrides["model.remat"] = args.remat
     overrides |= parse_set(p, args.set)
-    base = apply_overrides(load_config_file(args.config), overrides)
+    try:
+        base = apply_overrides(load_config_file(args.config), overrides)
+    except ValueError as e:
+        p.error(str(e))
     steps = args.steps or (6 if args.quick else 20)
     decode_tokens = args.decode_tokens or (32 if args.quick else 128)
     dtype = base.model.attention.dtype

@@ -29,6 +29,20 @@ def test_an_unknown_row_variant_or_section_is_refused_before_any_section_runs(tm
     assert not (tmp_path / "gpu_check.log").exists() or "=====" not in (tmp_path / "gpu_check.log").read_text()
 
 
+@pytest.mark.parametrize(
+    "args, message",
+    [(["--schemes", "separate,bogus"], "--schemes: unknown 'bogus'; allowed: separate, "),
+     (["--batch-size", "0"], "--batch-size=0; allowed: an integer >= 1"),
+     (["--set", "model.num_layers=0"], "ModelConfig.num_layers=0; allowed: an integer >= 1")],
+)  # fmt: skip
+def test_bench_refuses_bad_arguments_in_one_line_before_the_baseline(args, message):
+    proc = subprocess.run([sys.executable, "benchmarks/bench.py", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    last = proc.stderr.strip().splitlines()[-1]  # argparse's usage lines, then the error
+    assert proc.returncode == 2 and last.startswith("bench.py: error: ") and message in last, proc.stderr
+    assert not proc.stdout  # nothing measured: not even the device line
+
+
 def test_gpu_check_smoke_runs_the_measuring_sections_in_ci(tmp_path):
     # The sections whose code a visit most needs, in CI (~38 s): the ceilings, MLA with rotary against float64 (its
     # cuDNN padding and absorbed decode), a train step, sampling. The rest is the slow test below.
