@@ -80,9 +80,10 @@ def format_table(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], path: str) -> None:
-    """Loss against step and against training wall-clock, one colour per run: training loss as a thin line, each
-    evaluation as a marked point. The legend gives each run's last validation loss and its difference from the
-    first run's, and the title the range of the y-axis, so a small gap is read as the number it is."""
+    """Loss against step and against training time (each step at its logged tokens/s), one colour per run: training
+    loss as a thin line, each evaluation as a marked point. The legend gives each run's last validation loss and
+    its difference from the first run's, and the title the range of the y-axis, so a small gap is read as the
+    number it is."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -103,7 +104,7 @@ def plot(rows: list[dict], path: str) -> None:
             ax.plot([c[x] for c in val], [c["val_loss"] for c in val], color=color, marker="o", ms=5, lw=1.6,
                     label=label)  # fmt: skip
     low, high = axes[0].get_ylim()
-    for ax, xlabel in zip(axes, ("step", "training wall-clock (s)"), strict=True):
+    for ax, xlabel in zip(axes, ("step", "training time (s; compile and evaluations left out)"), strict=True):
         ax.set_xlabel(xlabel)
         ax.set_ylabel("loss (nats/byte)")
         ax.grid(alpha=0.3)
