@@ -25,6 +25,8 @@ eager sharding (a module builds outside a mesh); their logical axis names are in
 
 from __future__ import annotations
 
+import numbers
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -68,6 +70,8 @@ class Attention(nnx.Module):
     ``cache=``)."""
 
     def __init__(self, config: AttentionConfig, d_model: int, *, reads_kv: bool = False, rngs: nnx.Rngs):
+        if isinstance(d_model, bool) or not isinstance(d_model, numbers.Integral) or d_model < 1:
+            raise ValueError(f"d_model={d_model!r}; allowed: an integer >= 1 (the width D of the inputs)")
         self.config, self.d_model, self.reads_kv = config, d_model, reads_kv
         self.rngs = rngs  # attention dropout draws from rngs.dropout()
         self._stages(_Maker(self, config, rngs))
@@ -89,6 +93,8 @@ class Attention(nnx.Module):
         return_kv: bool = False,
     ):
         cfg = self.config
+        if inputs_q.shape[-1:] != (self.d_model,):  # linen makes its parameters from the first call; NNX has them
+            raise ValueError(f"inputs_q {inputs_q.shape}: this layer was built for d_model={self.d_model} (B, T, D)")
         call = Call.of(cfg, inputs_q, inputs_kv, mask, causal, positions, False, deterministic, kv, cache, return_kv)
         if (kv is not None) != self.reads_kv:
             raise ValueError(f"kv= given to a layer built with reads_kv={self.reads_kv}; build it as it is called")

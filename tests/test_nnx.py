@@ -132,6 +132,15 @@ def test_gradients_equal_the_linen_ones_under_nnx_jit():
         model(tokens, cache=DecodeCache.empty(config, 3))
 
 
+def test_a_bad_width_is_refused_in_one_line():
+    cfg = AttentionConfig(num_heads=3, head_dim=5)
+    with pytest.raises(ValueError, match=r"^d_model=0; allowed: an integer >= 1"):
+        qnnx.Attention(cfg, 0, rngs=nnx.Rngs(0))
+    module = qnnx.Attention(cfg, D, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=rf"^inputs_q \(2, {T}, {D + 2}\): this layer was built for d_model={D}"):
+        module(jnp.ones((2, T, D + 2)))
+
+
 def test_a_tree_of_another_shape_is_refused_in_one_line():
     module = qnnx.Attention(AttentionConfig(num_heads=3, head_dim=5), D, rngs=nnx.Rngs(0))
     tree = qnnx.params(module) | {"w_q": jnp.zeros((D, 3, 7))}
