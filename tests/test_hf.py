@@ -1095,11 +1095,12 @@ def test_each_honoured_field_changes_the_import_as_it_changes_transformers(name,
     encoder = name == "bert"
     ids, mask = _batch()
     kwargs = {"mask": jnp.asarray(mask)} if encoder else {}
-    _close(
-        model_of(config).apply({"params": params}, jnp.asarray(ids), **kwargs),
-        _reference(model, ids, mask, encoder),
-        mask,
-    )
+    ref = _reference(model, ids, mask, encoder)
+    _close(model_of(config).apply({"params": params}, jnp.asarray(ids), **kwargs), ref, mask)
+    # the field reaches transformers' output at these shapes (a window wider than the batch would not): the test
+    # above could fail, were the field dropped on import
+    default = _reference(_with(name), ids, mask, encoder)
+    assert np.abs(ref - default)[mask].max() > 100 * TOL * np.abs(ref).max(), f"{fields} changes nothing here"
 
 
 @pytest.mark.parametrize(
