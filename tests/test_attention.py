@@ -489,6 +489,9 @@ def test_invalid_config_raises(kwargs, match):
         AttentionConfig(**kwargs)
 
 
+ADDITIVE = np.where(np.eye(T, dtype=bool), 0.0, -np.inf)[None, None]  # a concrete additive mask, as transformers makes
+
+
 @pytest.mark.parametrize(
     "call,match",
     [
@@ -499,6 +502,7 @@ def test_invalid_config_raises(kwargs, match):
         (lambda m, x: m.init(jax.random.key(0), x, jnp.ones((B, S, D)), decode=True), r"self-attention only"),
         (lambda m, x: m.init(jax.random.key(0), x, positions=jnp.zeros((B, T + 1), jnp.int32)), r"positions"),
         (lambda m, x: m.init(jax.random.key(0), x[:, :0]), rf"T >= 1 queries and S >= 1 keys; got inputs_q \({B}, 0"),
+        (lambda m, x: m.init(jax.random.key(0), x, mask=ADDITIVE), r"mask holds negative values"),
         (lambda m, x: m.init(jax.random.key(0), x, x[:, :0]), rf"S >= 1 keys; got .* inputs_kv \({B}, 0, {D}\)"),
     ],
 )

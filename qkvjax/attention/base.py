@@ -6,7 +6,9 @@ from __future__ import annotations
 import dataclasses
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import Array
 
 from qkvjax.attention.cache import KV
@@ -140,3 +142,6 @@ def check_inputs(cfg, x_q, x_kv, mask, positions, decode, self_attention, kv, ca
                 f"mask must be boolean and broadcastable to (B, N, T, S) = {(b, cfg.num_heads, t, x_kv.shape[1])}; "
                 f"got shape {mask.shape}"
             )
+        if mask.dtype != jnp.bool_ and not isinstance(mask, jax.core.Tracer) and np.any(np.asarray(mask) < 0):
+            # flax's float masks are 1/0 (non-zero: may attend); an additive mask's -inf would read as True
+            raise ValueError("mask holds negative values (an additive mask?); pass a boolean mask, True = may attend")
