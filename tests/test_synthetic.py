@@ -161,3 +161,12 @@ def test_encoder_rejects_bad_config():
         EncoderConfig(AttentionConfig(num_heads=2, head_dim=4), vocab_size=10, num_classes=-1)
     with pytest.raises(ValueError, match="max_len=7"):
         encoder().init(jax.random.key(0), jnp.zeros((1, 9), jnp.int32))
+
+
+def test_the_encoder_refuses_bad_tokens_and_masks_in_one_line():
+    model = encoder()
+    params = random_params(model, TOKENS)
+    with pytest.raises(ValueError, match=rf"^Encoder takes integer tokens \(B, T\) with T <= max_len={L}; got float32"):
+        model.apply({"params": params}, TOKENS.astype(jnp.float32))
+    with pytest.raises(ValueError, match=rf"^mask is the tokens' padding, \(B, T\) = \({B}, {L}\) .* got \({B}, 1, 1"):
+        model.apply({"params": params}, TOKENS, mask=jnp.ones((B, 1, 1, L), bool))
