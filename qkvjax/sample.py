@@ -137,6 +137,15 @@ def check_request(model: DecoderLM, prompts: list[np.ndarray], num_tokens: int, 
             )
 
 
+def as_ids(tokens, what: str) -> np.ndarray:
+    """``tokens`` as a 1-D int32 array, or one line saying why not (a float or a batch would be cast or mis-read)."""
+    arr = np.asarray(tokens)
+    if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
+        raise ValueError(f"{what} is a {arr.dtype} array of shape {arr.shape}; allowed: 1-D integer token ids (one "
+                         "array per prompt)")  # fmt: skip
+    return arr.astype(np.int32)
+
+
 def check_ids(model: DecoderLM, tokens: np.ndarray, what: str) -> None:
     """Refuses in one line token ids outside the model's vocabulary (an embedding lookup would clamp them)."""
     vocab = model.config.vocab_size
@@ -261,7 +270,7 @@ def generate_batch(
     prefix cache does, for one more prefill to compile. ``stats["shared_prefix"]``: the tokens shared (0: none).
     Returns the new tokens (B, num_tokens) and statistics.
     """
-    prompts = [np.asarray(p, np.int32) for p in prompts]
+    prompts = [as_ids(p, "the prompt" if len(prompts) == 1 else f"prompt {i}") for i, p in enumerate(prompts)]
     held = None if cache is None else np.asarray(cache.lengths)  # the tokens each row's cache holds already
     if held is not None:
         want = jax.eval_shape(lambda: DecodeCache.empty(model.config, len(prompts)))

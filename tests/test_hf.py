@@ -779,6 +779,10 @@ def test_greedy_with_a_repetition_penalty_makes_what_transformers_generate_makes
     assert generate(model, params, rest, n, cache=cache, cached_tokens=[head], **greedy)[0].tolist() == want[0]
     with pytest.raises(ValueError, match=rf"^prompt 1 has token id {V}; allowed: ids in \[0, {V}\), the model's"):
         generate_batch(model, params, [prompts[0], np.array([3, V])], n)
+    with pytest.raises(ValueError, match=r"^prompt 1 is a float64 array of shape \(2,\); allowed: 1-D integer"):
+        generate_batch(model, params, [prompts[0], np.array([3.0, 4.5])], n)  # not cast to 3, 4
+    with pytest.raises(ValueError, match=r"^the prompt is a int\d+ array of shape \(1, 5\); allowed: 1-D integer"):
+        generate(model, params, np.asarray(head)[None], n)  # a batch of one is generate_batch's
 
 
 def test_chat_sample_as_transformers_apply_chat_template_and_generate(folders, tmp_path, capsys, monkeypatch):

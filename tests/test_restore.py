@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import logging
 import os
 import re
 import shutil
@@ -316,8 +317,10 @@ def test_info_lists_checkpoints_parameters_and_metrics(run, capsys):
     )
 
 
-def test_python_load_gives_the_trained_model_ready_to_apply(run):
-    model, params, config = qkvjax.load(str(run))
+def test_python_load_gives_the_trained_model_ready_to_apply(run, caplog):
+    with caplog.at_level(logging.WARNING, logger="absl"):
+        model, params, config = qkvjax.load(str(run))
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]  # orbax's notices to a reader
     logits = model.apply({"params": params}, jnp.zeros((2, config.seq_len), jnp.int32))
     assert logits.shape == (2, config.seq_len, 256)
     assert sum(p.size for p in jax.tree.leaves(params)) == param_count(config.model)

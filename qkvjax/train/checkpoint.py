@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import shutil
 import time
@@ -97,10 +98,19 @@ def restore_config(mngr: ocp.CheckpointManager, step: int) -> dict:
         raise _read_failure(e, where, step, "its saved config") from e
 
 
+class _ReadOnlyNotice(logging.Filter):
+    """Drops orbax's warning that a read-only manager's directory is read only: the reader asked for that."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Given directory is read only")
+
+
 def manager(workdir: str, max_to_keep: int = 3, read_only: bool = False) -> ocp.CheckpointManager:
+    # A reader's options are the ones orbax would otherwise reset, each with a warning (eval, sample, qkvjax.load)
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=max_to_keep, create=not read_only, read_only=read_only, enable_async_checkpointing=True
-    )
+        max_to_keep=None if read_only else max_to_keep, save_interval_steps=0 if read_only else 1,
+        create=not read_only, read_only=read_only, enable_async_checkpointing=True,
+    )  # fmt: skip
     handlers = {
         "state": ocp.StandardCheckpointHandler() if read_only else state_handler(),
         "data": ocp.JsonCheckpointHandler(),
@@ -108,7 +118,12 @@ def manager(workdir: str, max_to_keep: int = 3, read_only: bool = False) -> ocp.
     }
     # orbax picks how a save becomes visible: an atomic rename of a temporary folder on local disks, a commit
     # file written last on object stores (gs://), which have no rename.
-    return ocp.CheckpointManager(workdir_path(workdir) / "checkpoints", options=options, item_handlers=handlers)
+    notice, absl_logger = _ReadOnlyNotice(), logging.getLogger("absl")
+    absl_logger.addFilter(notice)
+    try:
+        return ocp.CheckpointManager(workdir_path(workdir) / "checkpoints", options=options, item_handlers=handlers)
+    finally:
+        absl_logger.removeFilter(notice)
 
 
 INVENTORY = "inventory.json"
