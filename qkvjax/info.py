@@ -110,8 +110,8 @@ def format_description(info: dict) -> str:
     lines[0] += pattern
     row = info.get("kv_cache_bytes_per_row")
     at_max_len = "" if row is None else f", {row:,} per row at max_len (a windowed layer keeps its last W)"
-    lines.append(f"attention per layer (FLOPs forward per token at seq_len; KV bytes per token), "
-                 f"KV cache {info['kv_cache_bytes_per_token']:,} bytes per token in all{at_max_len}:")  # fmt: skip
+    lines.append(f"KV cache: {info['kv_cache_bytes_per_token']:,} bytes per token in all{at_max_len}")
+    lines.append("attention per layer (FLOPs forward per token at seq_len; KV bytes per token):")
     for x in info["attention_by_layer"]:
         reads = f"  K/V of layer {x['kv_from']}" if x["kv_from"] is not None else ""
         lines.append(
