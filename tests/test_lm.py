@@ -66,6 +66,13 @@ def test_too_long_input_is_refused():
         DecoderLM(lm()).init(jax.random.key(0), jnp.zeros((1, T + 1), jnp.int32))
 
 
+def test_an_empty_cache_is_refused_in_one_line():
+    with pytest.raises(ValueError, match=r"^DecodeCache.empty: batch=0; allowed: an integer >= 1$"):
+        DecodeCache.empty(lm(), 0)
+    with pytest.raises(ValueError, match=r"^DecodeCache.empty: max_len=0; allowed"):
+        DecodeCache.empty(lm(), B, max_len=0)
+
+
 @pytest.mark.parametrize(
     "tokens,kw,match",
     [

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
 
 import flax
 import flax.linen as nn
@@ -219,6 +220,9 @@ class DecodeCache:
         entry whose readers (itself and the layers reading its K/V) all have a window, the widest W < ``max_len``,
         is a ring of W slots instead."""
         s = config.max_len if max_len is None else max_len
+        for name, value in (("batch", batch), ("max_len", s)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise ValueError(f"DecodeCache.empty: {name}={value!r}; allowed: an integer >= 1")
         layers = config.layer_attention
         entries, rings = [], []
         for i in producers(layers):
