@@ -387,7 +387,7 @@ def _analyze(args: argparse.Namespace) -> int:
 def _compare(args: argparse.Namespace) -> int:
     import json
 
-    from qkvjax.compare import compare, format_table, plot
+    from qkvjax.compare import compare, differences, format_table, plot
     from qkvjax.workdir import json_safe
 
     for flag, path in (("--json", args.json), ("--plot", args.plot)):
@@ -396,6 +396,8 @@ def _compare(args: argparse.Namespace) -> int:
             raise ValueError(f"{flag}={path!r}: folder {folder} does not exist")
     rows = compare(args.workdirs)
     print(format_table(rows))
+    for note in differences(rows):
+        print(note, file=sys.stderr)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(json_safe(rows), f, indent=2, allow_nan=False)

@@ -10,7 +10,7 @@ import os
 import statistics
 
 from qkvjax.models.lm import kv_cache_bytes_per_token, param_count
-from qkvjax.workdir import learning_curve, path, read_metrics, run_config
+from qkvjax.workdir import learning_curve, path, read_metrics, recorded_text, run_config
 
 COLUMNS = (
     ("run", "run", "{}"),
@@ -52,6 +52,9 @@ def summarize(workdir: str) -> dict:
         "last_val_loss": vals[-1] if vals else None,
         "bits_per_byte": evals[-1].get("bits_per_byte") if evals else None,
         "tokens_per_s": statistics.median(speeds) if speeds else None,
+        "text_sha256": recorded_text(workdir),
+        "seq_len": config.seq_len,
+        "tokenizer": config.data.tokenizer,
         "curve": [{k: p[k] for k in ("step", "wall_s", "val_loss")} for p in points if p["val_loss"] is not None],
         "train_curve": [
             {k: p[k] for k in ("step", "wall_s", "train_loss")} for p in points if p["train_loss"] is not None
@@ -66,6 +69,22 @@ def compare(workdirs: list[str]) -> list[dict]:
     if missing:
         raise ValueError(f"not a folder: {', '.join(missing)}; pass the workdirs of training runs")
     return [summarize(w) for w in workdirs]
+
+
+def differences(rows: list[dict]) -> list[str]:
+    """Notes for runs whose losses are not on one footing: trained on other text (``data.json``'s sha256), with
+    another context or another tokenizer. Empty when they agree (or say nothing)."""
+    notes = []
+    for key, what in (("text_sha256", "text"), ("seq_len", "context (seq_len)"), ("tokenizer", "tokenizer")):
+        seen = {}
+        for r in rows:
+            if key != "text_sha256" or r[key] is not None:
+                seen.setdefault(r[key], []).append(r["run"])
+        if len(seen) > 1:
+            shown = "; ".join(f"{str(v)[:12] if key == 'text_sha256' else v}: {', '.join(runs)}"
+                              for v, runs in seen.items())  # fmt: skip
+            notes.append(f"note: these runs differ in {what} ({shown}): their losses are not directly comparable")
+    return notes
 
 
 def format_table(rows: list[dict]) -> str:

@@ -506,6 +506,18 @@ def splits_digest(splits: dict) -> str:
     return h.hexdigest()
 
 
+def recorded_text(workdir) -> str | None:
+    """The sha256 of the text a run recorded at its start (``data.json``), or None where it recorded none (an
+    imported model, a run from before the record)."""
+    file = path(workdir) / DATA_FILE
+    if not file.exists():
+        return None
+    try:
+        return json.loads(file.read_text()).get("sha256")
+    except (ValueError, AttributeError):  # a damaged record says nothing; check_data reports it on resume
+        return None
+
+
 def check_data(workdir, digest: str, source: str | None, record: bool) -> str | None:
     """Compares the text's ``digest`` with the one the run recorded in ``data.json``; returns a warning naming
     both when the corpus changed (the caller says it), else None. ``record`` writes it where none is recorded

@@ -468,6 +468,7 @@ def test_compare_puts_runs_side_by_side(run, tmp_path, small_text, data_dir, cap
     assert run_in_process(["compare", str(run), str(other), f"--json={out_json}", f"--plot={out_png}"]) == 0
     captured = capsys.readouterr()
     assert f"wrote {out_png}" in captured.err  # says where the picture went
+    assert "note:" not in captured.err  # the same text, context and tokenizer: nothing to warn of
     table = captured.out.splitlines()
     assert table[0].split()[:3] == ["run", "scheme", "K"] and len(table) == 3
     rows = json.loads(out_json.read_text())
@@ -481,6 +482,21 @@ def test_compare_puts_runs_side_by_side(run, tmp_path, small_text, data_dir, cap
     assert [c["step"] for c in first["curve"]] == [2, 4]
     assert [c["step"] for c in first["train_curve"]] == [r["step"] for r in metrics(run)]  # the training loss too
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_compare_notes_runs_whose_losses_are_on_other_footings():
+    from qkvjax.compare import differences
+
+    def row(run, sha, seq_len=32, tokenizer=None):
+        return {"run": run, "text_sha256": sha, "seq_len": seq_len, "tokenizer": tokenizer}
+
+    assert differences([row("a", "f" * 64), row("b", "f" * 64), row("imported", None)]) == []
+    (note,) = differences([row("a", "a" * 64), row("b", "b" * 64), row("c", "a" * 64)])
+    assert note == ("note: these runs differ in text (aaaaaaaaaaaa: a, c; bbbbbbbbbbbb: b): their losses are not "
+                    "directly comparable")  # fmt: skip
+    notes = differences([row("a", None, 32), row("b", None, 64, "gpt2.json")])
+    assert [n.split(" (")[0] for n in notes] == ["note: these runs differ in context", "note: these runs differ in "
+                                                 "tokenizer"]  # fmt: skip
 
 
 def test_every_cli_option_is_documented_with_its_default(capsys):
