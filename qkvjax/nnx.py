@@ -74,10 +74,7 @@ class Attention(nnx.Module):
             raise ValueError(f"d_model={d_model!r}; allowed: an integer >= 1 (the width D of the inputs)")
         self.config, self.d_model, self.reads_kv = config, d_model, reads_kv
         self.rngs = rngs  # attention dropout draws from rngs.dropout()
-        self._stages(_Maker(self, config, rngs))
-
-    def _stages(self, make: _Maker):
-        return stages(self.config, self.d_model, self.reads_kv, make)
+        stages(config, d_model, reads_kv, _Maker(self, config, rngs))  # creates the parameters
 
     def __call__(
         self,
@@ -98,7 +95,7 @@ class Attention(nnx.Module):
         call = Call.of(cfg, inputs_q, inputs_kv, mask, causal, positions, False, deterministic, kv, cache, return_kv)
         if (kv is not None) != self.reads_kv:
             raise ValueError(f"kv= given to a layer built with reads_kv={self.reads_kv}; build it as it is called")
-        return run(self, call, self._stages(_Maker(self, cfg)))
+        return run(self, call, stages(cfg, self.d_model, self.reads_kv, _Maker(self, cfg)))
 
     # what the pipeline asks of the module besides its config
     collecting = False

@@ -506,15 +506,18 @@ def splits_digest(splits: dict) -> str:
     return h.hexdigest()
 
 
-def recorded_text(workdir) -> str | None:
-    """The sha256 of the text a run recorded at its start (``data.json``), or None where it recorded none (an
-    imported model, a run from before the record)."""
+def _data_record(workdir) -> dict | None:
+    """``data.json``: the text a run recorded at its start (``source``, ``sha256``), or None where it has none."""
     file = path(workdir) / DATA_FILE
-    if not file.exists():
-        return None
+    return json.loads(file.read_text()) if file.exists() else None
+
+
+def recorded_text(workdir) -> str | None:
+    """The sha256 of the text a run recorded at its start, or None where it recorded none (an imported model, a run
+    from before the record)."""
     try:
-        return json.loads(file.read_text()).get("sha256")
-    except (ValueError, AttributeError):  # a damaged record says nothing; check_data reports it on resume
+        return (_data_record(workdir) or {}).get("sha256")
+    except (ValueError, AttributeError):  # a damaged record says nothing here; check_data raises on it
         return None
 
 
@@ -522,9 +525,8 @@ def check_data(workdir, digest: str, source: str | None, record: bool) -> str | 
     """Compares the text's ``digest`` with the one the run recorded in ``data.json``; returns a warning naming
     both when the corpus changed (the caller says it), else None. ``record`` writes it where none is recorded
     (a training start); evaluation only compares."""
-    file = path(workdir) / DATA_FILE
-    if file.exists():
-        old = json.loads(file.read_text())
+    old = _data_record(workdir)
+    if old is not None:
         if old.get("sha256") != digest:
             return (
                 f"warning: the text at {source or old.get('source')} is not the one this run recorded "
@@ -532,5 +534,5 @@ def check_data(workdir, digest: str, source: str | None, record: bool) -> str | 
                 "edited; the numbers below are on the new text"
             )
     elif record:
-        write_text(file, json.dumps({"source": source, "sha256": digest}, indent=2) + "\n")
+        write_text(path(workdir) / DATA_FILE, json.dumps({"source": source, "sha256": digest}, indent=2) + "\n")
     return None

@@ -300,10 +300,9 @@ def check_call(cfg: ModelConfig, tokens: Array, positions, cache: DecodeCache | 
         return
     if np.ndim(num_valid) > 1 or np.size(num_valid) not in (1, b):
         raise ValueError(f"num_valid has shape {np.shape(num_valid)}; allowed: a scalar or (B,) = ({b},)")
-    if not isinstance(num_valid, jax.core.Tracer) and not np.all(
-        (0 <= np.asarray(num_valid)) & (np.asarray(num_valid) <= t)
-    ):
-        raise ValueError(f"num_valid={np.asarray(num_valid).tolist()}; allowed: 0 <= num_valid <= T={t} per row")
+    valid = None if isinstance(num_valid, jax.core.Tracer) else np.asarray(num_valid)  # under jit: the caller's
+    if valid is not None and not np.all((0 <= valid) & (valid <= t)):
+        raise ValueError(f"num_valid={valid.tolist()}; allowed: 0 <= num_valid <= T={t} per row")
 
 
 class DecoderLM(nn.Module):
