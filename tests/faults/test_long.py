@@ -17,7 +17,7 @@ def test_sigkill_at_random_moments_always_resumes_bit_exactly():
     assert not bad, bad
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # 20 minutes (conftest's hour-long limit for slow tests); its throughput check wants a quiet machine
 def test_a_20_minute_soak_keeps_memory_disk_and_speed_flat():
     result = soak.soak(minutes=20, every=30)
     (r0, r1), (d0, d1) = result["rss_mib"], result["checkpoints_mib"]
