@@ -35,6 +35,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from experiments import budget
 from experiments.rows import append_rows, read_csv
 from experiments.scaling import (
     CURVE_COLUMNS,
@@ -44,6 +45,8 @@ from experiments.scaling import (
     Sweep,
     build_parser,
     check_args,
+    speeds,
+    stage_seconds,
     train_split_bytes,
 )
 
@@ -51,6 +54,15 @@ SCALING = Path(__file__).resolve().parent / "scaling.py"
 POLL_S = 10.0  # seconds between merges of the workers' finished rows into --out
 TERM_GRACE_S = 90.0  # seconds a worker gets after SIGTERM to save its checkpoint before SIGKILL
 COPIED = ("runs.csv", "curves.csv", PROTOCOL_FILE, "probe.json")  # probe.json: the plan's speeds, measured once
+
+
+def workers_estimate_s(args, stages: list[str], workers: int) -> float:
+    """The plan's one-process estimate over ``workers``: the wall time when each worker keeps the tokens/s the
+    plan read (the finished runs' median, else probe.json: the plan above made it, so nothing trains here).
+    Below it where a stage waits on another's rates or the last runs leave a worker idle."""
+    sweep = Sweep(args)
+    rates = speeds(sweep)
+    return sum(stage_seconds(sweep, stage, rates) for stage in stages) / workers
 
 
 def merge(out: Path, worker: Path) -> int:
@@ -211,6 +223,9 @@ def main(argv: list[str] | None = None) -> int:
         train_split_bytes(data)  # preparing one data_dir at the same time would race
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # the workers share one accelerator
     stages = [s for s in STAGES if s in sweep.stages]  # the sweep's own order
+    wall = budget.hms(workers_estimate_s(sweep, stages, args.workers))
+    print(f"parallel_sweep: {args.workers} workers: at least ~{wall} of that, if each keeps the speed above "
+          "(tokens/s per process)", flush=True)  # fmt: skip
     added, failed = run_pool(args, stages, passed, deadline)
     print(f"parallel_sweep: {added} runs added to {args.out}/runs.csv", flush=True)
     return 1 if failed else 0

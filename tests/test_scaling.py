@@ -16,7 +16,7 @@ import time
 import jax
 import pytest
 
-from experiments import build_corpus, scaling
+from experiments import budget, build_corpus, scaling
 from experiments.rows import PROTOCOL_FILE, append_rows
 from qkvjax.config import DataConfig
 from qkvjax.models.lm import DecoderLM, param_count
@@ -692,6 +692,21 @@ def test_parallel_sweep_merges_each_workers_new_rows_once(tmp_path):
     (w0 / "runs.csv").write_text(full)
     rows.append_rows(w0 / "runs.csv", RUN_COLUMNS, [row("e")])
     assert parallel_sweep.merge(out, w0) == 1 and rows.read_csv(out / "runs.csv")[-1]["run"] == "e"
+
+
+def test_parallel_sweep_estimates_its_wall_time_as_the_one_process_plan_over_its_workers(tmp_path, small_text, capsys):
+    from experiments import parallel_sweep
+
+    argv = ["--out", str(tmp_path), "--corpus", small_text, "--sizes", "8,12,16", "--lr-grid", "2e-3,8e-3",
+            "--variants", "separate,shared_kv", "--stages", "lr-small,lr-large"]  # fmt: skip
+    args = scaling.build_parser().parse_args(argv)
+    sweep, stages = scaling.Sweep(args), ["lr-small", "lr-large"]
+    probe = json.dumps({f"d{d}-L{args.layers}-T{args.context}": 1000.0 + d for d in (8, 12, 16)})
+    (tmp_path / "probe.json").write_text(probe)  # the speeds the plan would have probed
+    one = scaling.print_plan(sweep, stages, scaling.speeds(sweep))
+    assert one > 0 and f"what is left: ~{budget.hms(one)} (one process)" in capsys.readouterr().out
+    assert parallel_sweep.workers_estimate_s(args, stages, 3) == pytest.approx(one / 3)
+    assert (tmp_path / "probe.json").read_text() == probe  # read, not probed again
 
 
 def test_parallel_sweep_pools_run_folders_so_any_worker_resumes_a_stopped_run(tmp_path):
