@@ -58,8 +58,9 @@ COPIED = ("runs.csv", "curves.csv", PROTOCOL_FILE, "probe.json")  # probe.json: 
 
 def workers_estimate_s(args, stages: list[str], workers: int) -> float:
     """The plan's one-process estimate over ``workers``: the wall time when each worker keeps the tokens/s the
-    plan read (the finished runs' median, else probe.json: the plan above made it, so nothing trains here).
-    Below it where a stage waits on another's rates or the last runs leave a worker idle."""
+    plan read (the finished runs' median, else probe.json: the plan above made it, so nothing trains here). The
+    real one is longer where a stage waits on another's rates or the last runs leave a worker idle, shorter where
+    runs stopped part-way resume (counted whole)."""
     sweep = Sweep(args)
     rates = speeds(sweep)
     return sum(stage_seconds(sweep, stage, rates) for stage in stages) / workers
@@ -224,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # the workers share one accelerator
     stages = [s for s in STAGES if s in sweep.stages]  # the sweep's own order
     wall = budget.hms(workers_estimate_s(sweep, stages, args.workers))
-    print(f"parallel_sweep: {args.workers} workers: at least ~{wall} of that, if each keeps the speed above "
+    print(f"parallel_sweep: {args.workers} workers: ~{wall} of that, if each keeps the speed above "
           "(tokens/s per process)", flush=True)  # fmt: skip
     added, failed = run_pool(args, stages, passed, deadline)
     print(f"parallel_sweep: {added} runs added to {args.out}/runs.csv", flush=True)
