@@ -45,8 +45,8 @@ from experiments.scaling import (
     Sweep,
     build_parser,
     check_args,
+    estimate_s,
     speeds,
-    stage_seconds,
     train_split_bytes,
 )
 
@@ -56,14 +56,13 @@ TERM_GRACE_S = 90.0  # seconds a worker gets after SIGTERM to save its checkpoin
 COPIED = ("runs.csv", "curves.csv", PROTOCOL_FILE, "probe.json")  # probe.json: the plan's speeds, measured once
 
 
-def workers_estimate_s(args, stages: list[str], workers: int) -> float:
+def workers_estimate_s(sweep: Sweep, stages: list[str], workers: int) -> float:
     """The plan's one-process estimate over ``workers``: the wall time when each worker keeps the tokens/s the
     plan read (the finished runs' median, else probe.json: the plan above made it, so nothing trains here). The
     real one is longer where a stage waits on another's rates or the last runs leave a worker idle, shorter where
     runs stopped part-way resume (counted whole)."""
-    sweep = Sweep(args)
     rates = speeds(sweep)
-    return sum(stage_seconds(sweep, stage, rates) for stage in stages) / workers
+    return sum(estimate_s(r, rates) for stage in stages for r in sweep.stage_runs(stage)) / workers
 
 
 def merge(out: Path, worker: Path) -> int:
@@ -220,11 +219,12 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _exit_on_sigterm)  # so a round's `finally` stops the workers, each checkpointing
     # the plan, and protocol.json in --out (the workers copy it, so all of them check the same protocol)
     subprocess.run([sys.executable, str(SCALING), *passed, "--out", args.out, "--plan-only"], check=True)
-    for _, data in filter(None, Sweep(sweep).corpora.values()):  # TFDS prepares each corpus here, once: workers
+    plan = Sweep(sweep)  # what the plan above read: the rows so far and the measured speeds
+    for _, data in filter(None, plan.corpora.values()):  # TFDS prepares each corpus here, once: workers
         train_split_bytes(data)  # preparing one data_dir at the same time would race
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # the workers share one accelerator
     stages = [s for s in STAGES if s in sweep.stages]  # the sweep's own order
-    wall = budget.hms(workers_estimate_s(sweep, stages, args.workers))
+    wall = budget.hms(workers_estimate_s(plan, stages, args.workers))
     print(f"parallel_sweep: {args.workers} workers: ~{wall} of that, if each keeps the speed above "
           "(tokens/s per process)", flush=True)  # fmt: skip
     added, failed = run_pool(args, stages, passed, deadline)

@@ -379,17 +379,12 @@ def finish_row(run: Run, workdir: Path, result: dict, train_bytes: int) -> tuple
     return row, curve
 
 
-def stage_seconds(sweep: Sweep, stage: str, rates: dict[int, float]) -> float:
-    """One process's estimate for a stage's runs to go (a run stopped part-way counted whole)."""
-    return sum(estimate_s(r, rates) for r in sweep.stage_runs(stage))
-
-
 def print_plan(sweep: Sweep, stages, rates: dict[int, float]) -> float:
     total = 0.0
     print("tokens/s per size (measured): " + ", ".join(f"d{s}: {v:,.0f}" for s, v in rates.items()))
     for stage in stages:
         runs = sweep.stage_runs(stage)
-        seconds = stage_seconds(sweep, stage, rates)
+        seconds = sum(estimate_s(r, rates) for r in runs)
         total += seconds
         sizes = sorted({r.size for r in runs})
         tokens = sorted({r.config.train.num_steps * r.config.train.batch_size * r.config.seq_len for r in runs})

@@ -705,7 +705,7 @@ def test_parallel_sweep_estimates_its_wall_time_as_the_one_process_plan_over_its
     (tmp_path / "probe.json").write_text(probe)  # the speeds the plan would have probed
     one = scaling.print_plan(sweep, stages, scaling.speeds(sweep))
     assert one > 0 and f"what is left: ~{budget.hms(one)} (one process)" in capsys.readouterr().out
-    assert parallel_sweep.workers_estimate_s(args, stages, 3) == pytest.approx(one / 3)
+    assert parallel_sweep.workers_estimate_s(sweep, stages, 3) == pytest.approx(one / 3)
     assert (tmp_path / "probe.json").read_text() == probe  # read, not probed again
 
 
