@@ -601,8 +601,9 @@ def speed_markdown(path: Path) -> str:
 
 def beside_markdown(rows: list[dict], other: list[dict], here: str, there: str) -> list[str]:
     """Each variant that both sweeps ran at a (corpus, size) both ran: its mean final loss in each, their
-    difference, and its Δ vs separate in each (paired by seed within its own sweep). Set beside, not tested against
-    each other: the two sweeps train different models, each at its own rates."""
+    difference, and its Δ vs separate in each (paired by seed within its own sweep); then each :data:`HEAD_TO_HEAD`
+    difference both sweeps ran there, one column a sweep. Set beside, not tested against each other: the two sweeps
+    train different models, each at its own rates."""
     cells, theirs = finals(rows), finals(other)
     lines = [f"## Beside `{there}`", "",
              "Every variant both sweeps ran, at the sizes both ran: mean final validation loss in each, here minus "
@@ -619,6 +620,17 @@ def beside_markdown(rows: list[dict], other: list[dict], here: str, there: str) 
             delta = [_delta_ci(e) + f" ({e['delta_n']})" if "delta" in e else "—" for e in (a, b)]
             lines.append(f"| {corpus} | {size} | {variant} | {a['mean']:.3f} ({a['n']}) | {b['mean']:.3f} ({b['n']}) "
                          f"| {b['mean'] - a['mean']:+.3f} | {delta[0]} | {delta[1]} |")  # fmt: skip
+    pairs = []  # the HEAD_TO_HEAD questions both sweeps can answer, each sweep's answer paired within itself
+    for variant, against, _ in HEAD_TO_HEAD:
+        for corpus, size in shared:
+            a, b = (paired(c, corpus, size, variant, against=against) for c in (theirs, cells))
+            if a is not None and b is not None and "delta" in a and "delta" in b:
+                pairs.append(f"| `{variant}` - `{against}` | {corpus} | {size} | {_delta_ci(a)} ({a['delta_n']}) "
+                             f"| {_delta_ci(b)} ({b['delta_n']}) |")  # fmt: skip
+    if pairs:
+        lines += ["", "The head-to-head differences both sweeps ran, each paired by seed within its own sweep: mean "
+                  "[95% t interval] d (paired seeds). Negative: the first variant is better.", "",
+                  f"| difference | corpus | d | `{there}` | `{here}` |", "|---|---|---|---|---|", *pairs]  # fmt: skip
     return lines + [""] if shared else []
 
 

@@ -353,7 +353,8 @@ def test_the_report_pairs_two_ties_with_each_other_by_seed():
 
 def test_the_report_sets_another_sweeps_variants_beside_its_own(tmp_path, capsys):
     """``--beside FOLDER``: each variant both sweeps ran at a size both ran, with its mean loss in each, here minus
-    there, and each sweep's own paired Δ vs separate; a variant or size only one sweep ran has no row."""
+    there, and each sweep's own paired Δ vs separate; then a head-to-head difference both ran (``mla_half`` -
+    ``mqa``) in each; a variant or size only one sweep ran has no row."""
     from experiments import scaling_report
 
     def rows(offsets: dict, sizes: tuple, shift: float) -> list[dict]:
@@ -370,12 +371,17 @@ def test_the_report_sets_another_sweeps_variants_beside_its_own(tmp_path, capsys
         return out
 
     here = rows({"separate": 0.0, "mqa": 0.03, "mla_half": 0.05}, (48, 96), -0.2)
-    there = rows({"separate": 0.0, "mqa": 0.01, "shared_qk": 0.04}, (48, 160), 0.0)
+    there = rows({"separate": 0.0, "mqa": 0.01, "shared_qk": 0.04, "mla_half": 0.025}, (48, 160), 0.0)
     lines = scaling_report.beside_markdown(here, there, "rope", "learned")
     table = [line for line in lines if line.startswith("| python_docs")]
+    pairs = [line for line in lines if line.startswith("| `")]
+    # mqa's loss grows by 0.01 a seed, so mla_half - mqa is 0.015 - 0.01 s there and 0.02 - 0.01 s here
+    assert [line.split(" | ")[:3] for line in pairs] == [["| `mla_half` - `mqa`", "python_docs", "48"]]
+    assert pairs[0].split(" | ")[3].startswith("+0.005 [") and pairs[0].split(" | ")[4].startswith("+0.010 [")
+    assert lines[lines.index(pairs[0]) - 2] == "| difference | corpus | d | `learned` | `rope` |"
     mqa_here = statistics.fmean(2.0 - 0.048 - 0.2 + 0.03 + 0.01 * s for s in range(3))
     mqa_there = statistics.fmean(2.0 - 0.048 + 0.01 + 0.01 * s for s in range(3))
-    assert [line.split(" | ")[1:3] for line in table] == [["48", "separate"], ["48", "mqa"]]
+    assert [line.split(" | ")[1:3] for line in table] == [["48", "separate"], ["48", "mqa"], ["48", "mla_half"]]
     cols = table[1].split(" | ")
     assert cols[3:6] == [f"{mqa_there:.3f} (3)", f"{mqa_here:.3f} (3)", f"{mqa_here - mqa_there:+.3f}"]
     assert cols[6].startswith("+0.020 [") and cols[7].startswith("+0.040 [")  # each sweep's own paired Δ
