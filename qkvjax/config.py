@@ -7,12 +7,12 @@ import dataclasses
 import difflib
 import importlib.util
 import json
-import math
 import os
 import types
 import typing
-from typing import Any
+from typing import Any, ClassVar
 
+from qkvjax import checks
 from qkvjax.attention import AttentionConfig
 from qkvjax.data import DATASET_NAMES
 from qkvjax.models.encoder import EncoderConfig
@@ -41,11 +41,14 @@ class DataConfig:
     seq_len: int | None = None
     tokenizer: str | None = None
 
+    LABEL: ClassVar[str] = "data"
+
     def __post_init__(self):
-        if self.dataset not in DATASET_NAMES:
-            raise ValueError(f"data.dataset={self.dataset!r} is unknown; allowed: {sorted(DATASET_NAMES)}")
-        if self.seq_len is not None and (not isinstance(self.seq_len, int) or self.seq_len < 1):
-            raise ValueError(f"data.seq_len={self.seq_len!r}; allowed: None or an integer >= 1")
+        checks.choice(self, "dataset", sorted(DATASET_NAMES))
+        checks.text(self, "source_path", none="download Tiny Shakespeare")
+        checks.text(self, "data_dir")
+        checks.integer(self, "seq_len", none="the model's max_len")
+        checks.text(self, "tokenizer", none="bytes")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,29 +104,27 @@ class TrainConfig:
     skip_nonfinite: bool = False
     tensorboard: bool = True
 
+    LABEL: ClassVar[str] = "train"
+
     def __post_init__(self):
         for name in ("batch_size", "num_steps", "grad_accum_steps", "log_every", "eval_every", "checkpoint_every"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"train.{name}={value!r}; allowed: an integer >= 1")
-        for name in ("learning_rate", "min_lr_ratio", "weight_decay", "b1", "b2", "grad_clip", "peak_flops"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not math.isfinite(value)):
-                raise ValueError(f"train.{name}={value!r}; allowed: a finite number")
-        if self.warmup_steps < 0:
-            raise ValueError(f"train.warmup_steps={self.warmup_steps}; allowed: an integer >= 0")
-        if self.max_to_keep < 1:
-            raise ValueError(f"train.max_to_keep={self.max_to_keep}; allowed: an integer >= 1 (checkpoints kept)")
+            checks.integer(self, name)
+        checks.integer(self, "warmup_steps", minimum=0)
+        checks.integer(self, "max_to_keep", allowed="an integer >= 1 (checkpoints kept)")
+        checks.integer(self, "eval_batches", none="the whole split")
+        checks.number(self, "learning_rate", low=0, open_low=True)
+        checks.number(self, "min_lr_ratio", low=0, high=1)
+        checks.number(self, "weight_decay", low=0)
+        for name in ("b1", "b2"):  # a decay of 1 never forgets, and Adam's bias correction divides by 1 - b^t
+            checks.number(self, name, low=0, high=1, open_high=True)
+        checks.number(self, "grad_clip", low=0, open_low=True)  # 0 would clip every update to nothing
+        checks.number(self, "peak_flops", low=0, open_low=True, none="measure a matmul at start")
+        for name in ("log_weight_similarity", "skip_nonfinite", "tensorboard"):
+            checks.flag(self, name)
         if self.batch_size % self.grad_accum_steps:
             raise ValueError(
                 f"train.batch_size={self.batch_size} is not divisible by grad_accum_steps={self.grad_accum_steps}"
             )
-        if not self.learning_rate > 0 or not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError(
-                f"train.learning_rate={self.learning_rate} must be > 0 and min_lr_ratio={self.min_lr_ratio} in [0, 1]"
-            )
-        if self.eval_batches is not None and self.eval_batches < 1:
-            raise ValueError(f"train.eval_batches={self.eval_batches}; allowed: None (whole split) or >= 1")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,9 +141,15 @@ class MeshConfig:
     fsdp: int = 1
     tensor: int = 1
 
+    LABEL: ClassVar[str] = "mesh"
+
     def __post_init__(self):
+        for name in ("data", "fsdp", "tensor"):
+            checks.integer(self, name, minimum=-1, allowed="an integer >= 1, or -1 (the devices left)")
+            if getattr(self, name) == 0:
+                checks.refuse(self, name, "an integer >= 1, or -1 (the devices left)")
         sizes = (self.data, self.fsdp, self.tensor)
-        if any(s == 0 or s < -1 for s in sizes) or sizes.count(-1) > 1:
+        if sizes.count(-1) > 1:
             raise ValueError(f"mesh sizes (data, fsdp, tensor) = {sizes}; allowed: integers >= 1, at most one -1")
 
 
@@ -167,9 +174,15 @@ class Config:
     parallelism: str = "jit"
     seed: int = 0
 
+    LABEL: ClassVar[str] = ""
+
     def __post_init__(self):
-        if self.parallelism not in PARALLELISMS:
-            raise ValueError(f"parallelism={self.parallelism!r}; allowed: {list(PARALLELISMS)}")
+        sections = {"model": (ModelConfig, EncoderConfig), "data": (DataConfig,), "train": (TrainConfig,)}
+        for name, kinds in {**sections, "mesh": (MeshConfig,)}.items():
+            if not isinstance(getattr(self, name), kinds):
+                checks.refuse(self, name, " or ".join(f"a {kind.__name__}" for kind in kinds))
+        checks.choice(self, "parallelism", PARALLELISMS)
+        checks.integer(self, "seed", minimum=0, maximum=2**32 - 1)  # grain's shuffle takes 32-bit seeds
         if self.data.seq_len is not None and self.data.seq_len > self.model.max_len:
             raise ValueError(f"data.seq_len={self.data.seq_len} exceeds model.max_len={self.model.max_len}")
 

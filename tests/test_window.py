@@ -117,7 +117,7 @@ def test_a_ring_saves_what_the_window_leaves_out():
 
 @pytest.mark.parametrize("bad", [0, -2, 2.5, True])
 def test_a_bad_window_is_refused_in_one_line(bad):
-    message = rf"^AttentionConfig.sliding_window={bad!r}; allowed: None or an integer >= 1$"
+    message = rf"^AttentionConfig.sliding_window={bad!r}; allowed: None \(the whole context\) or an integer >= 1$"
     with pytest.raises(ValueError, match=message):
         AttentionConfig(num_heads=N, head_dim=H, sliding_window=bad)
 

@@ -6,6 +6,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from qkvjax import checks
 from qkvjax.attention.schemes import SCHEMES, Scheme, get_scheme
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")  # float64: host references (needs jax_enable_x64)
@@ -26,7 +27,7 @@ def resolve_implementation(configured: str | None, backend: str) -> str:
 
 def _canonical_dtype(value, field: str) -> str:
     try:
-        name = jnp.dtype(value).name
+        name = "None" if value is None else jnp.dtype(value).name  # numpy reads None as float64
     except TypeError:
         name = str(value)
     if name not in DTYPES:
@@ -139,25 +140,35 @@ class AttentionConfig:
     norm_eps: float = 1e-6
 
     def __post_init__(self):
-        for name in ("num_heads", "head_dim"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"AttentionConfig.{name}={value!r}; allowed: an integer >= 1")
+        checks.integer(self, "num_heads")
+        checks.integer(self, "head_dim")
+        checks.integer(self, "num_kv_heads", none="")
         kv = self.num_kv_heads
-        if kv is not None and (isinstance(kv, bool) or not isinstance(kv, int) or kv < 1):
-            raise ValueError(f"AttentionConfig.num_kv_heads={kv!r}; allowed: None or an integer >= 1")
         if kv is not None and self.num_heads % kv:
             divisors = [d for d in range(1, self.num_heads + 1) if self.num_heads % d == 0]
             raise ValueError(
                 f"AttentionConfig.num_kv_heads={kv} does not divide num_heads={self.num_heads}; "
                 f"allowed: None or one of {divisors}"
             )
+        for name in ("use_bias", "rope", "qk_norm", "v_norm", "learned_temperature", "latent_norm"):
+            checks.flag(self, name)
+        checks.flag(self, "rope_key_per_head")
+        checks.flag(self, "output_bias", none="= use_bias")
+        checks.number(self, "dropout_rate", low=0, high=1, open_high=True)
+        checks.number(self, "rope_base", low=0, open_low=True)
+        checks.choice(self, "rope_layout", ROPE_LAYOUTS)
+        checks.integer(self, "relative_bias", minimum=0, allowed="0 (off) or a maximum offset R >= 1")
+        checks.integer(self, "chunk_size", allowed="an integer >= 1 (keys per block)")
+        checks.integer(self, "causal_block", minimum=0, allowed="0 (off) or an integer >= 1 (queries)")
+        checks.integer(self, "sliding_window", none="the whole context")
+        checks.integer(self, "v_head_dim", none="= head_dim")
+        for name in ("kv_rank", "q_rank", "rope_head_dim"):
+            checks.integer(self, name, none="")
+        checks.choice(self, "implementation", IMPLEMENTATIONS[1:], none="per backend")
+        object.__setattr__(self, "dtype", _canonical_dtype(self.dtype, "dtype"))
+        object.__setattr__(self, "param_dtype", _canonical_dtype(self.param_dtype, "param_dtype"))
         self._check_rotary_and_norms()
-        w = self.sliding_window
-        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
-            raise ValueError(f"AttentionConfig.sliding_window={w!r}; allowed: None or an integer >= 1")
-        if self.scheme not in SCHEMES:
-            raise ValueError(f"AttentionConfig.scheme={self.scheme!r} is unknown; allowed: {sorted(SCHEMES)}")
+        checks.choice(self, "scheme", sorted(SCHEMES))
         scheme = get_scheme(self.scheme)
         if scheme.ties_query_to_kv and self.kv_heads != self.num_heads:
             shared = next(g for g in scheme.groups if "q" in g and len(g) > 1)
@@ -173,8 +184,6 @@ class AttentionConfig:
                 "separate queries and keys to rotate; rope=True is not allowed with it"
             )
         vh = self.v_head_dim
-        if vh is not None and (isinstance(vh, bool) or not isinstance(vh, int) or vh < 1):
-            raise ValueError(f"AttentionConfig.v_head_dim={vh!r}; allowed: None (= head_dim) or an integer >= 1")
         if vh is not None and vh != self.head_dim and scheme.group_of("v") != "v" and not scheme.latent:
             raise ValueError(
                 f"scheme {self.scheme!r} makes values with the projection w_{scheme.group_of('v')}, shared with "
@@ -191,68 +200,29 @@ class AttentionConfig:
                 f"learned_temperature=True needs queries to scale; scheme {self.scheme!r} "
                 f"({'a merged form' if scheme.bilinear else 'a latent scheme'}) does not take it"
             )
-        for name in ("qk_norm", "v_norm", "rope", "use_bias", "learned_temperature"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"AttentionConfig.{name}={getattr(self, name)!r}; allowed: True or False")
         if self.rope and self.head_dim % 2 and not scheme.latent:  # a latent scheme rotates rope_dim only
             raise ValueError(f"rope=True needs an even head_dim; got head_dim={self.head_dim}")
-        if self.output_bias is not None and not isinstance(self.output_bias, bool):
-            raise ValueError(f"AttentionConfig.output_bias={self.output_bias!r}; allowed: None (= use_bias) or a bool")
-        if self.rope_layout not in ROPE_LAYOUTS:
-            raise ValueError(f"AttentionConfig.rope_layout={self.rope_layout!r}; allowed: {list(ROPE_LAYOUTS)}")
-        if self.rope and not 0 < self.rope_base < float("inf"):
-            raise ValueError(f"AttentionConfig.rope_base={self.rope_base!r}; allowed: a finite number > 0")
-        rb = self.relative_bias
-        if isinstance(rb, bool) or not isinstance(rb, int) or rb < 0:
-            raise ValueError(f"AttentionConfig.relative_bias={rb!r}; allowed: 0 (off) or a maximum offset R >= 1")
-        if not 0.0 <= self.dropout_rate < 1.0:
-            raise ValueError(f"AttentionConfig.dropout_rate={self.dropout_rate!r}; allowed: 0 <= rate < 1")
-        object.__setattr__(self, "dtype", _canonical_dtype(self.dtype, "dtype"))
-        object.__setattr__(self, "param_dtype", _canonical_dtype(self.param_dtype, "param_dtype"))
-        cs = self.chunk_size
-        if isinstance(cs, bool) or not isinstance(cs, int) or cs < 1:
-            raise ValueError(f"AttentionConfig.chunk_size={cs!r}; allowed: an integer >= 1 (keys per block)")
-        cb = self.causal_block
-        if isinstance(cb, bool) or not isinstance(cb, int) or cb < 0:
-            raise ValueError(f"AttentionConfig.causal_block={cb!r}; allowed: 0 (off) or an integer >= 1 (queries)")
         self._check_latent(scheme)
-        if self.implementation not in IMPLEMENTATIONS:
-            raise ValueError(
-                f"AttentionConfig.implementation={self.implementation!r}; allowed: {list(IMPLEMENTATIONS)}"
-            )
 
     def _check_rotary_and_norms(self) -> None:
         """``rope_pairs`` (a count of pairs within H / 2, with rope) and ``norm_eps``."""
-        pairs = self.rope_pairs
-        if pairs is not None and (
-            isinstance(pairs, bool) or not isinstance(pairs, int) or not 0 <= pairs <= self.head_dim // 2
-        ):
-            raise ValueError(
-                f"AttentionConfig.rope_pairs={pairs!r}; allowed: None or an integer from 0 to H/2 = "
-                f"{self.head_dim // 2}"
-            )
-        if pairs is not None and not self.rope:
-            raise ValueError(f"AttentionConfig.rope_pairs={pairs} needs rope=True")
-        eps = self.norm_eps
-        if isinstance(eps, bool) or not isinstance(eps, int | float) or not 0 < eps < 1:
-            raise ValueError(f"AttentionConfig.norm_eps={eps!r}; allowed: a number in (0, 1)")
+        half = self.head_dim // 2
+        checks.integer(
+            self, "rope_pairs", minimum=0, maximum=half, none="", allowed=f"an integer from 0 to H/2 = {half}"
+        )
+        if self.rope_pairs is not None and not self.rope:
+            raise ValueError(f"AttentionConfig.rope_pairs={self.rope_pairs} needs rope=True")
+        checks.number(self, "norm_eps", low=0, high=1, open_low=True, open_high=True)
 
     def _check_latent(self, scheme: Scheme) -> None:
         latent = sorted(n for n, s in SCHEMES.items() if s.latent)
         for name in ("kv_rank", "q_rank", "rope_head_dim"):
             value = getattr(self, name)
-            if value is None:
-                continue
-            if not scheme.latent:
+            if value is not None and not scheme.latent:
                 raise ValueError(
                     f"AttentionConfig.{name}={value!r} is for latent schemes {latent}; "
                     f"scheme {self.scheme!r} takes None"
                 )
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"AttentionConfig.{name}={value!r}; allowed: None or an integer >= 1")
-        for name in ("latent_norm", "rope_key_per_head"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"AttentionConfig.{name}={getattr(self, name)!r}; allowed: True or False")
         if self.rope_key_per_head and not (scheme.latent and self.rope):
             raise ValueError(
                 "AttentionConfig.rope_key_per_head=True is for a latent scheme's decoupled rotary key; "

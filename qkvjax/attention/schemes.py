@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from qkvjax import checks
+
 ROLES = ("q", "k", "v")
 
 
@@ -57,6 +59,23 @@ class Scheme:
     latent: bool = False
 
     def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name.isidentifier():
+            raise ValueError(f"Scheme.name={self.name!r}; allowed: a name such as 'shared_qk' (letters, digits, _)")
+        groups = self.groups
+        if (
+            isinstance(groups, str)
+            or not isinstance(groups, tuple | list)
+            or not all(isinstance(g, str) for g in groups)
+        ):
+            raise ValueError(
+                f"scheme {self.name!r}: groups={groups!r}; allowed: a tuple of role strings, one per projection, "
+                "e.g. ('qk', 'v')"
+            )
+        object.__setattr__(self, "groups", tuple(groups))
+        for name in ("bilinear", "normalize_keys", "mask_self", "latent"):
+            checks.flag(self, name)
+        for name in ("summary", "reference"):
+            checks.text(self, name)
         roles = [r for g in self.groups for r in g]
         expected = {"v"} if self.bilinear else set(ROLES)
         if sorted(roles) != sorted(expected) or any(not g for g in self.groups):
@@ -108,6 +127,8 @@ SCHEMES: dict[str, Scheme] = {}
 
 
 def register_scheme(scheme: Scheme) -> Scheme:
+    if not isinstance(scheme, Scheme):
+        raise ValueError(f"register_scheme({scheme!r}); allowed: a qkvjax.Scheme")
     if scheme.name in SCHEMES:
         raise ValueError(f"scheme {scheme.name!r} is already registered")
     SCHEMES[scheme.name] = scheme

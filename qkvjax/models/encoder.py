@@ -15,7 +15,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 from jax import Array
 
-from qkvjax import axes
+from qkvjax import axes, checks
 from qkvjax.attention import AttentionConfig, attention_cost
 from qkvjax.attention.layers import LayerAttention, expand
 from qkvjax.models.family import Family
@@ -62,8 +62,7 @@ class EncoderConfig(BlockShape):
 
     def __post_init__(self):
         self._check_shape(("vocab_size", "d_model", "num_layers", "max_len"))
-        if isinstance(self.num_classes, bool) or not isinstance(self.num_classes, int) or self.num_classes < 0:
-            raise ValueError(f"EncoderConfig.num_classes={self.num_classes!r}; allowed: 0 (no head) or an integer >= 1")
+        checks.integer(self, "num_classes", minimum=0, allowed="0 (no head) or an integer >= 1")
 
     # The decoder's per-layer view, so tools that read a workdir (info, analyze, convert) read an encoder's too:
     # every layer has ``attention`` and its own K/V (no layer pattern, no cross-layer sharing).

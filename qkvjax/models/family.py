@@ -27,7 +27,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 from jax import Array
 
-from qkvjax import axes
+from qkvjax import axes, checks
 from qkvjax.attention import core
 from qkvjax.models.norm import LayerNorm, RMSNorm
 
@@ -76,13 +76,11 @@ class Family:
 
     def __post_init__(self):
         for name, allowed in (("norm", NORMS), ("norm_position", NORM_POSITIONS), ("mlp", tuple(MLPS))):
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"Family.{name}={getattr(self, name)!r}; allowed: {list(allowed)}")
-        if isinstance(self.norm_eps, bool) or not isinstance(self.norm_eps, int | float) or not self.norm_eps > 0:
-            raise ValueError(f"Family.norm_eps={self.norm_eps!r}; allowed: a number > 0")
-        cap = self.logit_softcap
-        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int | float) or not cap > 0):
-            raise ValueError(f"Family.logit_softcap={cap!r}; allowed: None or a number > 0")
+            checks.choice(self, name, allowed)
+        checks.number(self, "norm_eps", low=0, open_low=True)
+        checks.number(self, "logit_softcap", low=0, open_low=True, none="off")
+        for name in ("norm_bias", "embed_norm", "mlp_bias", "embed_scale", "layer_scale"):
+            checks.flag(self, name)
         if self.norm == "rmsnorm" and self.norm_bias:
             raise ValueError("Family.norm_bias=True needs norm='layernorm'; RMSNorm has no bias")
 

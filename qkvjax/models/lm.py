@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array
 
-from qkvjax import axes
+from qkvjax import axes, checks
 from qkvjax.attention import KV, Attention, AttentionConfig, LayerAttention, core, stack_cost
 from qkvjax.attention.cache import CACHED, cache_shapes, settle
 from qkvjax.attention.costs import causal_keys_seen, keys_seen
@@ -31,21 +31,20 @@ class BlockShape:
     LM's and the encoder's frozen dataclasses)."""
 
     def _check_shape(self, positive_ints: tuple[str, ...]) -> None:
-        name = type(self).__name__
-        if isinstance(self.attention, dict):  # from JSON
-            object.__setattr__(self, "attention", AttentionConfig(**self.attention))
-        if isinstance(self.family, dict):
-            object.__setattr__(self, "family", Family(**self.family))
-        if not isinstance(self.family, Family):
-            raise ValueError(f"{name}.family={self.family!r}; allowed: a qkvjax.models.family.Family")
+        for field, kind in (("attention", AttentionConfig), ("family", Family)):
+            value, allowed = getattr(self, field), f"a {kind.__name__}, or a dict of its fields (from JSON)"
+            if isinstance(value, dict):
+                unknown = sorted(set(value) - {f.name for f in dataclasses.fields(kind)})
+                if unknown:
+                    checks.refuse(self, field, f"{allowed}; {unknown} are not {kind.__name__} fields")
+                object.__setattr__(self, field, kind(**value))
+            elif not isinstance(value, kind):
+                checks.refuse(self, field, allowed)
         for field in positive_ints:
-            value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}.{field}={value!r}; allowed: an integer >= 1")
-        if self.mlp_dim is not None and (not isinstance(self.mlp_dim, int) or self.mlp_dim < 1):
-            raise ValueError(f"{name}.mlp_dim={self.mlp_dim!r}; allowed: None (= 4 d_model) or an integer >= 1")
-        if not 0.0 <= self.dropout_rate < 1.0:
-            raise ValueError(f"{name}.dropout_rate={self.dropout_rate!r}; allowed: 0 <= rate < 1")
+            checks.integer(self, field)
+        checks.integer(self, "mlp_dim", none="= 4 d_model")
+        checks.number(self, "dropout_rate", low=0, high=1, open_high=True)
+        checks.flag(self, "learned_positions")
 
     @property
     def mlp_width(self) -> int:
@@ -98,8 +97,8 @@ class ModelConfig(BlockShape):
 
     def __post_init__(self):
         self._check_shape(("vocab_size", "d_model", "num_layers", "max_len"))
-        if self.remat not in REMAT_POLICIES:
-            raise ValueError(f"ModelConfig.remat={self.remat!r}; allowed: {list(REMAT_POLICIES)}")
+        checks.flag(self, "tie_embeddings")
+        checks.choice(self, "remat", REMAT_POLICIES)
         if not isinstance(self.layers, str):
             raise ValueError(f"ModelConfig.layers={self.layers!r}; allowed: a layer pattern string ('' = all alike)")
         object.__setattr__(self, "_layer_attention", expand(self.layers, self.attention, self.num_layers))

@@ -1,0 +1,128 @@
+"""One check per kind of config field, shared by every frozen config dataclass's ``__post_init__``.
+
+Each check reads ``config.<name>``, refuses a value of the wrong kind or out of range with one line naming the
+field, the value and what is allowed (a ``ValueError``, never a ``TypeError`` from a comparison further in), and
+stores it back normalised: numpy scalars become Python ones and paths become strings, so a config built in
+Python (a sweep's ``np.int64`` head count, a ``pathlib.Path`` corpus, a learning rate read from YAML) is refused
+or kept exactly as one parsed from ``--config.*`` flags, stays hashable and writes to ``config.json``.
+
+A field is labelled ``<LABEL>.<name>``: ``LABEL`` is a class attribute of the config (``"train"`` for
+``TrainConfig``, as its ``--config.train.*`` flags), else the class's name; an empty ``LABEL`` gives the name
+alone.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import os
+from collections.abc import Collection
+
+import numpy as np
+
+
+def label(config, name: str) -> str:
+    prefix = getattr(type(config), "LABEL", type(config).__name__)
+    return f"{prefix}.{name}" if prefix else name
+
+
+def refuse(config, name: str, allowed: str, value=None) -> None:
+    """Raises the one-line error for ``config.<name>`` (or ``value``, when the check is on a derived one)."""
+    shown = getattr(config, name) if value is None else value
+    raise ValueError(f"{label(config, name)}={shown!r}; allowed: {allowed}")
+
+
+def _none_or(none: str | None, allowed: str) -> str:
+    return allowed if none is None else f"None{f' ({none})' if none else ''} or {allowed}"
+
+
+def _keep(config, name: str, value) -> None:
+    object.__setattr__(config, name, value)  # the dataclasses are frozen; this is their own __post_init__
+
+
+def is_integer(value) -> bool:
+    """An integer, numpy's included; a bool is not one here (``True`` heads is a mistake, not 1)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def integer(
+    config,
+    name: str,
+    *,
+    minimum: int = 1,
+    maximum: int | None = None,
+    none: str | None = None,
+    allowed: str | None = None,
+) -> None:
+    """``config.<name>`` is an integer in [minimum, maximum]; ``none``: None is allowed too, and means that;
+    ``allowed``: the error's wording of the range, where the bounds alone would not say what the values mean."""
+    value = getattr(config, name)
+    if value is None and none is not None:
+        return
+    bound = f"an integer >= {minimum}" if maximum is None else f"an integer in [{minimum}, {maximum}]"
+    bound = allowed or bound
+    if not is_integer(value) or value < minimum or (maximum is not None and value > maximum):
+        refuse(config, name, _none_or(none, bound))
+    _keep(config, name, int(value))
+
+
+def number(
+    config,
+    name: str,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    open_low: bool = False,
+    open_high: bool = False,
+    none: str | None = None,
+) -> None:
+    """``config.<name>`` is a finite real number within the bounds given (each closed unless ``open_*``)."""
+    value = getattr(config, name)
+    if value is None and none is not None:
+        return
+    if low is not None and high is not None:
+        bound = f"a number in {'(' if open_low else '['}{low:g}, {high:g}{')' if open_high else ']'}"
+    elif low is not None:
+        bound = f"a finite number {'>' if open_low else '>='} {low:g}"
+    elif high is not None:
+        bound = f"a finite number {'<' if open_high else '<='} {high:g}"
+    else:
+        bound = "a finite number"
+    real = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+    if (
+        not real
+        or (low is not None and (value <= low if open_low else value < low))
+        or (high is not None and (value >= high if open_high else value > high))
+    ):
+        refuse(config, name, _none_or(none, bound))
+    _keep(config, name, float(value))
+
+
+def flag(config, name: str, *, none: str | None = None) -> None:
+    """``config.<name>`` is True or False (numpy's bools too)."""
+    value = getattr(config, name)
+    if value is None and none is not None:
+        return
+    if not isinstance(value, bool | np.bool_):
+        refuse(config, name, _none_or(none, "True or False"))
+    _keep(config, name, bool(value))
+
+
+def choice(config, name: str, allowed: Collection[str], *, none: str | None = None) -> None:
+    """``config.<name>`` is one of the strings ``allowed`` (listed in the error in their order)."""
+    value = getattr(config, name)
+    if value is None and none is not None:
+        return
+    if not isinstance(value, str) or value not in allowed:
+        shown = _none_or(none, str(list(allowed)))
+        raise ValueError(f"{label(config, name)}={value!r} is unknown; allowed: {shown}")
+
+
+def text(config, name: str, *, none: str | None = None) -> None:
+    """``config.<name>`` is a string or a path (kept as its string)."""
+    value = getattr(config, name)
+    if value is None and none is not None:
+        return
+    if not isinstance(value, str | os.PathLike):
+        refuse(config, name, _none_or(none, "a string or a path"))
+    _keep(config, name, os.fspath(value))
