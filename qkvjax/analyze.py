@@ -30,6 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from qkvjax import checks
+
 MEASURES = ("qk_cos", "qv_cos", "kv_cos", "symmetry", "trace_ratio", "effective_rank", "kv_rank_err")
 
 
@@ -182,7 +184,7 @@ def analyze_layers(
         raise ValueError(f"{source}: no attention layers found")
     layers = [_float64(lw) for lw in layers]
     per_layer = [head_measures(lw) for lw in layers]
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(checks.seed("seed", seed))
     random = [head_measures(random_layer(layers[0], rng)) for _ in range(random_seeds)]
     report = {
         "source": source,

@@ -28,6 +28,8 @@ from typing import TextIO
 
 import numpy as np
 
+from qkvjax import checks
+
 TEMPLATE_FILE = "chat_template.jinja"  # where transformers >= 4.43 saves a single template
 TOKENIZER_CONFIG = "tokenizer_config.json"
 SPECIAL_TOKENS_MAP = "special_tokens_map.json"  # older folders name the special tokens here
@@ -186,7 +188,7 @@ class Session:
 
         self.model, self.params, self.tokenizer = model, params, tokenizer
         self.template, self.special, self.system, self.history = template, special, system, list(history)
-        self.stop_ids, self.num_tokens, self.seed = stop_ids, num_tokens, seed
+        self.stop_ids, self.num_tokens, self.seed = stop_ids, num_tokens, checks.seed("seed", seed)
         self.sampling = Sampling(**sampling)  # checked before the first line is read
         self.cache, self.held = None, []  # the last reply's decode cache (one row) and the tokens it holds
         self.reused = 0  # the tokens the last turn took from the cache instead of the prefill
@@ -212,8 +214,9 @@ class Session:
         turn = len(self.history) // 2
         cache, reused = self._reusable(prompt)
         self.cache, self.held = None, []  # given to the call below (donated); kept again once the reply is made
+        seed = (self.seed + turn) % (checks.SEED_MAX + 1)  # each turn draws anew; the range wraps
         tokens, stats = generate(self.model, self.params, prompt[reused:], min(self.num_tokens, max_len - len(prompt)),
-                                 seed=self.seed + turn, on_token=streamer, stop_ids=self.stop_ids,
+                                 seed=seed, on_token=streamer, stop_ids=self.stop_ids,
                                  prompt_bucket=self.PROMPT_BUCKET, cache=cache, cached_tokens=[prompt[:reused]],
                                  **dataclasses.asdict(self.sampling))  # fmt: skip
         streamer.flush()

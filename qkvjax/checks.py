@@ -56,14 +56,36 @@ def integer(
 ) -> None:
     """``config.<name>`` is an integer in [minimum, maximum]; ``none``: None is allowed too, and means that;
     ``allowed``: the error's wording of the range, where the bounds alone would not say what the values mean."""
-    value = getattr(config, name)
+    value = integer_value(
+        label(config, name), getattr(config, name), minimum=minimum, maximum=maximum, none=none, allowed=allowed
+    )
+    _keep(config, name, value)
+
+
+def integer_value(
+    where: str,
+    value,
+    *,
+    minimum: int = 1,
+    maximum: int | None = None,
+    none: str | None = None,
+    allowed: str | None = None,
+) -> int | None:
+    """:func:`integer` for a function's argument or an option: ``value`` as an int, or the error naming ``where``."""
     if value is None and none is not None:
-        return
+        return None
     bound = f"an integer >= {minimum}" if maximum is None else f"an integer in [{minimum}, {maximum}]"
-    bound = allowed or bound
     if not is_integer(value) or value < minimum or (maximum is not None and value > maximum):
-        refuse(config, name, _none_or(none, bound))
-    _keep(config, name, int(value))
+        raise ValueError(f"{where}={value!r}; allowed: {_none_or(none, allowed or bound)}")
+    return int(value)
+
+
+SEED_MAX = 2**32 - 1  # grain's shuffle takes 32-bit seeds; one range for every seed a user passes
+
+
+def seed(where: str, value) -> int:
+    """A seed (a run's, sampling's, an analysis's control's): an integer in [0, 2^32)."""
+    return integer_value(where, value, minimum=0, maximum=SEED_MAX)
 
 
 def number(

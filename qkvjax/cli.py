@@ -8,6 +8,8 @@ import dataclasses
 import os
 import sys
 
+from qkvjax import checks
+
 USAGE = """Attention with every Q/K/V tying scheme: train, evaluate, sample, inspect, convert and move models to and
 from Hugging Face. Start with `qkvjax train --config FILE --workdir DIR`; `qkvjax COMMAND --help` lists a
 command's options; README.md has a first hour."""
@@ -505,6 +507,14 @@ def opt(*flags: str, **kwargs) -> Option:
     return Option(flags, kwargs)
 
 
+def seed_option(raw: str) -> int:
+    """``--seed``'s type: refused by argparse, naming the flag, unless :func:`checks.seed` takes it."""
+    try:
+        return checks.seed("--seed", int(raw))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{raw!r}; allowed: an integer in [0, {checks.SEED_MAX}]") from None
+
+
 @dataclasses.dataclass(frozen=True)
 class Command:
     """One subcommand: its function, one-line ``help``, longer ``description``, options (a tuple of
@@ -594,7 +604,7 @@ def _run_commands() -> tuple[Command, ...]:
                 help="divides the positive logits of the tokens a row has seen (its prompt, what it drew) by this and "
                 "multiplies the negative ones, before the cuts, greedy too (transformers' repetition_penalty); 1 = "
                 "none (default 1, or an imported model's own)"),
-            opt("--seed", type=int, default=0, help="sampling seed"),
+            opt("--seed", type=seed_option, default=0, help="sampling seed"),
             opt("--num-samples", type=int, default=1,
                 help="continuations drawn for each prompt, in one batch (transformers' num_return_sequences); the "
                 "prompts' common start is read once for every row"),
@@ -675,7 +685,7 @@ def _tool_commands() -> tuple[Command, ...]:
             opt("--json", default=None, help="write the report as JSON here"),
             opt("--plot", default=None,
                 help="write a heat map (layers x measures, controls below) as PNG here, e.g. WORKDIR/analyze.png"),
-            opt("--seed", type=int, default=0, help="seed of the random control (default 0)"),
+            opt("--seed", type=seed_option, default=0, help="seed of the random control (default 0)"),
             opt("--random-seeds", type=int, default=3, help="random draws averaged in the control (default 3)"),
         ), "Basis-invariant similarity of the query, key and value projections of a qkvjax run or of safetensors "
            f"weights ({analyzable} layouts): qk/qv/kv principal-angle cosines, symmetry, trace ratio and effective "

@@ -182,7 +182,7 @@ class Config:
             if not isinstance(getattr(self, name), kinds):
                 checks.refuse(self, name, " or ".join(f"a {kind.__name__}" for kind in kinds))
         checks.choice(self, "parallelism", PARALLELISMS)
-        checks.integer(self, "seed", minimum=0, maximum=2**32 - 1)  # grain's shuffle takes 32-bit seeds
+        object.__setattr__(self, "seed", checks.seed("seed", self.seed))
         if self.data.seq_len is not None and self.data.seq_len > self.model.max_len:
             raise ValueError(f"data.seq_len={self.data.seq_len} exceeds model.max_len={self.model.max_len}")
 

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from qkvjax import checks
 from qkvjax.data.tokenizer import ByteTokenizer
 from qkvjax.models.lm import DecodeCache, DecoderLM
 
@@ -286,6 +287,7 @@ def generate_batch(
                               ("prompt_bucket", prompt_bucket, "the prefill's width a multiple of it")):  # fmt: skip
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r}; allowed: an int >= 1 ({unit})")
+    checks.seed("seed", seed)
     if on_token is not None and len(prompts) > 1:
         raise ValueError("on_token streams one prompt; pass one prompt, or no on_token for several")
     if share_prefix and held is not None:

@@ -17,6 +17,7 @@ import pytest
 
 from qkvjax.attention.config import AttentionConfig
 from qkvjax.attention.schemes import Scheme
+from qkvjax.cli import build_parser
 from qkvjax.config import Config, DataConfig, MeshConfig, TrainConfig, from_dict, to_json
 from qkvjax.models.encoder import EncoderConfig
 from qkvjax.models.family import Family
@@ -142,3 +143,16 @@ def test_a_seed_the_data_order_cannot_take_stops_the_run_before_a_workdir_exists
     assert run_in_process(train_args(workdir, small_text, data_dir, **{"data.dataset": "text_file", "seed": -1})) == 2
     assert "seed=-1; allowed: an integer in [0, 4294967295]" in capsys.readouterr().err
     assert not workdir.exists()
+
+
+@pytest.mark.parametrize("command", ["sample", "analyze"])
+@pytest.mark.parametrize("seed", ["-1", "4294967296", "99999999999999999999"])
+def test_a_seed_option_out_of_range_is_refused_by_the_parser_naming_the_flag(command, seed, capsys):
+    """``sample --seed 10^20`` was an OverflowError traceback after the prompt was echoed; ``analyze --seed -1``
+    numpy's "expected non-negative integer", naming no flag."""
+    with pytest.raises(SystemExit) as exit:
+        build_parser().parse_args(
+            [command, "--workdir", "w", "--prompt", "a"][: 5 if command == "sample" else 3] + ["--seed", seed]
+        )
+    assert exit.value.code == 2
+    assert f"argument --seed: '{seed}'; allowed: an integer in [0, 4294967295]" in capsys.readouterr().err

@@ -124,6 +124,9 @@ def test_greedy_sampling_with_cache_equals_recomputing_the_full_forward(scheme, 
         for bad in (0, 2.0, True):
             with pytest.raises(ValueError, match=rf"scan_unroll={bad!r}; allowed: an int >= 1"):
                 generate(model, params, prompt, 9, scan_unroll=bad)
+        for bad in (-1, 2**64, 1.0):  # 2^64 was an OverflowError from jax's PRNGKey, with a traceback
+            with pytest.raises(ValueError, match=rf"^seed={bad!r}; allowed: an integer in \[0, 4294967295\]$"):
+                generate(model, params, prompt, 9, seed=bad)
     # Without a cache: the whole (zero-padded, causal so the padding is never seen) sequence each time.
     forward = jax.jit(lambda tokens: model.apply({"params": params}, tokens))
     tokens = list(prompt)
