@@ -97,8 +97,10 @@ def number(
     open_low: bool = False,
     open_high: bool = False,
     none: str | None = None,
+    allowed: str | None = None,
 ) -> None:
-    """``config.<name>`` is a finite real number within the bounds given (each closed unless ``open_*``)."""
+    """``config.<name>`` is a finite real number within the bounds given (each closed unless ``open_*``);
+    ``none`` and ``allowed`` as for :func:`integer`."""
     value = getattr(config, name)
     if value is None and none is not None:
         return
@@ -116,7 +118,7 @@ def number(
         or (low is not None and (value <= low if open_low else value < low))
         or (high is not None and (value >= high if open_high else value > high))
     ):
-        refuse(config, name, _none_or(none, bound))
+        refuse(config, name, _none_or(none, allowed or bound))
     _keep(config, name, float(value))
 
 

@@ -10,6 +10,7 @@ import flax.linen as nn
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from qkvjax import checks
 from qkvjax.attention import kernels
 from qkvjax.config import Config, MeshConfig, from_dict, require_decoder
 from qkvjax.data import SPLITS
@@ -36,6 +37,7 @@ def resolve_step(workdir: str, step: int | None) -> tuple[Config, object, int]:
     """(config, read-only checkpoint manager, step), with errors that say what the workdir holds. The config is
     the one saved in the checkpoint; without ``step``, a newest step whose config is damaged is skipped (with a
     warning) for the newest one whose config reads."""
+    step = checks.integer_value("step", step, minimum=0, none="the newest")  # "20" or 20.0 would match no step
     workdir = path(workdir)
     has_checkpoints = (workdir / "checkpoints").is_dir()
     if not (workdir / CONFIG_FILE).exists() and not has_checkpoints:
@@ -104,6 +106,7 @@ def _restore_checkpoint(workdir: str, step: int | None, mesh):
 
 
 def _restore_exported(workdir: str, step: int | None, mesh):
+    step = checks.integer_value("step", step, minimum=0, none="the newest")
     config = load_config(workdir)
     steps = exported_steps(workdir)
     if step is not None and step not in steps:

@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import time
 from collections.abc import Callable, Sequence
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -50,20 +51,18 @@ class Sampling:
     vocab_limit: int | None = None
     repetition_penalty: float | None = None
 
+    LABEL: ClassVar[str] = ""  # errors name the settings as generate's arguments: "top_p=1.5; allowed: ..."
+
     def __post_init__(self):
-        if not 0 <= self.temperature < float("inf"):
-            raise ValueError(f"temperature={self.temperature}; allowed: a finite number >= 0 (0 is greedy)")
-        if self.top_k is not None and self.top_k < 1:
-            raise ValueError(f"top_k={self.top_k}; allowed: None or >= 1")
-        if self.top_p is not None and not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p={self.top_p}; allowed: None or a number in (0, 1] (1 keeps every token)")
-        if self.min_p is not None and not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p={self.min_p}; allowed: None or a number in [0, 1] (0 keeps every token)")
-        if self.vocab_limit is not None and self.vocab_limit < 1:
-            raise ValueError(f"vocab_limit={self.vocab_limit}; allowed: None or >= 1 (ids below it are drawn)")
-        if self.repetition_penalty is not None and not 0 < self.repetition_penalty < float("inf"):
-            raise ValueError(f"repetition_penalty={self.repetition_penalty}; allowed: None or a finite number > 0 "
-                             "(1 changes nothing, above 1 penalises the ids seen)")  # fmt: skip
+        checks.number(self, "temperature", low=0, allowed="a finite number >= 0 (0 is greedy)")
+        checks.integer(self, "top_k", none="")
+        checks.number(
+            self, "top_p", low=0, high=1, open_low=True, none="", allowed="a number in (0, 1] (1 keeps every token)"
+        )
+        checks.number(self, "min_p", low=0, high=1, none="", allowed="a number in [0, 1] (0 keeps every token)")
+        checks.integer(self, "vocab_limit", none="", allowed="an integer >= 1 (ids below it are drawn)")
+        checks.number(self, "repetition_penalty", low=0, open_low=True, none="",
+                      allowed="a finite number > 0 (1 changes nothing, above 1 penalises the ids seen)")  # fmt: skip
 
     def filter(self, logits: jax.Array) -> jax.Array:
         """The logits a token is drawn from, (..., V) -> (..., V): divided by the temperature (> 0), the cut ones
@@ -117,8 +116,7 @@ def check_request(model: DecoderLM, prompts: list[np.ndarray], num_tokens: int, 
     max_len = model.config.max_len
     if not prompts:
         raise ValueError("no prompts; pass at least one")
-    if num_tokens < 1:
-        raise ValueError(f"num_tokens={num_tokens}; allowed: >= 1")
+    checks.integer_value("num_tokens", num_tokens)
     for i, prompt in enumerate(prompts):
         which = "the prompt" if len(prompts) == 1 else f"prompt {i}"
         check_ids(model, prompt, which)
@@ -136,6 +134,15 @@ def check_request(model: DecoderLM, prompts: list[np.ndarray], num_tokens: int, 
                 f"{which} ({n} tokens) + num_tokens ({num_tokens}) = {n + num_tokens} exceeds the model's context "
                 f"length max_len={max_len}; ask for at most {max_len - n} tokens"
             )
+
+
+def _stop_set(stop_ids) -> set[int]:
+    """``stop_ids`` as a set of ints, or one line saying they are not token ids. An id past the vocabulary is
+    kept: no row draws it (an imported model's ``eos_token_id`` can lie past a cut table)."""
+    ids = np.asarray(stop_ids, object).ravel()
+    if isinstance(stop_ids, str | bytes) or not all(checks.is_integer(i) and i >= 0 for i in ids):
+        raise ValueError(f"stop_ids={stop_ids!r}; allowed: a sequence of token ids (integers >= 0)")
+    return {int(i) for i in ids}
 
 
 def as_ids(tokens, what: str) -> np.ndarray:
@@ -288,6 +295,7 @@ def generate_batch(
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r}; allowed: an int >= 1 ({unit})")
     checks.seed("seed", seed)
+    stops = _stop_set(stop_ids)
     if on_token is not None and len(prompts) > 1:
         raise ValueError("on_token streams one prompt; pass one prompt, or no on_token for several")
     if share_prefix and held is not None:
@@ -324,7 +332,6 @@ def generate_batch(
                                  seen)  # fmt: skip
     out = [np.asarray(token)]
     run = None  # compiled before the clock starts (the scan's length is static)
-    stops = {int(i) for i in stop_ids}
     stop = (jnp.asarray(sorted(stops), jnp.int32),) if stops else ()
     if num_tokens > 1:
         args = (keys[0], seen) if on_token else (keys, seen, *stop)

@@ -124,6 +124,11 @@ def test_greedy_sampling_with_cache_equals_recomputing_the_full_forward(scheme, 
         for bad in (0, 2.0, True):
             with pytest.raises(ValueError, match=rf"scan_unroll={bad!r}; allowed: an int >= 1"):
                 generate(model, params, prompt, 9, scan_unroll=bad)
+        for bad in ("a", [7, -1], [2.0]):  # 'a' was int()'s message, naming no argument; 2.0 was taken as 2
+            with pytest.raises(
+                ValueError, match=rf"^stop_ids={re.escape(repr(bad))}; allowed: a sequence of token ids"
+            ):
+                generate(model, params, prompt, 9, stop_ids=bad)
         for bad in (-1, 2**64, 1.0):  # 2^64 was an OverflowError from jax's PRNGKey, with a traceback
             with pytest.raises(ValueError, match=rf"^seed={bad!r}; allowed: an integer in \[0, 4294967295\]$"):
                 generate(model, params, prompt, 9, seed=bad)
@@ -335,6 +340,9 @@ def test_python_load_gives_the_trained_model_ready_to_apply(run, caplog):
     fresh = jax.jit(model.init)(jax.random.PRNGKey(config.seed), jnp.zeros((1, 5), jnp.int32))["params"]
     fresh = flat(nn.meta.unbox(fresh))
     assert any(not np.array_equal(fresh[k], trained[k]) for k in trained)  # training moved them
+    for bad in ("4", 4.0, True, -4):  # "4" once said "step 4 does not exist; available steps: [..., 4]"
+        with pytest.raises(ValueError, match=rf"^step={re.escape(repr(bad))}; allowed: None \(the newest\) or an"):
+            qkvjax.load(str(run), step=bad)
 
 
 def test_convert_to_bilinear_is_exact_and_to_gqa_pools_heads(run, tmp_path):

@@ -111,18 +111,21 @@ def test_greedy_ignores_the_cuts_but_not_the_limit(logits):
     [
         ("temperature", -0.5, "a finite number >= 0"),
         ("temperature", float("inf"), "a finite number >= 0"),
-        ("top_k", 0, "None or >= 1"),
+        ("top_k", 0, "None or an integer >= 1"),
+        ("top_k", 2.5, "None or an integer >= 1"),
+        ("temperature", "0.5", "a finite number >= 0"),
+        ("top_p", "0.9", r"None or a number in \(0, 1\]"),
         ("top_p", 0.0, r"None or a number in \(0, 1\]"),
         ("top_p", 1.5, r"None or a number in \(0, 1\]"),
         ("min_p", -0.1, r"None or a number in \[0, 1\]"),
         ("min_p", 1.01, r"None or a number in \[0, 1\]"),
-        ("vocab_limit", 0, "None or >= 1"),
+        ("vocab_limit", 0, "None or an integer >= 1"),
         ("repetition_penalty", 0.0, "None or a finite number > 0"),
         ("repetition_penalty", float("inf"), "None or a finite number > 0"),
     ],
 )
 def test_sampling_refuses_a_setting_out_of_range_in_one_line(field, value, allowed):
-    with pytest.raises(ValueError, match=rf"^{field}={value}; allowed: {allowed}") as e:
+    with pytest.raises(ValueError, match=rf"^{field}={value!r}; allowed: {allowed}") as e:
         Sampling(**{field: value})
     assert "\n" not in str(e.value)
 
