@@ -40,6 +40,13 @@ def _keep(config, name: str, value) -> None:
     object.__setattr__(config, name, value)  # the dataclasses are frozen; this is their own __post_init__
 
 
+def instance(where: str, value, kind: type) -> None:
+    """``value`` (a module's config) is a ``kind``; else one line naming both types (a dict, or the attention
+    layer's config handed to a whole model, was an AttributeError deep inside)."""
+    if not isinstance(value, kind):
+        raise ValueError(f"{where} is of type {type(value).__name__}; allowed: a qkvjax {kind.__name__}")
+
+
 def is_integer(value) -> bool:
     """An integer, numpy's included; a bool is not one here (``True`` heads is a mistake, not 1)."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import Array
 
-from qkvjax import axes
+from qkvjax import axes, checks
 from qkvjax.attention import KV, AttentionConfig, core
 from qkvjax.attention.base import Call, kernel_init
 from qkvjax.attention.module import run, stages
@@ -70,6 +70,7 @@ class Attention(nnx.Module):
     ``cache=``)."""
 
     def __init__(self, config: AttentionConfig, d_model: int, *, reads_kv: bool = False, rngs: nnx.Rngs):
+        checks.instance("Attention's config", config, AttentionConfig)
         if isinstance(d_model, bool) or not isinstance(d_model, numbers.Integral) or d_model < 1:
             raise ValueError(f"d_model={d_model!r}; allowed: an integer >= 1 (the width D of the inputs)")
         self.config, self.d_model, self.reads_kv = config, d_model, reads_kv
@@ -199,6 +200,7 @@ class DecoderLM(nnx.Module):
     returns ``(logits, cache)``, each row advanced by ``num_valid`` or T."""
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        checks.instance("DecoderLM's config", config, ModelConfig)
         d, pd = config.d_model, config.param_dtype
         self.config = config
         embed = jax.random.normal(rngs.params(), (config.vocab_size, d), pd) * 0.02

@@ -9,12 +9,18 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import types
 import typing
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
+import qkvjax.nnx
+from qkvjax import Attention, DecoderLM
 from qkvjax.attention.config import AttentionConfig
 from qkvjax.attention.schemes import Scheme
 from qkvjax.cli import build_parser
@@ -24,6 +30,7 @@ from qkvjax.models.family import Family
 from qkvjax.models.lm import ModelConfig
 from tests.helpers import run_in_process, train_args
 
+KEY = jax.random.key(0)
 ATTENTION = AttentionConfig(num_heads=5, head_dim=6)
 MODEL = ModelConfig(ATTENTION, d_model=30, num_layers=3, max_len=16)
 # Each config class with the fewest arguments that build it.
@@ -156,3 +163,31 @@ def test_a_seed_option_out_of_range_is_refused_by_the_parser_naming_the_flag(com
         )
     assert exit.value.code == 2
     assert f"argument --seed: '{seed}'; allowed: an integer in [0, 4294967295]" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (
+            lambda: Attention({"num_heads": 5, "head_dim": 6}).init(KEY, jnp.ones((1, 3, 30))),
+            "Attention's config is of type FrozenDict; allowed: a qkvjax AttentionConfig",
+        ),
+        (
+            lambda: DecoderLM(ATTENTION).init(KEY, jnp.zeros((1, 3), jnp.int32)),
+            "DecoderLM's config is of type AttentionConfig; allowed: a qkvjax ModelConfig",
+        ),
+        (
+            lambda: qkvjax.nnx.Attention(None, 30, rngs=nnx.Rngs(0)),
+            "Attention's config is of type NoneType; allowed: a qkvjax AttentionConfig",
+        ),
+        (
+            lambda: qkvjax.nnx.DecoderLM(ATTENTION, rngs=nnx.Rngs(0)),
+            "DecoderLM's config is of type AttentionConfig; allowed: a qkvjax ModelConfig",
+        ),
+    ],
+    ids=["linen-attention-dict", "linen-lm-attention-config", "nnx-attention-none", "nnx-lm-attention-config"],
+)
+def test_a_module_given_the_wrong_config_says_which_it_takes(make, message):
+    """These were AttributeErrors from deep inside ('FrozenDict' object has no attribute 'tying')."""
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}"):
+        make()

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array
 
+from qkvjax import checks
 from qkvjax.attention.cache import KV
 from qkvjax.attention.config import AttentionConfig
 
@@ -77,6 +78,7 @@ class AttentionModule(nn.Module):
         """inputs_q (B, T, D), inputs_kv (B, S, D) or None for self-attention, mask boolean and broadcastable
         to (B, N, T, S) with True = may attend, positions (B, T) for rotary embedding. Returns (B, T, D), or
         ``(y, KV)`` when ``cache`` is given or ``return_kv``."""
+        checks.instance(f"{type(self).__name__}'s config", self.config, AttentionConfig)
         args = (mask, causal, positions, decode, deterministic, kv, cache, return_kv)
         return self.forward(Call.of(self.config, inputs_q, inputs_kv, *args))
 

@@ -278,6 +278,7 @@ class DecodeCache:
 def check_call(cfg: ModelConfig, tokens: Array, positions, cache: DecodeCache | None, num_valid) -> None:
     """:class:`DecoderLM`'s arguments, checked while tracing (before anything compiles); ``num_valid``'s values
     only when they are concrete (under jit the caller checks)."""
+    checks.instance("DecoderLM's config", cfg, ModelConfig)
     if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
         raise ValueError(f"DecoderLM takes integer tokens of shape (B, T); got {tokens.dtype} {tokens.shape}")
     (b, t), wanted = tokens.shape, len(producers(cfg.layer_attention))
