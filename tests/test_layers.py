@@ -76,6 +76,8 @@ def test_the_command_line_sets_a_pattern():
         ("[qk_norm=maybe]", r"layer 0 of pattern .*qk_norm: 'maybe' is not a boolean; allowed: true, yes, 1, false"),
         ("(separate*4", r"'\(' is never closed"),
         ("separate*0", r"'\*' needs a count >= 1"),
+        ("()*", r"an empty group '\(\)'; allowed: one or more entries in it"),  # was a ZeroDivisionError
+        ("[rope_base=fast]", r"layer 0 of pattern .*rope_base='fast'; allowed: a number"),  # named no option
     ],
 )
 def test_bad_patterns_are_named_before_anything_compiles(pattern, match):

@@ -124,6 +124,8 @@ def _items(tokens: list[str], pos: int, pattern: str, depth: int = 0) -> tuple[l
             atom, pos = _items(tokens, pos + 1, pattern, depth + 1)
             if pos >= len(tokens):
                 raise ValueError(f"layer pattern {pattern!r}: '(' is never closed")
+            if not atom:  # '()*' would fill the stack with nothing
+                raise ValueError(f"layer pattern {pattern!r}: an empty group '()'; allowed: one or more entries in it")
             pos += 1
         else:
             scheme = None
@@ -190,7 +192,10 @@ def _typed(fields: dict[str, str]) -> dict:
             except ValueError:
                 raise ValueError(f"{key}={raw!r}; allowed: an integer") from None
         elif float in kinds:
-            out[key] = float(raw)
+            try:
+                out[key] = float(raw)
+            except ValueError:
+                raise ValueError(f"{key}={raw!r}; allowed: a number") from None
         else:
             out[key] = raw
     return out
