@@ -532,6 +532,36 @@ def test_a_folders_json_files_are_read_as_untrusted_input_and_refused_in_one_lin
             generation_sampling(str(folder))  # generation_config.json is read on import, not by load_pretrained
 
 
+@pytest.mark.parametrize(
+    ("name", "field", "value", "message"),
+    [
+        ("gpt2", "n_embd", "12", "config.json n_embd='12'; allowed: an integer >= 1"),  # was a TypeError
+        ("gpt2", "n_head", 0, "config.json n_head=0; allowed: an integer >= 1"),  # was a ZeroDivisionError
+        ("gpt2", "n_layer", 10**9, "num_layers=1000000000; allowed: an integer in [1, 65536]"),  # was a MemoryError
+        ("gpt2", "model_type", ["gpt2"], "config.json model_type=['gpt2'] is not supported"),
+        ("llama_gqa", "tie_word_embeddings", "false", "tie_word_embeddings='false'; allowed: null or true or false"),
+        ("llama_gqa", "rms_norm_eps", -1e-6, "config.json rms_norm_eps=-1e-06; allowed: a finite number > 0"),
+        ("llama_gqa", "rope_parameters", "default", "rope_parameters='default'; allowed: null or an object"),
+        ("qwen3_qk_norm", "layer_types", 3, "config.json layer_types=3; allowed: null or a list of strings"),
+        ("deepseek_v2", "kv_lora_rank", 2.5, "config.json kv_lora_rank=2.5; allowed: an integer >= 1"),
+    ],
+)
+def test_a_config_field_of_the_wrong_kind_is_refused_before_any_arithmetic(
+    folders, tmp_path, name, field, value, message
+):
+    """An untrusted config.json's numbers and switches are checked before a layout computes with them: each of
+    these was a traceback (or, for "false", a switch read as true by Python's truth of a string)."""
+    import re
+    import shutil
+
+    folder = tmp_path / "m"
+    shutil.copytree(folders[name][0], folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, field: value}))
+    with pytest.raises(ValueError, match="^[^\n]*" + re.escape(message) + "[^\n]*$"):
+        load_pretrained(str(folder))
+
+
 def test_a_missing_shard_is_named(folders, tmp_path):
     from safetensors.numpy import load_file, save_file
 

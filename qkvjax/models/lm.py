@@ -24,6 +24,7 @@ from qkvjax.attention.layers import expand, producers
 from qkvjax.models.family import Family, Mlp, dense_init, norm
 
 REMAT_POLICIES = ("none", "full", "dots")
+MAX_LAYERS = 1 << 16
 
 
 class BlockShape:
@@ -42,6 +43,9 @@ class BlockShape:
                 checks.refuse(self, field, allowed)
         for field in positive_ints:
             checks.integer(self, field)
+        # the deepest stacks trained are about a thousand layers (DeepNet); a typo's 10^9 would fill the memory
+        # with per-layer configs before any size check (an untrusted config.json's n_layer too)
+        checks.integer(self, "num_layers", maximum=MAX_LAYERS)
         checks.integer(self, "mlp_dim", none="= 4 d_model")
         checks.number(self, "dropout_rate", low=0, high=1, open_high=True)
         checks.flag(self, "learned_positions")

@@ -10,10 +10,12 @@ Heads split the output features head-major (feature ``n H + h`` is head n's h-th
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Mapping
 
 import numpy as np
 
+from qkvjax import checks
 from qkvjax.hf.folder import Tensors
 
 # ------------------------------------------------------------------------------------------------- the entry
@@ -86,6 +88,7 @@ class Layout:
     def config(self, hf: dict, max_len: int | None = None):
         """The qkvjax config of ``hf`` after the audit: every field honoured, or the import refused."""
         self.audit(hf)
+        check_kinds(hf)
         refuse(hf, "is_encoder_decoder", (False,), "encoder-decoder models are not modelled")
         refuse(hf, "add_cross_attention", (False,), "cross-attention to an encoder is not modelled")
         return self.translate(hf, max_len)
@@ -115,6 +118,65 @@ INERT = frozenset({
     "tie_encoder_decoder", "torchscript", "finetuning_task", "num_labels",
 })  # fmt: skip
 COMMON_READ = frozenset({"is_encoder_decoder", "add_cross_attention"})
+
+# The kind of each number and switch the layouts read, checked before any arithmetic: an untrusted config.json's
+# "12" for a width, 0 heads or "false" for a switch (a string is true in Python) would otherwise be a TypeError, a
+# ZeroDivisionError or a silent misreading. Each entry: (allowed, test); None passes wherever the key is listed
+# in NULLABLE (transformers writes null for "the default" there).
+SIZES = frozenset({
+    "n_embd", "n_head", "n_layer", "n_positions", "n_inner", "hidden_size", "num_attention_heads",
+    "num_hidden_layers", "num_key_value_heads", "intermediate_size", "max_position_embeddings", "head_dim",
+    "vocab_size", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+    "type_vocab_size",
+})  # fmt: skip
+COUNTS = frozenset({
+    "sliding_window", "n_routed_experts", "first_k_dense_replace", "max_window_layers", "num_kv_shared_layers",
+    "hidden_size_per_layer_input",
+})  # fmt: skip
+EPSILONS = frozenset({"layer_norm_epsilon", "layer_norm_eps", "rms_norm_eps", "rope_theta", "final_logit_softcapping"})
+SWITCHES = frozenset({
+    "attention_bias", "mlp_bias", "tie_word_embeddings", "use_sliding_window", "attention_k_eq_v", "enable_moe_block",
+    "is_decoder", "rope_interleave", "use_bidirectional_attention", "use_double_wide_mlp", "scale_attn_weights",
+    "scale_attn_by_inverse_layer_idx", "is_encoder_decoder", "add_cross_attention",
+})  # fmt: skip
+OBJECTS = frozenset({"rope_parameters", "rope_scaling", "per_layer_config"})  # their entries: the layouts check
+NULLABLE = frozenset({
+    "n_inner", "num_key_value_heads", "head_dim", "q_lora_rank", "sliding_window", "n_routed_experts",
+    "final_logit_softcapping", "max_window_layers", "num_kv_shared_layers", "hidden_size_per_layer_input",
+    "rope_parameters", "rope_scaling", "per_layer_config", "layer_types",
+}) | SWITCHES  # fmt: skip
+
+
+def _kind(key: str) -> tuple[str, Callable] | None:
+    """(what is allowed, its test) for a config.json field, or None where a layout checks it itself."""
+    if key in SIZES:
+        return "an integer >= 1", lambda v: checks.is_integer(v) and v >= 1
+    if key in COUNTS:
+        return "an integer >= 0", lambda v: checks.is_integer(v) and v >= 0
+    if key in EPSILONS:
+        return (
+            "a finite number > 0",
+            lambda v: isinstance(v, int | float) and not isinstance(v, bool) and 0 < v < math.inf,
+        )
+    if key in SWITCHES:
+        return "true or false", lambda v: isinstance(v, bool)
+    if key in OBJECTS:
+        return "an object", lambda v: isinstance(v, dict)
+    if key == "layer_types":
+        return "a list of strings", lambda v: isinstance(v, list) and all(isinstance(t, str) for t in v)
+    return None
+
+
+def check_kinds(hf: dict) -> None:
+    """Refuses, in one line, the first field of ``hf`` whose value is not of its kind (see :data:`SIZES`)."""
+    for key, value in hf.items():
+        kind = _kind(key)
+        if kind is None or (value is None and key in NULLABLE):
+            continue
+        allowed, test = kind
+        if not test(value):
+            allowed = f"null or {allowed}" if key in NULLABLE else allowed
+            raise ValueError(f"config.json {key}={value!r}; allowed: {allowed}")
 
 
 # ------------------------------------------------------------------------------------------- import pieces
