@@ -26,10 +26,9 @@ def label(config, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
-def refuse(config, name: str, allowed: str, value=None) -> None:
-    """Raises the one-line error for ``config.<name>`` (or ``value``, when the check is on a derived one)."""
-    shown = getattr(config, name) if value is None else value
-    raise ValueError(f"{label(config, name)}={shown!r}; allowed: {allowed}")
+def refuse(config, name: str, allowed: str) -> None:
+    """Raises the one-line error for ``config.<name>``, for a check the functions below do not make."""
+    raise ValueError(f"{label(config, name)}={getattr(config, name)!r}; allowed: {allowed}")
 
 
 def _none_or(none: str | None, allowed: str) -> str:
@@ -119,7 +118,7 @@ def number(
         bound = f"a finite number {'<' if open_high else '<='} {high:g}"
     else:
         bound = "a finite number"
-    real = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+    real = isinstance(value, numbers.Real) and not isinstance(value, bool) and _finite(value)
     if (
         not real
         or (low is not None and (value <= low if open_low else value < low))
@@ -127,6 +126,13 @@ def number(
     ):
         refuse(config, name, _none_or(none, allowed or bound))
     _keep(config, name, float(value))
+
+
+def _finite(value: numbers.Real) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int past float's range (10**400)
+        return False
 
 
 def flag(config, name: str, *, none: str | None = None) -> None:

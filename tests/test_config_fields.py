@@ -126,6 +126,7 @@ def test_numpy_scalars_and_paths_are_kept_as_python_values_and_round_trip_throug
     ("cls", "kwargs", "message"),
     [
         (TrainConfig, {"b2": 1.0}, r"^train.b2=1.0; allowed: a number in \[0, 1\)$"),
+        (TrainConfig, {"learning_rate": 10**400}, r"^train.learning_rate=1000.*; allowed: a finite number > 0$"),
         (TrainConfig, {"grad_clip": 0.0}, r"^train.grad_clip=0.0; allowed: a finite number > 0$"),
         (TrainConfig, {"weight_decay": -0.1}, r"^train.weight_decay=-0.1; allowed: a finite number >= 0$"),
         (TrainConfig, {"warmup_steps": 1.5}, r"^train.warmup_steps=1.5; allowed: an integer >= 0$"),

@@ -150,9 +150,16 @@ class AttentionConfig:
                 f"AttentionConfig.num_kv_heads={kv} does not divide num_heads={self.num_heads}; "
                 f"allowed: None or one of {divisors}"
             )
-        for name in ("use_bias", "rope", "qk_norm", "v_norm", "learned_temperature", "latent_norm"):
+        for name in (
+            "use_bias",
+            "rope",
+            "qk_norm",
+            "v_norm",
+            "learned_temperature",
+            "latent_norm",
+            "rope_key_per_head",
+        ):
             checks.flag(self, name)
-        checks.flag(self, "rope_key_per_head")
         checks.flag(self, "output_bias", none="= use_bias")
         checks.number(self, "dropout_rate", low=0, high=1, open_high=True)
         checks.number(self, "rope_base", low=0, open_low=True)
