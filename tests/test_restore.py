@@ -201,8 +201,11 @@ def test_a_returned_cache_continues_rows_as_one_call_of_their_whole_tokens(schem
     nine = DecodeCache.empty(cfg, 1).replace(lengths=jnp.array([9], jnp.int32))  # as if 9 tokens were held
     with pytest.raises(ValueError, match=r"after the 9 tokens its cache holds \(11 tokens\) \+ num_tokens \(3\)"):
         generate(model, params, then[0], 3, cache=nine)
-    with pytest.raises(ValueError, match=r"rewinding to lengths \[11, 1\]; allowed: 2 lengths, each between 0 and"):
+    with pytest.raises(ValueError, match=r"rewinding to lengths \[11, 1\]; allowed: 2 integer lengths, each between"):
         stats["cache"].rewound([11, 1])
+    for bad, shown in (([2.5, 1], r"\[2.5, 1.0\]"), (None, "None"), ("x", "x")):  # 2.5 was cast to 2; None a TypeError
+        with pytest.raises(ValueError, match=rf"^rewinding to lengths {shown}; allowed: 2 integer lengths"):
+            stats["cache"].rewound(bad)
     with pytest.raises(ValueError, match=r"the longest prompt has 4 tokens and a cache holds 10: together over"):
         generate_batch(model, params, then, 1, cache=stats["cache"].rewound([10, 1]))
 

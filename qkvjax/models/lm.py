@@ -253,11 +253,12 @@ class DecodeCache:
         as they are, out of every later query's sight and overwritten by the next call (a slot is read only at a
         position the row holds). A ring has let its older positions go, so it cannot forget its newest: refused
         unless every row keeps all it holds."""
-        lengths = np.asarray(lengths, np.int32)
-        now = np.asarray(self.lengths)
-        if lengths.shape != now.shape or (lengths < 0).any() or (lengths > now).any():
-            raise ValueError(f"rewinding to lengths {lengths.tolist()}; allowed: {now.shape[0]} lengths, each "
+        lengths, now = np.asarray(lengths), np.asarray(self.lengths)  # refused as given: 3.5 is not cast to 3
+        integers = lengths.shape == now.shape and np.issubdtype(lengths.dtype, np.integer)
+        if not integers or (lengths < 0).any() or (lengths > now).any():
+            raise ValueError(f"rewinding to lengths {lengths.tolist()}; allowed: {now.shape[0]} integer lengths, each "
                              f"between 0 and what the row holds, {now.tolist()}")  # fmt: skip
+        lengths = lengths.astype(np.int32)
         if any(self.rings) and (lengths < now).any():
             raise ValueError(f"a ring of a sliding window's last {max(self.rings)} tokens cannot forget its newest; "
                              f"allowed: lengths {now.tolist()} (all a row holds), or a new cache")  # fmt: skip
