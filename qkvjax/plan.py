@@ -36,6 +36,7 @@ import flax.linen as nn
 import jax
 import numpy as np
 
+from qkvjax import checks
 from qkvjax.attention import AttentionConfig
 from qkvjax.attention.config import resolve_implementation
 from qkvjax.config import Config, MeshConfig
@@ -156,8 +157,7 @@ BACKENDS = ("cpu", "gpu", "tpu")
 def plan(config: Config, devices: int, backend: str | None = None) -> Plan:
     """Bytes per device of training ``config`` on ``devices`` devices of ``backend`` (this machine's when None)
     with the config's mesh (-1 filled in)."""
-    if devices < 1:
-        raise ValueError(f"--devices={devices}; allowed: an integer >= 1")
+    devices = checks.integer_value("--devices", devices)
     backend = backend or jax.default_backend()
     if backend not in BACKENDS:
         raise ValueError(f"--backend={backend!r}; allowed: {', '.join(BACKENDS)}")

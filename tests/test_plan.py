@@ -179,3 +179,13 @@ def test_cli_prints_the_table_and_warns_when_it_will_not_fit(capsys):
 def test_cli_errors(args, message, capsys):
     assert run_in_process(["plan", f"--config={GPT}", *args]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_python_call_refuses_a_device_count_that_is_not_an_integer():
+    """``plan(config, "8")`` was a TypeError from ``"8" < 1``; 2.0 devices was taken."""
+    from qkvjax.config import load_config_file
+    from qkvjax.plan import plan
+
+    for bad in ("8", 2.0, True):
+        with pytest.raises(ValueError, match=rf"^--devices={bad!r}; allowed: an integer >= 1$"):
+            plan(load_config_file(GPT), bad)
