@@ -192,3 +192,12 @@ def test_a_module_given_the_wrong_config_says_which_it_takes(make, message):
     """These were AttributeErrors from deep inside ('FrozenDict' object has no attribute 'tying')."""
     with pytest.raises(ValueError, match=f"^{re.escape(message)}"):
         make()
+
+
+def test_get_scheme_refuses_a_name_that_is_not_a_string_in_one_line():
+    """``convert_workdir(..., to=["mla"])`` reached ``SCHEMES[["mla"]]``: an unhashable-type TypeError."""
+    from qkvjax import get_scheme
+
+    for bad in (["mla"], None, 3):
+        with pytest.raises(ValueError, match=rf"^unknown attention scheme {re.escape(repr(bad))}; allowed: \["):
+            get_scheme(bad)

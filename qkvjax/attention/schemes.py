@@ -136,10 +136,9 @@ def register_scheme(scheme: Scheme) -> Scheme:
 
 
 def get_scheme(name: str) -> Scheme:
-    try:
-        return SCHEMES[name]
-    except KeyError:
-        raise ValueError(f"unknown attention scheme {name!r}; allowed: {sorted(SCHEMES)}") from None
+    if not isinstance(name, str) or name not in SCHEMES:  # a list would be unhashable: a TypeError, not this line
+        raise ValueError(f"unknown attention scheme {name!r}; allowed: {sorted(SCHEMES)}")
+    return SCHEMES[name]
 
 
 register_scheme(Scheme("separate", ("q", "k", "v"), "W^Q, W^K, W^V", "Vaswani et al. 2017"))
