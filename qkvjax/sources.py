@@ -73,7 +73,7 @@ def load_safetensors(path: str, fmt: str, num_heads: int | None = None, num_kv_h
     """LayerWeights of every layer, in order."""
     from safetensors.numpy import load_file
 
-    if fmt not in FORMATS:
+    if not isinstance(fmt, str) or fmt not in FORMATS:
         raise ValueError(f"--format={fmt!r}; allowed: {sorted(FORMATS)}")
     if not os.path.isfile(path):
         raise ValueError(f"--safetensors={path!r} is not a file")

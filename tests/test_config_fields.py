@@ -201,3 +201,21 @@ def test_get_scheme_refuses_a_name_that_is_not_a_string_in_one_line():
     for bad in (["mla"], None, 3):
         with pytest.raises(ValueError, match=rf"^unknown attention scheme {re.escape(repr(bad))}; allowed: \["):
             get_scheme(bad)
+
+
+@pytest.mark.parametrize("call", ["export format", "safetensors format", "dataset", "synthetic task"])
+def test_a_name_given_as_a_list_is_refused_in_one_line_not_as_unhashable(call, tmp_path):
+    """Each of these looked a name up in a dict: a list was a TypeError ("unhashable type: 'list'")."""
+    from qkvjax.data.builders import load_splits
+    from qkvjax.data.synthetic import check_task
+    from qkvjax.hf.layouts import check_exportable
+    from qkvjax.sources import load_safetensors
+
+    make, message = {
+        "export format": (lambda: check_exportable(MODEL, ["llama"]), "--format ['llama']; allowed: ["),
+        "safetensors format": (lambda: load_safetensors("x", ["llama"]), "--format=['llama']; allowed: ["),
+        "dataset": (lambda: load_splits(["x"], None, str(tmp_path)), "data.dataset=['x'] is unknown; allowed: ["),
+        "synthetic task": (lambda: check_task(["copy"], 5), "unknown task ['copy']; allowed: "),
+    }[call]
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}"):
+        make()

@@ -150,7 +150,7 @@ def _prepared(make):
 
 def load_splits(dataset: str, source_path: str | None, data_dir: str) -> dict[str, np.ndarray]:
     """Prepares the builder (once) and returns each split as a uint8 array of bytes."""
-    if dataset not in DATASETS:
+    if not isinstance(dataset, str) or dataset not in DATASETS:
         raise ValueError(f"data.dataset={dataset!r} is unknown; allowed: {sorted(DATASETS)}")
     if dataset == "text_file":
         read_text_file(source_path or "")

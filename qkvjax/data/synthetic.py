@@ -50,7 +50,7 @@ TASKS: dict[str, tuple[Callable[[np.ndarray], np.ndarray], int]] = {  # name -> 
 
 def check_task(task: str, length: int) -> None:
     """ValueError naming the bad value and what is allowed."""
-    if task not in TASKS:
+    if not isinstance(task, str) or task not in TASKS:
         raise ValueError(f"unknown task {task!r}; allowed: {', '.join(TASKS)}")
     if isinstance(length, bool) or not isinstance(length, int) or length < 2:
         raise ValueError(f"sequence length {length!r}; allowed: an integer >= 2")

@@ -40,7 +40,7 @@ def check_exportable(cfg, fmt: str) -> None:
     """Raises one line naming the first part of ``cfg`` that the ``fmt`` layout cannot express."""
     from qkvjax.models.encoder import EncoderConfig
 
-    if fmt not in LAYOUTS:
+    if not isinstance(fmt, str) or fmt not in LAYOUTS:
         raise ValueError(f"--format {fmt!r}; allowed: {list(LAYOUTS)}")
     encoder = isinstance(cfg, EncoderConfig)
     if encoder != LAYOUTS[fmt].encoder:
