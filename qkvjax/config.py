@@ -144,10 +144,11 @@ class MeshConfig:
     LABEL: ClassVar[str] = "mesh"
 
     def __post_init__(self):
+        allowed = "an integer >= 1, or -1 (the devices left)"
         for name in ("data", "fsdp", "tensor"):
-            checks.integer(self, name, minimum=-1, allowed="an integer >= 1, or -1 (the devices left)")
+            checks.integer(self, name, minimum=-1, allowed=allowed)
             if getattr(self, name) == 0:
-                checks.refuse(self, name, "an integer >= 1, or -1 (the devices left)")
+                checks.refuse(self, name, allowed)
         sizes = (self.data, self.fsdp, self.tensor)
         if sizes.count(-1) > 1:
             raise ValueError(f"mesh sizes (data, fsdp, tensor) = {sizes}; allowed: integers >= 1, at most one -1")
@@ -177,8 +178,9 @@ class Config:
     LABEL: ClassVar[str] = ""
 
     def __post_init__(self):
-        sections = {"model": (ModelConfig, EncoderConfig), "data": (DataConfig,), "train": (TrainConfig,)}
-        for name, kinds in {**sections, "mesh": (MeshConfig,)}.items():
+        sections = {"model": (ModelConfig, EncoderConfig), "data": (DataConfig,), "train": (TrainConfig,),
+                    "mesh": (MeshConfig,)}  # fmt: skip
+        for name, kinds in sections.items():
             if not isinstance(getattr(self, name), kinds):
                 checks.refuse(self, name, " or ".join(f"a {kind.__name__}" for kind in kinds))
         checks.choice(self, "parallelism", PARALLELISMS)

@@ -25,8 +25,6 @@ eager sharding (a module builds outside a mesh); their logical axis names are in
 
 from __future__ import annotations
 
-import numbers
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -71,8 +69,7 @@ class Attention(nnx.Module):
 
     def __init__(self, config: AttentionConfig, d_model: int, *, reads_kv: bool = False, rngs: nnx.Rngs):
         checks.instance("Attention's config", config, AttentionConfig)
-        if isinstance(d_model, bool) or not isinstance(d_model, numbers.Integral) or d_model < 1:
-            raise ValueError(f"d_model={d_model!r}; allowed: an integer >= 1 (the width D of the inputs)")
+        checks.integer_value("d_model", d_model, allowed="an integer >= 1 (the width D of the inputs)")
         self.config, self.d_model, self.reads_kv = config, d_model, reads_kv
         self.rngs = rngs  # attention dropout draws from rngs.dropout()
         stages(config, d_model, reads_kv, _Maker(self, config, rngs))  # creates the parameters

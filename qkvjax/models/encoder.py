@@ -61,7 +61,7 @@ class EncoderConfig(BlockShape):
     family: Family = Family()
 
     def __post_init__(self):
-        self._check_shape(("vocab_size", "d_model", "num_layers", "max_len"))
+        self._check_shape()
         checks.integer(self, "num_classes", minimum=0, allowed="0 (no head) or an integer >= 1")
 
     # The decoder's per-layer view, so tools that read a workdir (info, analyze, convert) read an encoder's too:

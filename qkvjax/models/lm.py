@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import dataclasses
-import numbers
 
 import flax
 import flax.linen as nn
@@ -31,7 +30,7 @@ class BlockShape:
     """What a ``Block`` reads from its model's config, and the checks every such config shares (mixed into the
     LM's and the encoder's frozen dataclasses)."""
 
-    def _check_shape(self, positive_ints: tuple[str, ...]) -> None:
+    def _check_shape(self) -> None:
         for field, kind in (("attention", AttentionConfig), ("family", Family)):
             value, allowed = getattr(self, field), f"a {kind.__name__}, or a dict of its fields (from JSON)"
             if isinstance(value, dict):
@@ -41,7 +40,7 @@ class BlockShape:
                 object.__setattr__(self, field, kind(**value))
             elif not isinstance(value, kind):
                 checks.refuse(self, field, allowed)
-        for field in positive_ints:
+        for field in ("vocab_size", "d_model", "max_len"):
             checks.integer(self, field)
         # the deepest stacks trained are about a thousand layers (DeepNet); a typo's 10^9 would fill the memory
         # with per-layer configs before any size check (an untrusted config.json's n_layer too)
@@ -100,7 +99,7 @@ class ModelConfig(BlockShape):
     family: Family = Family()
 
     def __post_init__(self):
-        self._check_shape(("vocab_size", "d_model", "num_layers", "max_len"))
+        self._check_shape()
         checks.flag(self, "tie_embeddings")
         checks.choice(self, "remat", REMAT_POLICIES)
         if not isinstance(self.layers, str):
@@ -224,8 +223,7 @@ class DecodeCache:
         is a ring of W slots instead."""
         s = config.max_len if max_len is None else max_len
         for name, value in (("batch", batch), ("max_len", s)):
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-                raise ValueError(f"DecodeCache.empty: {name}={value!r}; allowed: an integer >= 1")
+            checks.integer_value(f"DecodeCache.empty: {name}", value)
         layers = config.layer_attention
         entries, rings = [], []
         for i in producers(layers):
