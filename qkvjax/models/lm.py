@@ -40,11 +40,12 @@ class BlockShape:
                 object.__setattr__(self, field, kind(**value))
             elif not isinstance(value, kind):
                 checks.refuse(self, field, allowed)
-        for field in ("vocab_size", "d_model", "max_len"):
+        for field in ("vocab_size", "d_model", "num_layers", "max_len"):
             checks.integer(self, field)
         # the deepest stacks trained are about a thousand layers (DeepNet); a typo's 10^9 would fill the memory
         # with per-layer configs before any size check (an untrusted config.json's n_layer too)
-        checks.integer(self, "num_layers", maximum=MAX_LAYERS)
+        if self.num_layers > MAX_LAYERS:
+            checks.refuse(self, "num_layers", f"an integer in [1, {MAX_LAYERS}]")
         checks.integer(self, "mlp_dim", none="= 4 d_model")
         checks.number(self, "dropout_rate", low=0, high=1, open_high=True)
         checks.flag(self, "learned_positions")
