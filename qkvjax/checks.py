@@ -163,3 +163,17 @@ def text(config, name: str, *, none: str | None = None) -> None:
     if not isinstance(value, str | os.PathLike):
         refuse(config, name, _none_or(none, "a string or a path"))
     _keep(config, name, os.fspath(value))
+
+
+def device_memory(device=None) -> int:
+    """Bytes ``device`` (default: this process's first) can hold: the allocator's limit where jax reports one (a
+    GPU's or TPU's memory), else this machine's memory (a CPU device allocates from it). For refusing, before
+    anything is allocated, a request that cannot fit at all: on a CPU such a request is killed by the operating
+    system, with no message, once its pages are touched."""
+    import jax
+
+    device = jax.local_devices()[0] if device is None else device
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if stats and stats.get("bytes_limit"):
+        return int(stats["bytes_limit"])
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

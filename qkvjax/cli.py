@@ -17,13 +17,14 @@ command's options; README.md has a first hour."""
 
 def _schemes(args: argparse.Namespace) -> int:
     from qkvjax.attention.costs import cost_table, layout_table
-    from qkvjax.attention.layers import example_layouts
+    from qkvjax.attention.layers import MAX_LAYERS, example_layouts
 
     print(cost_table(args.d_model, args.num_heads, args.seq_len, args.num_kv_heads, args.head_dim, args.dtype))
     if args.num_layers is None and not args.layers:
         return 0
-    if args.num_layers is None or args.num_layers < 1:
-        raise ValueError(f"--num-layers={args.num_layers}; allowed: an integer >= 1 (needed by --layers)")
+    if args.num_layers is None or not 1 <= args.num_layers <= MAX_LAYERS:
+        allowed = f"an integer in [1, {MAX_LAYERS}] (needed by --layers)"
+        raise ValueError(f"--num-layers={args.num_layers}; allowed: {allowed}")
     layouts = example_layouts(args.num_layers, args.num_heads)
     for item in args.layers:
         name, sep, pattern = item.partition("=")
@@ -90,9 +91,7 @@ def _eval(args: argparse.Namespace) -> int:
 
     from qkvjax.evaluate import evaluate
 
-    folder = os.path.dirname(os.path.abspath(args.output)) if args.output else None
-    if folder and not os.path.isdir(folder):
-        raise ValueError(f"--output={args.output!r}: folder {folder} does not exist")
+    _check_outputs(("--output", args.output, False))
     result = evaluate(args.workdir, args.step, args.split, args.source_path, args.data_dir, args.stride)
     text = json.dumps(result)
     print(text)
@@ -100,6 +99,27 @@ def _eval(args: argparse.Namespace) -> int:
         with open(args.output, "w") as f:
             f.write(text + "\n")
     return 0
+
+
+def _check_outputs(*outputs: tuple[str, str | None, bool]) -> None:
+    """Each ``(flag, path, is_plot)`` given can be written as named, checked before any work: its folder exists,
+    it is not a folder, and a plot's name ends in a format matplotlib writes (``savefig`` adds '.png' to a name
+    without one, so the file would not be where the command says it wrote it)."""
+    for flag, path, plot in outputs:
+        if not path:
+            continue
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(folder):
+            raise ValueError(f"{flag}={path!r}: folder {folder} does not exist")
+        if os.path.isdir(path):
+            raise ValueError(f"{flag}={path!r} is a folder; allowed: a file's path in it")
+        if plot:
+            from matplotlib.backend_bases import FigureCanvasBase
+
+            formats = FigureCanvasBase.get_supported_filetypes()
+            if os.path.splitext(path)[1][1:].lower() not in formats:
+                raise ValueError(f"{flag}={path!r} names no image format; allowed: a name ending in .png, .svg, .pdf "
+                                 f"or another matplotlib writes ({', '.join(sorted(formats))})")  # fmt: skip
 
 
 def _template(args: argparse.Namespace, chat) -> tuple[str, dict[str, str]]:
@@ -176,9 +196,12 @@ def _chat_session(args: argparse.Namespace, saved, tokenizer, stops, chat, sampl
 
 
 def _sample(args: argparse.Namespace) -> int:
+    import jax
+
     from qkvjax.config import require_decoder
     from qkvjax.data.tokenizer import check_vocab, load_tokenizer
     from qkvjax.evaluate import restore_params
+    from qkvjax.models.lm import DecodeCache
     from qkvjax.sample import check_request, describe_sampling, encode, generate_batch
     from qkvjax.workdir import chat_template, load_config, sampling_defaults, stop_ids
 
@@ -216,6 +239,10 @@ def _sample(args: argparse.Namespace) -> int:
     # refuse an empty prompt before restoring anything; a rendered template writes its own special tokens
     prompts = [encode(p, tokenizer, add_special_tokens=not args.chat) for p in texts]
     n = args.num_samples
+    try:  # the rows' cache must fit before they are made (a typo's --num-samples 10^9 filled the memory)
+        jax.eval_shape(lambda: DecodeCache.empty(saved.model, len(prompts) * n))
+    except ValueError as e:
+        raise ValueError(f"--num-samples {n} x {len(prompts)} prompt(s): {e}") from None
     texts, prompts = [t for t in texts for _ in range(n)], [p for p in prompts for _ in range(n)]  # prompt-major
     model, params, config, step = restore_params(args.workdir, args.step)
     check_request(model, prompts, args.num_tokens)  # before the prompt is echoed
@@ -348,7 +375,7 @@ def _export(args: argparse.Namespace) -> int:
 def _analyze(args: argparse.Namespace) -> int:
     import json
 
-    from qkvjax.analyze import analyze_layers, format_report, plot_report
+    from qkvjax.analyze import MAX_RANDOM_SEEDS, analyze_layers, format_report, plot_report
     from qkvjax.sources import FORMATS, load_safetensors, load_workdir
 
     if (args.workdir is None) == (args.safetensors is None):
@@ -362,12 +389,9 @@ def _analyze(args: argparse.Namespace) -> int:
             raise ValueError(f"{', '.join(given)} go(es) with --safetensors only; a --workdir's config names its heads")
     elif args.step is not None:
         raise ValueError(f"--step={args.step} goes with --workdir only; a safetensors file holds one set of weights")
-    if args.random_seeds < 1:
-        raise ValueError(f"--random-seeds={args.random_seeds}; allowed: an integer >= 1")
-    for flag, path in (("--json", args.json), ("--plot", args.plot)):
-        folder = os.path.dirname(os.path.abspath(path)) if path else None
-        if folder and not os.path.isdir(folder):
-            raise ValueError(f"{flag}={path!r}: folder {folder} does not exist")
+    if not 1 <= args.random_seeds <= MAX_RANDOM_SEEDS:  # before the weights are read
+        raise ValueError(f"--random-seeds={args.random_seeds}; allowed: an integer in [1, {MAX_RANDOM_SEEDS}]")
+    _check_outputs(("--json", args.json, False), ("--plot", args.plot, True))
     if args.workdir is not None:
         layers, source, initial, drift, decay_only = load_workdir(args.workdir, args.step, with_initial=True)
     else:
@@ -392,10 +416,7 @@ def _compare(args: argparse.Namespace) -> int:
     from qkvjax.compare import compare, differences, format_table, plot
     from qkvjax.workdir import json_safe
 
-    for flag, path in (("--json", args.json), ("--plot", args.plot)):
-        folder = os.path.dirname(os.path.abspath(path)) if path else None
-        if folder and not os.path.isdir(folder):
-            raise ValueError(f"{flag}={path!r}: folder {folder} does not exist")
+    _check_outputs(("--json", args.json, False), ("--plot", args.plot, True))
     rows = compare(args.workdirs)
     print(format_table(rows))
     for note in differences(rows):
@@ -684,7 +705,8 @@ def _tool_commands() -> tuple[Command, ...]:
             opt("--num-kv-heads", type=int, default=None, help="K for llama (default: config.json, else N)"),
             opt("--json", default=None, help="write the report as JSON here"),
             opt("--plot", default=None,
-                help="write a heat map (layers x measures, controls below) as PNG here, e.g. WORKDIR/analyze.png"),
+                help="write a heat map (layers x measures, controls below) here, e.g. WORKDIR/analyze.png (.svg, "
+                ".pdf: the name's ending picks the format)"),
             opt("--seed", type=seed_option, default=0, help="seed of the random control (default 0)"),
             opt("--random-seeds", type=int, default=3, help="random draws averaged in the control (default 3)"),
         ), "Basis-invariant similarity of the query, key and value projections of a qkvjax run or of safetensors "
@@ -712,7 +734,8 @@ def _tool_commands() -> tuple[Command, ...]:
                 "several runs side by side: scheme, params, KV cache, losses, speed; validation curves as PNG", (
             opt("workdirs", nargs="+", metavar="DIR", help="workdirs of training runs"),
             opt("--plot", default=None,
-                help="write the loss curves (against step and time) as PNG here, e.g. runs/compare.png"),
+                help="write the loss curves (against step and time) here, e.g. runs/compare.png (.svg, .pdf: the "
+                "name's ending picks the format)"),
             opt("--json", default=None, help="write the rows (and curves) as JSON here"),
         )),
     )  # fmt: skip
@@ -775,6 +798,8 @@ def main(argv: list[str] | None = None) -> int:
     if overrides and not getattr(args, "takes_overrides", False):
         raise SystemExit(f"qkvjax {args.command}: --config.* overrides are not taken here")
     _compilation_cache(args.compilation_cache)
+    from jax.errors import JaxRuntimeError
+
     from qkvjax.train.loop import Interrupted
 
     try:
@@ -790,6 +815,13 @@ def main(argv: list[str] | None = None) -> int:
             e.__suppress_context__ = False  # an error raised "from None" still shows what caused it
             raise
         print(f"qkvjax {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except JaxRuntimeError as e:  # out of device memory: XLA's first line (its report of buffers: --verbose)
+        if args.verbose or "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        first = str(e).strip().splitlines()[0]
+        print(f"qkvjax {args.command}: error: out of device memory ({first}); `qkvjax plan` estimates a training "
+              "config's memory per device", file=sys.stderr)  # fmt: skip
         return 2
 
 

@@ -51,8 +51,12 @@ REMOTE_SCHEMES = ("gs",)  # orbax writes checkpoints to local paths and Cloud St
 
 
 def path(workdir) -> epath.Path:
-    """``workdir`` as an ``epath.Path``: a local path made absolute (``~`` expanded), a ``gs://`` URI as given."""
+    """``workdir`` as an ``epath.Path``: a local path made absolute (``~`` expanded), a ``gs://`` URI as given.
+    An empty text is refused: it would mean the current folder, and is more often an unset shell variable
+    (``--workdir=$RUN``) than a wish to train into the folder a command was typed in."""
     text = os.fspath(workdir)
+    if not text.strip():
+        raise ValueError(f"a run or model folder given as {text!r}; allowed: a folder's path (is a variable unset?)")
     if is_remote(text):
         scheme = text.split("://", 1)[0]
         if scheme not in REMOTE_SCHEMES:

@@ -216,6 +216,11 @@ def test_analyze_cli_errors(tmp_path, capsys):
     assert "--label, --num-heads go(es) with --safetensors only" in capsys.readouterr().err
     assert run_in_process(["analyze", "--safetensors", str(tmp_path / "x"), "--format", "gpt2", "--step", "5"]) == 2
     assert "--step=5 goes with --workdir only" in capsys.readouterr().err
+    # 10^12 draws of the random control ran for good (found giving every option odd values, 2026-11-30)
+    assert run_in_process(["analyze", "--workdir", str(tmp_path), "--random-seeds", str(10**12)]) == 2
+    assert "--random-seeds=1000000000000; allowed: an integer in [1, 1000]" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"--random-seeds=2.5; allowed: an integer in \[1, 1000\]"):
+        analyze_layers([LayerWeights(q=_heads(), k=_heads(), v=_heads())], "x", random_seeds=2.5)
 
 
 def test_kv_rank_error_is_the_eckart_young_residual_of_keys_and_values_side_by_side():

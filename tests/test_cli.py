@@ -121,3 +121,20 @@ def test_help_says_what_each_command_is_for_and_convert_lists_its_targets(capsys
         out = capsys.readouterr().out
         assert "parses arguments and calls the library" not in out
     assert "{shared_kv,bilinear,mla}" in out and "converted to another tying" in out
+
+
+def test_running_out_of_device_memory_is_one_line_naming_the_allocation(monkeypatch, capsys):
+    """XLA's RESOURCE_EXHAUSTED (a real allocation of 4 PiB, made by a command in place of ``schemes``' table) is
+    one line with the allocation XLA names; --verbose gives the traceback; other runtime errors stay tracebacks."""
+    import jax.numpy as jnp
+    import pytest
+
+    import qkvjax.cli
+
+    monkeypatch.setattr(qkvjax.cli, "_schemes", lambda args: jnp.zeros((2**50,), jnp.float32).block_until_ready())
+    assert run_in_process(["schemes"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("qkvjax schemes: error: out of device memory (RESOURCE_EXHAUSTED:")
+    assert "4503599627370496 bytes" in err[0] and "`qkvjax plan`" in err[0]
+    with pytest.raises(jax.errors.JaxRuntimeError, match="RESOURCE_EXHAUSTED"):
+        run_in_process(["--verbose", "schemes"])

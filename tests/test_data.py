@@ -29,6 +29,21 @@ def test_text_file_builder_round_trips_utf8(small_text, data_dir):
     assert {k: len(v) for k, v in splits.items()} == {k: len(v) for k, v in split_text(text).items()}
 
 
+def test_preparing_a_corpus_leaves_nothing_in_the_temporary_folder(tmp_path, monkeypatch):
+    """TFDS made an empty ``tmp*tfds`` folder per dataset prepared, to hold metadata from its bucket, and left it
+    (417 of them in this machine's /tmp after a day of tests)."""
+    import tempfile
+
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    text = tmp_path / "t.txt"
+    text.write_text("to be or not to be, that is the question\n" * 7)
+    splits = load_splits("text_file", str(text), str(tmp_path / "data"))
+    assert sum(len(v) for v in splits.values()) == text.stat().st_size
+    assert list(scratch.iterdir()) == []
+
+
 def test_tiny_shakespeare_refuses_another_file(small_text, tmp_path):
     builder = TinyShakespeare(source_path=small_text, data_dir=str(tmp_path), file_format="array_record")
     with pytest.raises(ValueError, match=r"is not the Tiny Shakespeare corpus: sha256 .* expected 86c4e6aa"):

@@ -78,6 +78,10 @@ def test_the_command_line_sets_a_pattern():
         ("separate*0", r"'\*' needs a count >= 1"),
         ("()*", r"an empty group '\(\)'; allowed: one or more entries in it"),  # was a ZeroDivisionError
         ("[rope_base=fast]", r"layer 0 of pattern .*rope_base='fast'; allowed: a number"),  # named no option
+        # counts past the stack were multiplied out first: a MemoryError (10^12 entries), or the memory filled
+        ("separate*1000000000000", r"'\*1000000000000' makes 1000000000000 or more layers, more than num_layers=4"),
+        ("(separate*100000)*100000", r"'\*100000' makes 100000 or more layers, more than num_layers=4"),
+        ("separate*2, shared_kv*3", r"'\*3' makes 5 or more layers, more than num_layers=4"),
     ],
 )
 def test_bad_patterns_are_named_before_anything_compiles(pattern, match):
@@ -264,3 +268,11 @@ def test_the_readme_patterns_fit_the_presets_the_first_hour_trains():
 def test_fill_errors_name_the_pattern(pattern, layers, match):
     with pytest.raises(ValueError, match=match):
         expand(pattern, AttentionConfig(num_heads=4, head_dim=3), layers)
+
+
+@pytest.mark.parametrize("layers", [0, 65537, 2**40, 2.0, True])
+def test_a_stack_deeper_than_max_layers_is_refused_before_it_is_expanded(layers):
+    """``qkvjax schemes --num-layers 1099511627776`` filled the memory with per-layer configs (an empty pattern
+    expands to one entry per layer); the bound is the one :class:`ModelConfig` keeps."""
+    with pytest.raises(ValueError, match=rf"num_layers={layers!r}; allowed: an integer in \[1, 65536\]"):
+        expand("", AttentionConfig(num_heads=4, head_dim=3), layers)

@@ -73,6 +73,23 @@ def test_an_empty_cache_is_refused_in_one_line():
         DecodeCache.empty(lm(), B, max_len=0)
 
 
+def test_a_cache_larger_than_the_devices_memory_is_refused_before_it_is_allocated():
+    """Its bytes are the product of its shapes, so they are known before anything is allocated: on a CPU a cache
+    that cannot fit was a RESOURCE_EXHAUSTED traceback, or, where the allocation was granted, a process the
+    operating system killed without a message once the zeros were written."""
+    from qkvjax.checks import device_memory
+
+    cfg = lm()
+    row = DecodeCache.empty(cfg, 1).nbytes  # the K/V of one row
+    rows = device_memory() // row + 1
+    match = (
+        rf"^a decode cache of {rows:,} rows x 7 positions needs .* GiB \({row:,} bytes a row\); the device holds .* "
+        rf"GiB; allowed: fewer rows \(the cache alone fills it at {rows - 1:,}\) or a shorter context$"
+    )
+    with pytest.raises(ValueError, match=match):
+        DecodeCache.empty(cfg, rows)
+
+
 @pytest.mark.parametrize(
     "tokens,kw,match",
     [

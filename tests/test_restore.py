@@ -438,6 +438,19 @@ def test_convert_to_mla_reports_errors_and_uptrains_from_its_config_json(run, tm
             r"--num-samples 3 with --temperature 0 \(greedy: one continuation\); allowed: 1, or a temperature > 0",
         ),
         (["eval", "--workdir={run}", "--output={empty}/no/such/folder/r.json"], r"folder .* does not exist"),
+        # found by giving every option of every command odd values (2026-11-30): the rows were made before any
+        # check, filling the memory (10^12 references); a plot's name without a format was written elsewhere, as
+        # NAME.png, under a message naming NAME; a folder given as a file was written into, or refused after the work
+        (
+            ["sample", "--workdir={run}", "--prompt=hi", "--prompt=ho", "--num-samples=1000000000000"],
+            r"--num-samples 1000000000000 x 2 prompt\(s\): a decode cache of 2,000,000,000,000 rows x 32 positions "
+            r"needs [\d,.]+ GiB .*; the device holds [\d,.]+ GiB; allowed: fewer rows",
+        ),
+        (["compare", "{run}", "--plot={empty}/curves"], r"--plot=.*/curves' names no image format; allowed: .*png"),
+        (["compare", "{run}", "--plot={empty}"], r"--plot=.* is a folder; allowed: a file's path in it"),
+        (["compare", "{run}", "--json={empty}"], r"--json=.* is a folder; allowed: a file's path in it"),
+        (["analyze", "--workdir={run}", "--plot={empty}/heat"], r"--plot=.*/heat' names no image format"),
+        (["eval", "--workdir={run}", "--output={empty}"], r"--output=.* is a folder; allowed: a file's path in it"),
     ],
 )
 def test_clear_errors(args, match, run, tmp_path, capsys):

@@ -37,6 +37,9 @@ from qkvjax.attention.schemes import SCHEMES
 from qkvjax.parse import parse_bool
 
 ALIASES = {"kv": "num_kv_heads"}
+# the deepest stacks trained are about a thousand layers (DeepNet); a typo's 10^9 (a num_layers, or a pattern's
+# '*COUNT') would fill the memory with per-layer configs before any other check could refuse it
+MAX_LAYERS = 1 << 16
 INHERITED = (
     "scheme",
     "num_kv_heads",
@@ -63,10 +66,12 @@ class LayerAttention:
 
 def expand(pattern: str, base: AttentionConfig, num_layers: int) -> tuple[LayerAttention, ...]:
     """The layers a pattern describes (empty pattern: ``base`` everywhere), validated; errors name the layer."""
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or not 1 <= num_layers <= MAX_LAYERS:
+        raise ValueError(f"num_layers={num_layers!r}; allowed: an integer in [1, {MAX_LAYERS}]")
     if not pattern.strip():
         return tuple(LayerAttention(base) for _ in range(num_layers))
     tokens = re.findall(r"\[[^\]]*\]|[(),*]|[^\s(),*\[\]]+|\S", pattern)
-    entries, pos = _items(tokens, 0, pattern)
+    entries, pos = _items(tokens, 0, pattern, num_layers)
     if pos != len(tokens):
         raise ValueError(f"layer pattern {pattern!r}: unexpected {tokens[pos]!r}")
     fills = [i for i, e in enumerate(entries) if isinstance(e, _Fill)]
@@ -114,14 +119,16 @@ class _Fill:
     atom: list
 
 
-def _items(tokens: list[str], pos: int, pattern: str, depth: int = 0) -> tuple[list, int]:
+def _items(tokens: list[str], pos: int, pattern: str, num_layers: int, depth: int = 0) -> tuple[list, int]:
+    """The entries of ``tokens[pos:]`` up to a closing ')' and where it stopped; a count that would make more than
+    ``num_layers`` entries is refused before they are made (a typo's '*1000000000' would fill the memory)."""
     out = []
     while pos < len(tokens) and tokens[pos] != ")":
         if tokens[pos] == ",":
             pos += 1
             continue
         if tokens[pos] == "(":
-            atom, pos = _items(tokens, pos + 1, pattern, depth + 1)
+            atom, pos = _items(tokens, pos + 1, pattern, num_layers, depth + 1)
             if pos >= len(tokens):
                 raise ValueError(f"layer pattern {pattern!r}: '(' is never closed")
             if not atom:  # '()*' would fill the stack with nothing
@@ -149,6 +156,11 @@ def _items(tokens: list[str], pos: int, pattern: str, depth: int = 0) -> tuple[l
                 atom, pos = [_Fill(atom)], pos + 1
             elif not count.isdigit() or int(count) < 1:
                 raise ValueError(f"layer pattern {pattern!r}: '*' needs a count >= 1 (or none, to fill), got {count!r}")
+            elif len(out) + len(atom) * int(count) > num_layers:
+                raise ValueError(
+                    f"layer pattern {pattern!r}: '*{count}' makes {len(out) + len(atom) * int(count)} or more layers, "
+                    f"more than num_layers={num_layers}; allowed: counts that add up to num_layers"
+                )
             else:
                 atom, pos = atom * int(count), pos + 2
         out.extend(atom)

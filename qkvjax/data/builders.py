@@ -48,6 +48,15 @@ def read_text_file(path: str) -> bytes:
     return data
 
 
+class _LocalInfo(tfds.core.DatasetInfo):
+    """The builders' info. Their names are qkvjax's own, so TFDS's bucket holds nothing for them and is never
+    asked: TFDS (4.9.x) makes a temporary folder before asking it, for each dataset not yet prepared, and leaves
+    the folder behind, empty (hundreds in ``/tmp`` after a test suite or a sweep)."""
+
+    def initialize_from_bucket(self) -> None:
+        pass
+
+
 class _ByteTextBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
     """Shared body: one example per split holding its bytes. The model is byte-level, so a split is stored as
     bytes (a uint8 tensor), never decoded: a 90% cut inside a multi-byte character is fine."""
@@ -56,7 +65,7 @@ class _ByteTextBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
     RELEASE_NOTES = {"1.1.0": "splits stored as uint8 bytes (1.0.0 stored text, which a cut character broke)"}
 
     def _info(self) -> tfds.core.DatasetInfo:
-        return tfds.core.DatasetInfo(
+        return _LocalInfo(
             builder=self,
             description=self.__doc__,
             features=tfds.features.FeaturesDict({"bytes": tfds.features.Tensor(shape=(None,), dtype=np.uint8)}),

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import flax
 import flax.linen as nn
@@ -19,11 +20,10 @@ from qkvjax import axes, checks
 from qkvjax.attention import KV, Attention, AttentionConfig, LayerAttention, core, stack_cost
 from qkvjax.attention.cache import CACHED, cache_shapes, settle
 from qkvjax.attention.costs import causal_keys_seen, keys_seen
-from qkvjax.attention.layers import expand, producers
+from qkvjax.attention.layers import MAX_LAYERS, expand, producers
 from qkvjax.models.family import Family, Mlp, dense_init, norm
 
 REMAT_POLICIES = ("none", "full", "dots")
-MAX_LAYERS = 1 << 16
 
 
 class BlockShape:
@@ -42,8 +42,7 @@ class BlockShape:
                 checks.refuse(self, field, allowed)
         for field in ("vocab_size", "d_model", "num_layers", "max_len"):
             checks.integer(self, field)
-        # the deepest stacks trained are about a thousand layers (DeepNet); a typo's 10^9 would fill the memory
-        # with per-layer configs before any size check (an untrusted config.json's n_layer too)
+        # before the layers are expanded (an untrusted config.json's n_layer too; see MAX_LAYERS)
         if self.num_layers > MAX_LAYERS:
             checks.refuse(self, "num_layers", f"an integer in [1, {MAX_LAYERS}]")
         checks.integer(self, "mlp_dim", none="= 4 d_model")
@@ -226,15 +225,23 @@ class DecodeCache:
         for name, value in (("batch", batch), ("max_len", s)):
             checks.integer_value(f"DecodeCache.empty: {name}", value)
         layers = config.layer_attention
-        entries, rings = [], []
+        entries, rings = [], []  # per entry {name: (shape of one row, dtype)}, and its ring's width (0: none)
         for i in producers(layers):
             att = layers[i].config
             windows = [r.config.sliding_window for j, r in enumerate(layers) if j == i or r.kv_from == i]
             ring = max(windows) if None not in windows and max(windows) < s else 0
             shapes = cache_shapes(att, config.d_model, ring or s)
-            entries.append({name: jnp.zeros((batch, *shape), jnp.dtype(att.dtype)) for name, shape in shapes.items()})
+            entries.append({name: (shape, jnp.dtype(att.dtype)) for name, shape in shapes.items()})
             rings.append(ring)
-        return cls(tuple(entries), jnp.zeros((batch,), jnp.int32), tuple(rings))
+        row = sum(math.prod(shape) * dtype.itemsize for entry in entries for shape, dtype in entry.values())
+        if batch * row > (memory := checks.device_memory()):  # refused here, not killed by the OS once touched
+            raise ValueError(
+                f"a decode cache of {batch:,} rows x {s:,} positions needs {batch * row / 2**30:,.1f} GiB "
+                f"({row:,} bytes a row); the device holds {memory / 2**30:,.1f} GiB; allowed: fewer rows (the "
+                f"cache alone fills it at {memory // row:,}) or a shorter context"
+            )
+        kv = [{name: jnp.zeros((batch, *shape), dtype) for name, (shape, dtype) in entry.items()} for entry in entries]
+        return cls(tuple(kv), jnp.zeros((batch,), jnp.int32), tuple(rings))
 
     def entries(self) -> list[KV]:
         """Each entry as the layer that produces it reads it: a cache at the rows' lengths, a ring where it is one."""

@@ -33,7 +33,7 @@ from qkvjax.data.tokenizer import check_vocab, load_tokenizer, tokenize_splits
 from qkvjax.models.lm import DecoderLM, param_count, train_flops_per_token
 from qkvjax.perf import measure_peak_flops
 from qkvjax.train import checkpoint
-from qkvjax.train.checks import check_resume, check_splits, check_workdir, imported
+from qkvjax.train.checks import check_fits, check_resume, check_splits, check_workdir, imported
 from qkvjax.train.mesh import batch_sharding, data_parallel_size, make_mesh, shardings_for
 from qkvjax.train.progress import TrainProgress
 from qkvjax.train.state import abstract_state, create_state, learning_rate_schedule, make_optimizer
@@ -309,6 +309,7 @@ def prepare(config: Config, workdir: epath.Path, overwrite: bool) -> Prepared:
     model = DecoderLM(config.model)
     tx = make_optimizer(config.train)
     par = _Parallel(config, abstract_state(model, config, tx))
+    check_fits(config)
     check_workdir(workdir, config, overwrite)
     _sync("workdir checked")
     splits, tokens_per_byte, digest = _load_data(config, workdir)

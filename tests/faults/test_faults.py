@@ -192,14 +192,31 @@ def test_a_damaged_newest_checkpoint_is_moved_aside_and_training_falls_back(tmp_
         (["train", f"--config={TINY}", "--workdir=s3://bucket/run"], r"cannot be written to s3://; allowed: .*gs://"),
         (["info", "--workdir=s3://bucket/run"], r"cannot be written to s3://"),
         (["train", f"--config={TINY}", "--workdir={w}", "--config.train.max_to_keep=0"], r"train.max_to_keep=0"),
+        # found by giving every option of every command odd values (2026-11-30): an empty --workdir (an unset
+        # $RUN) trained into the folder the command was typed in; 2^40 layers or a batch of 10^12 rows filled the
+        # memory before any check (the batch was being read, for good, with nothing printed)
+        (["train", f"--config={TINY}", "--workdir="], r"a run or model folder given as ''; allowed: a folder's path"),
+        (["eval", "--workdir="], r"given as ''; allowed: a folder's path"),
+        (["info", "--workdir="], r"given as ''; allowed: a folder's path"),
+        (["compare", ""], r"given as ''; allowed: a folder's path"),
+        (["analyze", "--workdir="], r"given as ''; allowed: a folder's path"),
+        (["schemes", "--num-layers", "1099511627776"], r"--num-layers=1099511627776; allowed: an integer in \[1, 6"),
+        (["schemes", "--num-layers", "4", "--layers", "x=separate*1000000000000"],
+         r"'\*1000000000000' makes 1000000000000 or more layers, more than num_layers=4"),
+        (["train", f"--config={TINY}", "--workdir={w}", "--config.train.batch_size=1000000000000"],
+         r"a training step needs about [\d,.]+ GiB per device \(params .*activations of [\d,]+ x 32 tokens"
+         r" [\d,.]+\), over 1.5x the [\d,.]+ GiB a device has here; allowed: a smaller train.batch_size"),
     ],
 )  # fmt: skip
-def test_one_line_errors_instead_of_tracebacks(args, match, tmp_path, capsys):
+def test_one_line_errors_instead_of_tracebacks(args, match, tmp_path, capsys, monkeypatch):
     (tmp_path / "afile").write_text("x")
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
     args = [a.format(w=tmp_path / "w", file=tmp_path / "afile") for a in args]
     assert run_in_process(args) == 2
     err = capsys.readouterr().err
     assert re.search(match, err) and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert not any((tmp_path / "cwd").iterdir()) and not (tmp_path / "w").exists()  # nothing written
 
 
 def test_decoding_past_the_cache_is_an_error():
