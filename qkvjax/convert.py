@@ -414,14 +414,13 @@ def convert_workdir(
     data position), so ``qkvjax eval`` / ``sample`` / ``train`` (to uptrain) all work on it. ``errors``: as in
     :func:`convert`."""
     from qkvjax.config import to_dict, to_json
-    from qkvjax.evaluate import restore_params
+    from qkvjax.evaluate import restore_with_data_state
     from qkvjax.train import checkpoint
     from qkvjax.train.state import TrainState, make_optimizer
     from qkvjax.workdir import (
         CONFIG_FILE,
         IMPORTED_FILES,
         export_params,
-        params_only,
         path,
         require_empty,
         whole_or_absent,
@@ -432,16 +431,11 @@ def convert_workdir(
         raise ValueError("nothing to convert: pass --to SCHEME, --num-kv-heads K and/or --cla G")
     out = os.fspath(path(out))
     require_empty(out)
-    _, params, config, step = restore_params(workdir, step)
+    _, params, config, step, data_state = restore_with_data_state(workdir, step)  # None: an imported model
     model_cfg, new_params = convert(
         config.model, params, to, num_kv_heads, rank, errors, cross_layer, rope_dim, latent_norm
     )
     config = dataclasses.replace(config, model=model_cfg)
-    data_state = None
-    if not params_only(workdir):
-        mngr_in = checkpoint.manager(workdir, read_only=True)
-        data_state = checkpoint.restore_data_state(mngr_in, step)
-        mngr_in.close()
     # Written whole into a sibling and renamed into place last: a kill leaves --out absent, never half-written.
     with whole_or_absent(out, "files") as staging:
         for name in IMPORTED_FILES:  # an imported model's tokenizer, special tokens and chat template

@@ -71,9 +71,16 @@ def restore_params(workdir: str, step: int | None = None, mesh=None):
     with the list of differences rather than loading part of it. Without ``step``, a damaged newest checkpoint
     is skipped (with a warning) for the newest one that restores; any other failure to read stops. A workdir
     without checkpoints but with params-only copies (``qkvjax import``) restores those."""
+    return restore_with_data_state(workdir, step, mesh)[:4]
+
+
+def restore_with_data_state(workdir: str, step: int | None = None, mesh=None):
+    """(model, params, config, step, data_state): :func:`restore_params` and the data iterator's state saved in
+    the same checkpoint (None for params-only copies), read together, so a step a running trainer rotates away
+    cannot be read half (what ``qkvjax convert`` carries over to the converted run)."""
     mesh = mesh or make_mesh(MeshConfig(data=-1, fsdp=1, tensor=1))
     if params_only(workdir):
-        return _restore_exported(workdir, step, mesh)
+        return (*_restore_exported(workdir, step, mesh), None)
     for attempt in range(3):  # a step a running trainer rotates away while it is read: list the steps again
         try:
             return _restore_checkpoint(workdir, step, mesh)
@@ -94,14 +101,14 @@ def _restore_checkpoint(workdir: str, step: int | None, mesh):
             model = model_of(config.model)
             abstract = nn.meta.unbox(abstract_state(model, config, make_optimizer(config.train)))
             target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), abstract)
-            state, _, _ = checkpoint.restore(mngr, candidate, target)
+            state, data_state, _ = checkpoint.restore(mngr, candidate, target)
         except checkpoint.CorruptCheckpointError as e:
             if candidate == candidates[-1]:
                 raise
             print(f"warning: {e}; using the previous checkpoint", file=sys.stderr)
             continue
         mngr.close()
-        return model, state.params, config, candidate
+        return model, state.params, config, candidate, data_state
     raise AssertionError("unreachable")
 
 

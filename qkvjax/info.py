@@ -54,14 +54,12 @@ def describe(workdir: str) -> dict:
         folders = [epath.Path(mngr.directory) / str(step) for step in sorted(mngr.all_steps())]
     checkpoints = []
     for folder in folders:
-        step = int(folder.name)
-        checkpoints.append(
-            {
-                "step": step,
-                "time": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(folder.stat().mtime)),
-                "bytes": _size(folder),
-            }
-        )
+        try:
+            mtime, size = folder.stat().mtime, _size(folder)
+        except FileNotFoundError:  # a live run's max_to_keep removed it after the listing: no longer a checkpoint
+            continue
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(mtime))
+        checkpoints.append({"step": int(folder.name), "time": stamp, "bytes": size})
     model = model_of(config.model)
     abstract = jax.eval_shape(model.init, jax.random.PRNGKey(0), jnp.zeros((1, config.seq_len), jnp.int32))
     breakdown = parameter_breakdown(nn.meta.unbox(abstract)["params"])

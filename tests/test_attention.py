@@ -504,6 +504,16 @@ ADDITIVE = np.where(np.eye(T, dtype=bool), 0.0, -np.inf)[None, None]  # a concre
         (lambda m, x: m.init(jax.random.key(0), x[:, :0]), rf"T >= 1 queries and S >= 1 keys; got inputs_q \({B}, 0"),
         (lambda m, x: m.init(jax.random.key(0), x, mask=ADDITIVE), r"mask holds negative values"),
         (lambda m, x: m.init(jax.random.key(0), x, x[:, :0]), rf"S >= 1 keys; got .* inputs_kv \({B}, 0, {D}\)"),
+        # switches that were read as Python truth (causal='no' was causal, deterministic='no' dropped nothing) and
+        # K/V of the wrong kind (an AttributeError from inside), found by giving each argument odd values
+        (lambda m, x: m.init(jax.random.key(0), x, causal="no"), r"^causal='no'; allowed: True or False"),
+        (lambda m, x: m.init(jax.random.key(0), x, causal=2), r"^causal=2; allowed: True or False"),
+        (lambda m, x: m.init(jax.random.key(0), x, deterministic="no"), r"^deterministic='no'; allowed: True or F"),
+        (lambda m, x: m.init(jax.random.key(0), x, return_kv=1), r"^return_kv=1; allowed: True or False"),
+        (lambda m, x: m.init(jax.random.key(0), x, causal=x[0, 0, 0] > 0), r"^causal is a traced value; allowed: True"),
+        (lambda m, x: m.init(jax.random.key(0), x, kv=(x, x)), r"^kv= is of type tuple; allowed: a qkvjax KV"),
+        (lambda m, x: m.init(jax.random.key(0), x, cache={}), r"^cache= is of type dict; allowed: a qkvjax KV"),
+        (lambda m, x: m.init(jax.random.key(0), "x"), r"^inputs_q is a str; allowed: an array, or nested lists of"),
     ],
 )
 def test_invalid_input_raises_before_compiling(call, match):
@@ -511,6 +521,19 @@ def test_invalid_input_raises_before_compiling(call, match):
     x = jnp.ones((B, T, D))
     with pytest.raises(ValueError, match=match):
         jax.jit(lambda x: call(model, x))(x)  # the error comes from tracing, so nothing was compiled
+
+
+def test_array_likes_and_concrete_booleans_are_taken_as_flax_layers_take_them():
+    """Nested lists and numpy arrays as inputs, mask and positions; numpy and 0-d jax booleans as switches: the
+    same output as jax arrays and Python booleans (lists were an AttributeError)."""
+    cfg = config("separate", rope=True)
+    model, x = Attention(cfg), inputs(3, B, T, D)
+    params = model.init(jax.random.key(0), x)
+    positions, mask = jnp.arange(T)[None].repeat(B, 0), jnp.tril(jnp.ones((T, T), bool))[None, None]
+    want = model.apply(params, x, mask=mask, positions=positions)
+    lists = {"mask": np.asarray(mask).tolist(), "positions": np.asarray(positions).tolist()}
+    got = model.apply(params, np.asarray(x).tolist(), **lists, causal=np.bool_(False), deterministic=jnp.array(True))
+    np.testing.assert_array_equal(got, want)
 
 
 @pytest.mark.parametrize("scheme,kv,vh", [("separate", K, 3), ("shared_qk", None, 9), ("bilinear", 1, 3)])

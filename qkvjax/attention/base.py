@@ -45,7 +45,22 @@ class Call:
 
     @classmethod
     def of(cls, cfg, inputs_q, inputs_kv, mask, causal, positions, decode, deterministic, kv, cache, return_kv):
-        """The call's arguments checked (:func:`check_inputs`) and resolved: the linen and NNX modules' one entry."""
+        """The call's arguments checked (:func:`check_inputs`) and resolved: the linen and NNX modules' one entry.
+        Array-likes (nested lists, numpy) become arrays, as flax's layers take them; the switches must be booleans
+        (``causal='no'`` read as true, a causal mask nobody asked for)."""
+        inputs_q, inputs_kv, mask, positions = (
+            _as_array(name, value)
+            for name, value in (("inputs_q", inputs_q), ("inputs_kv", inputs_kv), ("mask", mask),
+                                ("positions", positions))
+        )  # fmt: skip
+        causal, decode, deterministic, return_kv = (
+            _as_bool(name, value)
+            for name, value in (("causal", causal), ("decode", decode), ("deterministic", deterministic),
+                                ("return_kv", return_kv))
+        )  # fmt: skip
+        for name, value in (("kv", kv), ("cache", cache)):
+            if value is not None:
+                checks.instance(f"{name}=", value, KV)
         self_attention = inputs_kv is None
         x_kv = inputs_q if self_attention else inputs_kv
         check_inputs(cfg, inputs_q, x_kv, mask, positions, decode, self_attention, kv, cache)
@@ -53,6 +68,30 @@ class Call:
             inputs_q, x_kv, self_attention, None if mask is None else mask.astype(jnp.bool_), causal, positions,
             decode, deterministic, kv, cache, return_kv or cache is not None,
         )  # fmt: skip
+
+
+def _as_array(name: str, value):
+    """``value`` as an array (None stays None), or one line naming the argument."""
+    if value is None or isinstance(value, jax.Array | np.ndarray):
+        return value
+    try:
+        return jnp.asarray(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} is a {type(value).__name__}; allowed: an array, or nested lists of numbers") from None
+
+
+def _as_bool(name: str, value) -> bool:
+    """A Python or numpy boolean, or a concrete 0-d boolean array, as a Python bool; else one line."""
+    if isinstance(value, bool | np.bool_) or (
+        isinstance(value, jax.Array | np.ndarray)
+        and not isinstance(value, jax.core.Tracer)
+        and value.shape == ()
+        and value.dtype == np.bool_
+    ):
+        return bool(value)
+    if isinstance(value, jax.core.Tracer):  # it picks the program's shape, so it must be known while tracing
+        raise ValueError(f"{name} is a traced value; allowed: True or False, known when the call is traced")
+    raise ValueError(f"{name}={value!r}; allowed: True or False")
 
 
 class AttentionModule(nn.Module):

@@ -236,3 +236,48 @@ def test_a_step_rotated_away_while_a_reader_restores_it_is_not_called_corrupted(
     assert step == 2 and gone == [4]
     assert "went away while it was read" in err and "corrupt" not in err, err
     assert not (run / "checkpoints_damaged").exists() and sorted(os.listdir(run / "checkpoints")) == ["2"]
+
+
+def test_the_tools_read_a_live_run_whose_trainer_rotates_its_checkpoints(tmp_path, small_text, data_dir):
+    """A real trainer saving every step and keeping two (so a step lives a fraction of a second), read meanwhile by
+    ``info`` and ``convert``: each answers from whole checkpoints. ``info`` failed about one call in three (a step
+    listed, then gone before its time or size was read, in orbax's listing or in info's own), ``convert`` five in
+    six (its params and its data iterator's state were read from the step one after the other: an orbax
+    FileNotFoundError); now it converts, or, where every step it lists goes before it is read (a machine busy with
+    other tests), it says so after three listings."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from qkvjax.convert import convert_workdir
+    from qkvjax.info import describe
+    from tests.helpers import REPO, xla_flags
+
+    w = tmp_path / "w"
+    args = train_args(w, small_text, data_dir, **{"train.num_steps": 100_000, "train.checkpoint_every": 1,
+                                                   "train.max_to_keep": 2, "train.eval_every": 100_000})  # fmt: skip
+    env = dict(os.environ, XLA_FLAGS=xla_flags(1), JAX_PLATFORMS="cpu")
+    trainer = subprocess.Popen([sys.executable, "-m", "qkvjax.cli", *args], env=env, cwd=REPO,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not (w / "checkpoints").is_dir() or len(os.listdir(w / "checkpoints")) < 2:
+            failed = trainer.poll() is not None
+            assert not failed and time.monotonic() < deadline, trainer.stderr.read() if failed else "no checkpoints"
+            time.sleep(0.2)
+        seen = set()
+        for _ in range(25):
+            info = describe(str(w))
+            assert 1 <= len(info["checkpoints"]) <= 3, info["checkpoints"]  # two kept, a third while one is saved
+            seen.update(c["step"] for c in info["checkpoints"])
+        for i in range(3):  # a read slower than the rotation gives up after three listings, saying so
+            try:
+                convert_workdir(str(w), str(tmp_path / f"bilinear{i}"), "bilinear", None)
+            except checkpoint.CheckpointVanishedError as e:
+                assert "went away while it was read" in str(e) and "it was not damaged" in str(e)
+        assert len(seen) > 4  # the steps moved on while they were read
+        assert trainer.poll() is None  # still training: every read above raced its rotation
+    finally:
+        trainer.send_signal(signal.SIGTERM)
+        trainer.wait(timeout=120)
