@@ -12,6 +12,7 @@ band over seeds), final loss against parameters and against KV-cache bytes per t
 
 from __future__ import annotations
 
+import argparse
 import collections
 import functools
 import json
@@ -378,12 +379,12 @@ def write_report(out: Path | str) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1 or argv[0].startswith("-"):
-        print("usage: python experiments/report.py DIR", file=sys.stderr)
-        return 2
+    parser = argparse.ArgumentParser(prog="python experiments/report.py", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser.add_argument("dir", metavar="DIR", help="compare_schemes.py's results folder (runs.csv)")
+    args = parser.parse_args(argv)
     try:
-        print(write_report(argv[0]).read_text())
+        print(write_report(args.dir).read_text())
     except ValueError as e:
         print(f"report: error: {e}", file=sys.stderr)
         return 2

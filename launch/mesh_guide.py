@@ -10,6 +10,7 @@ memory. The arithmetic per row is ``qkvjax plan --config=FILE --devices N --back
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import sys
 from pathlib import Path
@@ -49,7 +50,9 @@ def choose(config, devices: int, gib: float, backend: str):
     return c, p, False
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    argparse.ArgumentParser(prog="python launch/mesh_guide.py", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)  # fmt: skip
     print("| hardware | devices x GiB | preset (batch) | mesh (data, fsdp, tensor) | remat | rows per device | "
           "params + grads + AdamW GiB | activations GiB | total GiB | flags |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|---|")

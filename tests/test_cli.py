@@ -1,8 +1,9 @@
 """Command-line plumbing shared by every subcommand."""
 
 import jax
+import pytest
 
-from tests.helpers import run_in_process
+from tests.helpers import REPO, run_in_process
 
 
 def test_the_persistent_compilation_cache_is_on_by_default_and_can_be_moved_or_turned_off(tmp_path, monkeypatch):
@@ -138,3 +139,24 @@ def test_running_out_of_device_memory_is_one_line_naming_the_allocation(monkeypa
     assert "4503599627370496 bytes" in err[0] and "`qkvjax plan`" in err[0]
     with pytest.raises(jax.errors.JaxRuntimeError, match="RESOURCE_EXHAUSTED"):
         run_in_process(["--verbose", "schemes"])
+
+
+SCRIPTS = sorted(
+    str(p.relative_to(REPO))
+    for folder in ("launch", "benchmarks", "experiments", "tests/faults")
+    for p in (REPO / folder).glob("*.py")
+    if 'if __name__ == "__main__":' in p.read_text()
+)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_script_answers_help_with_its_usage_and_does_nothing_else(script, tmp_path):
+    """``python SCRIPT --help`` prints a usage line and exits 0 (``mesh_guide.py`` printed its whole table,
+    ``report.py`` exited 2), from a folder where nothing may be written."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, str(REPO / script), "--help"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0 and done.stdout.startswith("usage: "), done.stdout[:300] + done.stderr[-500:]
+    assert not any(tmp_path.iterdir())

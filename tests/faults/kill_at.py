@@ -19,6 +19,9 @@ WRITE_MODES = ("w", "a", "x", "+")
 
 
 def main() -> int:
+    if sys.argv[1:2] in (["-h"], ["--help"]):
+        print("usage: python tests/faults/kill_at.py N|publish QKVJAX_COMMAND [ARGS...]\n\n" + __doc__)
+        return 0
     if len(sys.argv) < 3 or not (sys.argv[1] == "publish" or sys.argv[1].isdigit() and int(sys.argv[1]) > 0):
         got = sys.argv[1] if len(sys.argv) > 1 else "nothing"
         print(f"kill_at: error: the first argument is {got!r}; allowed: a boundary number N >= 1 or 'publish', "
