@@ -484,6 +484,8 @@ def _write(folder, config: dict, tensors: dict):
         (lambda c, f: c.update(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4}), "rope_type='yarn'"),
         (lambda c, f: c.update(vocab_size=43), "has shape (41, 21); the config says (43, 21)"),
         (lambda c, f: os.remove(os.path.join(f, "model.safetensors")), "has no model.safetensors"),
+        # a qkvjax workdir given to import (its config.json has no model_type): said so, not "model_type=None"
+        (lambda c, f: (c.clear(), c.update(model={}, data={}, train={})), "config.json is a qkvjax run's, not a Hu"),
     ],
 )
 def test_bad_folders_are_refused_in_one_line(folders, tmp_path, edit, message):

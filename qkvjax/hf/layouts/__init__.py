@@ -31,6 +31,11 @@ MODEL_TYPES: dict[str, str] = {t: layout.name for layout in LAYOUTS.values() for
 def layout_of(hf: dict) -> Layout:
     """The layout that imports a config.json, by its ``model_type``."""
     model_type = hf.get("model_type")
+    if model_type is None and {"model", "data", "train"} <= set(hf):  # a qkvjax workdir's config.json
+        raise ValueError(
+            "config.json is a qkvjax run's, not a Hugging Face model's: eval, sample, convert and train read that "
+            "workdir as it is (qkvjax export writes a Hugging Face folder from it)"
+        )
     if not isinstance(model_type, str) or model_type not in MODEL_TYPES:
         raise ValueError(f"config.json model_type={model_type!r} is not supported; allowed: {sorted(MODEL_TYPES)}")
     return LAYOUTS[MODEL_TYPES[model_type]]
