@@ -35,7 +35,7 @@ from qkvjax.attention import KV, AttentionConfig, core
 from qkvjax.attention.base import Call, kernel_init
 from qkvjax.attention.module import run, stages
 from qkvjax.models.family import MLPS, Family, dense_init
-from qkvjax.models.lm import DecodeCache, ModelConfig, check_call, unembed
+from qkvjax.models.lm import DecodeCache, ModelConfig, as_tokens, check_call, embed_tokens, unembed
 from qkvjax.models.norm import layer_norm, rms_norm
 
 
@@ -218,9 +218,9 @@ class DecoderLM(nnx.Module):
 
     def __call__(self, tokens: Array, *, positions=None, cache: DecodeCache | None = None, num_valid=None,
                  deterministic: bool = True):  # fmt: skip
-        cfg, dt = self.config, self.config.dtype
+        cfg, dt, tokens = self.config, self.config.dtype, as_tokens(tokens)
         check_call(cfg, tokens, positions, cache, num_valid)
-        x = jnp.take(self.embed[...], tokens, axis=0).astype(dt)
+        x = embed_tokens(self.embed[...], tokens, dt)
         if cfg.learned_positions:
             pos = jnp.broadcast_to(jnp.arange(tokens.shape[1])[None], tokens.shape) if positions is None else positions
             if cache is not None:

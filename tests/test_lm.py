@@ -73,6 +73,26 @@ def test_an_empty_cache_is_refused_in_one_line():
         DecodeCache.empty(lm(), B, max_len=0)
 
 
+def test_ids_outside_the_vocabulary_give_nan_rows_at_both_ends_and_lists_are_taken():
+    """An id >= V was a NaN row (jnp.take fills past the end), so the loss says so and the train step drops the
+    batch; a negative id wrapped to row V + id and trained on someone else's row, silently. Token lists are taken
+    as arrays (they were an AttributeError); text is refused in one line. The NNX model alike."""
+    import flax.nnx
+
+    import qkvjax.nnx
+
+    cfg = lm()
+    model = DecoderLM(cfg)
+    params = model.init(jax.random.key(0), jnp.zeros((1, T), jnp.int32))
+    ids = [[1, 2, -1, 4], [1, 2, V, 4], [1, 2, 3, 4]]
+    for logits in (model.apply(params, ids), qkvjax.nnx.DecoderLM(cfg, rngs=flax.nnx.Rngs(0))(ids)):
+        finite = np.isfinite(np.asarray(logits)).all((1, 2))  # a NaN value times a masked-out weight is NaN
+        np.testing.assert_array_equal(finite, [False, False, True])
+    np.testing.assert_array_equal(model.apply(params, ids[2:]), model.apply(params, jnp.asarray(ids[2:])))
+    with pytest.raises(ValueError, match=r"^tokens given as a str; allowed: integer ids \(B, T\) \(encode text first"):
+        model.apply(params, "ROMEO:")
+
+
 def test_a_cache_larger_than_the_devices_memory_is_refused_before_it_is_allocated():
     """Its bytes are the product of its shapes, so they are known before anything is allocated: on a CPU a cache
     that cannot fit was a RESOURCE_EXHAUSTED traceback, or, where the allocation was granted, a process the

@@ -26,6 +26,8 @@ from qkvjax.models.lm import (
     ModelConfig,
     _dense_init,
     _layer_norm,
+    as_tokens,
+    embed_tokens,
     param_count,
     position_table,
     token_table,
@@ -83,13 +85,13 @@ class Encoder(nn.Module):
 
     @nn.compact
     def __call__(self, tokens: Array, *, mask: Array | None = None, deterministic: bool = True) -> Array:
-        cfg = self.config
+        cfg, tokens = self.config, as_tokens(tokens)
         if tokens.ndim != 2 or tokens.shape[1] > cfg.max_len or not jnp.issubdtype(tokens.dtype, jnp.integer):
             raise ValueError(f"Encoder takes integer tokens (B, T) with T <= max_len={cfg.max_len}; got {tokens.dtype} "
                              f"{tokens.shape}")  # fmt: skip
         if mask is not None and mask.shape != tokens.shape:
             raise ValueError(f"mask is the tokens' padding, (B, T) = {tokens.shape} (1: a token); got {mask.shape}")
-        x = jnp.take(token_table(self, cfg), tokens, axis=0).astype(cfg.dtype)
+        x = embed_tokens(token_table(self, cfg), tokens, cfg.dtype)
         if cfg.learned_positions:
             x = x + position_table(self, cfg, stddev=0.02)[None, : tokens.shape[1]].astype(cfg.dtype)
         if cfg.family.embed_scale:

@@ -126,6 +126,22 @@ def token_table(module: nn.Module, cfg) -> Array:
     return module.param("embed", init, (cfg.vocab_size, cfg.d_model), cfg.param_dtype)
 
 
+def embed_tokens(table: Array, tokens: Array, dtype) -> Array:
+    """``table[tokens]``: (V, D) rows for (B, T) ids -> (B, T, D). An id outside [0, V) gives NaN rows, so the loss
+    says so (the train step drops such a batch's update); a negative id would otherwise wrap to row V + id."""
+    ids = jnp.where(tokens < 0, table.shape[0], tokens)  # jnp.take fills past the end only
+    return jnp.take(table, ids, axis=0).astype(dtype)
+
+
+def as_tokens(tokens) -> Array:
+    """Token ids given as nested lists or numpy, as an array (what flax's layers take); a string is refused."""
+    if isinstance(tokens, jax.Array | np.ndarray):
+        return tokens
+    if isinstance(tokens, str | bytes):
+        raise ValueError(f"tokens given as a {type(tokens).__name__}; allowed: integer ids (B, T) (encode text first)")
+    return jnp.asarray(tokens)
+
+
 def position_table(module: nn.Module, cfg, stddev: float) -> Array:
     """``pos_embed: (max_len, D)``, learned absolute positions, a parameter of ``module``."""
     init = nn.with_logical_partitioning(nn.initializers.normal(stddev), (None, axes.EMBED))
@@ -342,10 +358,10 @@ class DecoderLM(nn.Module):
         decode: bool = False,
         deterministic: bool = True,
     ):
-        cfg = self.config
+        cfg, tokens = self.config, as_tokens(tokens)
         check_call(cfg, tokens, positions, cache, num_valid)
         embed = token_table(self, cfg)
-        x = jnp.take(embed, tokens, axis=0).astype(cfg.dtype)
+        x = embed_tokens(embed, tokens, cfg.dtype)
         if cfg.learned_positions:
             pos_table = position_table(self, cfg, stddev=0.01)
             if decode:
