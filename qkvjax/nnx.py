@@ -35,7 +35,7 @@ from qkvjax.attention import KV, AttentionConfig, core
 from qkvjax.attention.base import Call, kernel_init
 from qkvjax.attention.module import run, stages
 from qkvjax.models.family import MLPS, Family, dense_init
-from qkvjax.models.lm import DecodeCache, ModelConfig, as_tokens, check_call, embed_tokens, unembed
+from qkvjax.models.lm import DecodeCache, ModelConfig, as_tokens, check_call, rows_of, unembed
 from qkvjax.models.norm import layer_norm, rms_norm
 
 
@@ -220,12 +220,12 @@ class DecoderLM(nnx.Module):
                  deterministic: bool = True):  # fmt: skip
         cfg, dt, tokens = self.config, self.config.dtype, as_tokens(tokens)
         check_call(cfg, tokens, positions, cache, num_valid)
-        x = embed_tokens(self.embed[...], tokens, dt)
+        x = rows_of(self.embed[...], tokens, dt)
         if cfg.learned_positions:
             pos = jnp.broadcast_to(jnp.arange(tokens.shape[1])[None], tokens.shape) if positions is None else positions
             if cache is not None:
                 pos = jnp.minimum(cache.lengths[:, None] + jnp.arange(tokens.shape[1])[None], cfg.max_len - 1)
-            x = x + jnp.take(self.pos_embed[...], pos, axis=0).astype(dt)
+            x = x + rows_of(self.pos_embed[...], pos, dt)
         if cfg.family.embed_scale:
             x = x * jnp.asarray(cfg.d_model**0.5, dt)
         if cfg.family.embed_norm:

@@ -73,7 +73,7 @@ def test_an_empty_cache_is_refused_in_one_line():
         DecodeCache.empty(lm(), B, max_len=0)
 
 
-def test_ids_outside_the_vocabulary_give_nan_rows_at_both_ends_and_lists_are_taken():
+def test_ids_outside_the_vocabulary_or_positions_outside_the_context_give_nan_rows_and_lists_are_taken():
     """An id >= V was a NaN row (jnp.take fills past the end), so the loss says so and the train step drops the
     batch; a negative id wrapped to row V + id and trained on someone else's row, silently. Token lists are taken
     as arrays (they were an AttributeError); text is refused in one line. The NNX model alike."""
@@ -89,6 +89,9 @@ def test_ids_outside_the_vocabulary_give_nan_rows_at_both_ends_and_lists_are_tak
         finite = np.isfinite(np.asarray(logits)).all((1, 2))  # a NaN value times a masked-out weight is NaN
         np.testing.assert_array_equal(finite, [False, False, True])
     np.testing.assert_array_equal(model.apply(params, ids[2:]), model.apply(params, jnp.asarray(ids[2:])))
+    assert cfg.learned_positions  # learned positions are rows of a table too: outside [0, max_len) NaN, not wrapped
+    for positions, finite in (([[0, 1, 2, 3]], True), ([[0, 1, -1, 3]], False), ([[0, 1, T, 3]], False)):
+        assert np.isfinite(model.apply(params, ids[2:], positions=jnp.asarray(positions))).all() == finite
     with pytest.raises(ValueError, match=r"^tokens given as a str; allowed: integer ids \(B, T\) \(encode text first"):
         model.apply(params, "ROMEO:")
 

@@ -27,9 +27,9 @@ from qkvjax.models.lm import (
     _dense_init,
     _layer_norm,
     as_tokens,
-    embed_tokens,
     param_count,
     position_table,
+    rows_of,
     token_table,
 )
 
@@ -91,7 +91,7 @@ class Encoder(nn.Module):
                              f"{tokens.shape}")  # fmt: skip
         if mask is not None and mask.shape != tokens.shape:
             raise ValueError(f"mask is the tokens' padding, (B, T) = {tokens.shape} (1: a token); got {mask.shape}")
-        x = embed_tokens(token_table(self, cfg), tokens, cfg.dtype)
+        x = rows_of(token_table(self, cfg), tokens, cfg.dtype)
         if cfg.learned_positions:
             x = x + position_table(self, cfg, stddev=0.02)[None, : tokens.shape[1]].astype(cfg.dtype)
         if cfg.family.embed_scale:

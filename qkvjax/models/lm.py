@@ -126,10 +126,11 @@ def token_table(module: nn.Module, cfg) -> Array:
     return module.param("embed", init, (cfg.vocab_size, cfg.d_model), cfg.param_dtype)
 
 
-def embed_tokens(table: Array, tokens: Array, dtype) -> Array:
-    """``table[tokens]``: (V, D) rows for (B, T) ids -> (B, T, D). An id outside [0, V) gives NaN rows, so the loss
-    says so (the train step drops such a batch's update); a negative id would otherwise wrap to row V + id."""
-    ids = jnp.where(tokens < 0, table.shape[0], tokens)  # jnp.take fills past the end only
+def rows_of(table: Array, ids: Array, dtype) -> Array:
+    """``table[ids]``: (V, D) rows for (B, T) token ids (or learned positions) -> (B, T, D). An id outside [0, V)
+    gives NaN rows, so the loss says so (the train step drops such a batch's update); a negative id would otherwise
+    wrap to row V + id, silently."""
+    ids = jnp.where(ids < 0, table.shape[0], ids)  # jnp.take fills past the end only
     return jnp.take(table, ids, axis=0).astype(dtype)
 
 
@@ -361,7 +362,7 @@ class DecoderLM(nn.Module):
         cfg, tokens = self.config, as_tokens(tokens)
         check_call(cfg, tokens, positions, cache, num_valid)
         embed = token_table(self, cfg)
-        x = embed_tokens(embed, tokens, cfg.dtype)
+        x = rows_of(embed, tokens, cfg.dtype)
         if cfg.learned_positions:
             pos_table = position_table(self, cfg, stddev=0.01)
             if decode:
@@ -372,7 +373,7 @@ class DecoderLM(nn.Module):
                 pos = jnp.broadcast_to(jnp.arange(tokens.shape[1])[None], tokens.shape)
             else:
                 pos = positions
-            x = x + jnp.take(pos_table, pos, axis=0).astype(cfg.dtype)
+            x = x + rows_of(pos_table, pos, cfg.dtype)
         if cfg.family.embed_scale:  # Gemma: the embeddings times sqrt(D)
             x = x * jnp.asarray(cfg.d_model**0.5, cfg.dtype)
         if cfg.family.embed_norm:
