@@ -523,6 +523,29 @@ def test_invalid_input_raises_before_compiling(call, match):
         jax.jit(lambda x: call(model, x))(x)  # the error comes from tracing, so nothing was compiled
 
 
+def test_kv_of_another_layout_is_refused_naming_both():
+    """kv= from a layer with more K/V heads was read as this layer's (a GQA layer of K=2 attended over 6 heads,
+    silently); another batch was einsum's "Size of label 'B'" error. The layer's own K/V is taken."""
+    from qkvjax.attention.cache import KV
+
+    gqa, x = Attention(config("separate", K)), inputs(5, B, T, D)
+    params = gqa.init(jax.random.key(0), x)
+    _, own = gqa.apply(params, x, return_kv=True)
+    np.testing.assert_allclose(gqa.apply(params, x, kv=own), gqa.apply(params, x), rtol=1e-6, atol=1e-6)
+    full = Attention(config("separate"))
+    _, six = full.apply(full.init(jax.random.key(1), x), x, return_kv=True)  # N = 6 K/V heads
+    with pytest.raises(
+        ValueError,
+        match=r"^kv= holds \{'k': \(3, 5, 6, 4\), 'v': \(3, 5, 6, 4\)\} \(BSKH\); this layer "
+        r"\(scheme 'separate', K=2\) reads \{'k': '\(B, S, 2, 4\)', 'v': '\(B, S, 2, 4\)'\} with B=3",
+    ):
+        gqa.apply(params, x, kv=six)
+    with pytest.raises(ValueError, match=r"with B=2; allowed: the K/V of a layer with the same scheme"):
+        gqa.apply(params, x[:2], kv=own)
+    with pytest.raises(ValueError, match=r"^kv= holds \{'kv': .*reads \{'k': "):
+        gqa.apply(params, x, kv=KV({"kv": own.tensors["k"]}))
+
+
 def test_array_likes_and_concrete_booleans_are_taken_as_flax_layers_take_them():
     """Nested lists and numpy arrays as inputs, mask and positions; numpy and 0-d jax booleans as switches: the
     same output as jax arrays and Python booleans (lists were an AttributeError)."""

@@ -12,7 +12,7 @@ import numpy as np
 from jax import Array
 
 from qkvjax import checks
-from qkvjax.attention.cache import KV
+from qkvjax.attention.cache import FRESH, KV, cache_shapes
 from qkvjax.attention.config import AttentionConfig
 
 
@@ -141,6 +141,29 @@ class AttentionModule(nn.Module):
         return self.is_mutable_collection("intermediates")
 
 
+def _check_kv_layout(cfg, kv: KV, b: int, d: int) -> None:
+    """``kv=`` (another layer's K/V) has the groups, batch, heads and widths this layer's config caches: a donor
+    with more K/V heads was read as if it were this layer's layout, silently (a pattern's ``kv_from`` is checked
+    when the model is built; this is the same check for a caller passing ``kv=`` by hand)."""
+    want = cache_shapes(cfg, d, 1)  # per name: (K, 1, W) for a group, (1, C) per token
+    got = {name: tuple(t.shape) for name, t in kv.tensors.items()}
+
+    def fits(name: str, shape: tuple) -> bool:
+        w = want[name]
+        if len(w) == 2:  # (B, S, C), either layout
+            return len(shape) == 3 and shape[0] == b and shape[2] == w[1]
+        heads = shape[2] if kv.layout == FRESH else shape[1]  # (B, S, K, W) fresh, (B, K, S, W) cached
+        return len(shape) == 4 and shape[0] == b and (heads, shape[3]) == (w[0], w[2])
+
+    if set(got) != set(want) or not all(fits(name, shape) for name, shape in got.items()):
+        group = "(B, S, {}, {})" if kv.layout == FRESH else "(B, {}, S, {})"
+        layout = {name: group.format(w[0], w[2]) if len(w) == 3 else f"(B, S, {w[1]})" for name, w in want.items()}
+        raise ValueError(
+            f"kv= holds {got} ({kv.layout}); this layer (scheme {cfg.scheme!r}, K={cfg.kv_heads}) reads {layout} with "
+            f"B={b}; allowed: the K/V of a layer with the same scheme, K/V heads and widths"
+        )
+
+
 def check_inputs(cfg, x_q, x_kv, mask, positions, decode, self_attention, kv, cache) -> None:
     """Shape errors at trace time, before XLA compiles anything."""
     if sum(x is not None and x is not False for x in (kv, cache, decode)) > 1:
@@ -156,6 +179,8 @@ def check_inputs(cfg, x_q, x_kv, mask, positions, decode, self_attention, kv, ca
         raise ValueError("a cache gives each row's positions (its start); pass positions=None")
     if cache is not None and not self_attention:
         raise ValueError("cache= caches self-attention only; pass inputs_kv=None")
+    if kv is not None:
+        _check_kv_layout(cfg, kv, x_q.shape[0], x_q.shape[2])
     if x_q.ndim != 3 or x_kv.ndim != 3:
         raise ValueError(
             f"Attention inputs must be (B, T, D) and (B, S, D); got inputs_q {x_q.shape}, inputs_kv {x_kv.shape}"
