@@ -22,9 +22,8 @@ def _schemes(args: argparse.Namespace) -> int:
     print(cost_table(args.d_model, args.num_heads, args.seq_len, args.num_kv_heads, args.head_dim, args.dtype))
     if args.num_layers is None and not args.layers:
         return 0
-    if args.num_layers is None or not 1 <= args.num_layers <= MAX_LAYERS:
-        allowed = f"an integer in [1, {MAX_LAYERS}] (needed by --layers)"
-        raise ValueError(f"--num-layers={args.num_layers}; allowed: {allowed}")
+    allowed = f"an integer in [1, {MAX_LAYERS}] (needed by --layers)"  # before example_layouts' lists of layers
+    checks.integer_value("--num-layers", args.num_layers, maximum=MAX_LAYERS, allowed=allowed)
     layouts = example_layouts(args.num_layers, args.num_heads)
     for item in args.layers:
         name, sep, pattern = item.partition("=")

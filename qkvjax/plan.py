@@ -154,9 +154,9 @@ def _abstract(config: Config):
 BACKENDS = ("cpu", "gpu", "tpu")
 
 
-def plan(config: Config, devices: int, backend: str | None = None) -> Plan:
+def plan(config: Config, devices: int, backend: str | None = None, abstract=None) -> Plan:
     """Bytes per device of training ``config`` on ``devices`` devices of ``backend`` (this machine's when None)
-    with the config's mesh (-1 filled in)."""
+    with the config's mesh (-1 filled in); ``abstract``: the boxed abstract train state, where the caller has it."""
     devices = checks.integer_value("--devices", devices)
     backend = backend or jax.default_backend()
     if backend not in BACKENDS:
@@ -170,7 +170,7 @@ def plan(config: Config, devices: int, backend: str | None = None) -> Plan:
             raise ValueError(f"train.{name}={value} is not divisible by the data-parallel size {dp} (data x fsdp)")
     # the state's shapes do not depend on the mesh or the kernel (which may need a GPU this machine lacks)
     einsum = dataclasses.replace(config.model.attention, implementation="einsum")
-    state = _abstract(
+    state = abstract or _abstract(
         dataclasses.replace(config, mesh=MeshConfig(), model=dataclasses.replace(config.model, attention=einsum))
     )
     params = _sharded_bytes(state.params, sizes)

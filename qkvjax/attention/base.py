@@ -82,15 +82,10 @@ def _as_array(name: str, value):
 
 def _as_bool(name: str, value) -> bool:
     """A Python or numpy boolean, or a concrete 0-d boolean array, as a Python bool; else one line."""
-    if isinstance(value, bool | np.bool_) or (
-        isinstance(value, jax.Array | np.ndarray)
-        and not isinstance(value, jax.core.Tracer)
-        and value.shape == ()
-        and value.dtype == np.bool_
-    ):
-        return bool(value)
     if isinstance(value, jax.core.Tracer):  # it picks the program's shape, so it must be known while tracing
         raise ValueError(f"{name} is a traced value; allowed: True or False, known when the call is traced")
+    if isinstance(value, bool | np.bool_) or (np.ndim(value) == 0 and getattr(value, "dtype", None) == np.bool_):
+        return bool(value)
     raise ValueError(f"{name}={value!r}; allowed: True or False")
 
 

@@ -32,6 +32,7 @@ import dataclasses
 import re
 import typing
 
+from qkvjax import checks
 from qkvjax.attention.config import AttentionConfig
 from qkvjax.attention.schemes import SCHEMES
 from qkvjax.parse import parse_bool
@@ -66,8 +67,7 @@ class LayerAttention:
 
 def expand(pattern: str, base: AttentionConfig, num_layers: int) -> tuple[LayerAttention, ...]:
     """The layers a pattern describes (empty pattern: ``base`` everywhere), validated; errors name the layer."""
-    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or not 1 <= num_layers <= MAX_LAYERS:
-        raise ValueError(f"num_layers={num_layers!r}; allowed: an integer in [1, {MAX_LAYERS}]")
+    checks.integer_value("num_layers", num_layers, maximum=MAX_LAYERS)
     if not pattern.strip():
         return tuple(LayerAttention(base) for _ in range(num_layers))
     tokens = re.findall(r"\[[^\]]*\]|[(),*]|[^\s(),*\[\]]+|\S", pattern)

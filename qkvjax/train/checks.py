@@ -90,18 +90,18 @@ def imported(workdir) -> bool:
 FIT_MARGIN = 1.5  # qkvjax.plan's total against XLA's own plan: 0.77-1.15x on GPUs, 0.38-0.87x on this CPU (test_plan)
 
 
-def check_fits(config: Config) -> None:
+def check_fits(config: Config, abstract) -> None:
     """Refuses a run whose step cannot fit in its devices' memory, before any data is read or anything compiles:
     :mod:`qkvjax.plan`'s estimate over ``FIT_MARGIN`` times what a device holds (a CPU's devices share the
     machine's memory). Only what surely cannot fit is refused (the estimate was at most 1.15x XLA's own plan where
     measured): on a CPU such a run is killed by the operating system, with no message, once its memory is touched;
-    on a GPU it fails after compiling."""
+    on a GPU it fails after compiling. ``abstract``: the run's boxed abstract train state."""
     from qkvjax import checks
     from qkvjax.plan import GIB, plan
 
     if config.parallelism == "pmap":  # data parallel on every device, whatever the (unused) mesh says
         config = dataclasses.replace(config, mesh=MeshConfig())
-    p = plan(config, jax.device_count())
+    p = plan(config, jax.device_count(), abstract=abstract)
     local = jax.local_devices()
     have = checks.device_memory(local[0]) // (len(local) if local[0].platform == "cpu" else 1)
     if p.total > FIT_MARGIN * have:

@@ -308,8 +308,9 @@ def prepare(config: Config, workdir: epath.Path, overwrite: bool) -> Prepared:
     anything compiles; only then does ``--overwrite`` touch the old run, and only by moving it aside."""
     model = DecoderLM(config.model)
     tx = make_optimizer(config.train)
-    par = _Parallel(config, abstract_state(model, config, tx))
-    check_fits(config)
+    abstract = abstract_state(model, config, tx)
+    check_fits(config, abstract)  # before the mesh lays anything out
+    par = _Parallel(config, abstract)
     check_workdir(workdir, config, overwrite)
     _sync("workdir checked")
     splits, tokens_per_byte, digest = _load_data(config, workdir)
