@@ -21,8 +21,8 @@ Per device, in bytes, for the mesh ``(data, fsdp, tensor)`` the config asks for 
 Which kernel runs depends on the backend the run will have (``--backend``; this machine's by default): a GPU
 takes cuDNN's flash kernel by default where jax accepts it, a CPU the einsum path in causal blocks, a TPU XLA's
 attention. Parameters, optimizer state and gradients are exact (the tests check them against the shardings of a
-real 8-device mesh); activations are a guide: for ``gpt2_small`` at batch 32 on an H100 and an H200 the total was
-0.77-0.86x the memory XLA planned with cuDNN's kernel and 1.13-1.15x with XLA's attention
+real 8-device mesh); activations are a guide: for ``gpt2_small`` at batch 32 and 64 on an H100 and two H200s the
+total was 0.76-0.86x the memory XLA planned with cuDNN's kernel and 1.13-1.15x with XLA's attention
 (``tests/test_plan.py``), so leave a quarter of the memory for what it does not count.
 """
 

@@ -253,7 +253,8 @@ def generate_batch(
     x0.89-0.94, on this project's CPU and on an H200, and were removed: benchmarks/README.md, "GPU: the third
     visit").
     ``scan_unroll``: decode steps per iteration of the on-device loop (``lax.scan``'s ``unroll``): fewer loop
-    iterations, whose condition a GPU reads on the host, for a longer compile (the loop with stop ids takes one).
+    iterations for a longer compile (the loop with stop ids takes one); measured slower so far: 8 on an H200 was
+    x0.36 the tokens/s of 1 at batch 1 (benchmarks/README.md, "GPU: the fourth visit"), so the default is 1.
     ``stop_ids``: a row ends at the first of them it draws (an imported model's ``eos_token_id``, as transformers'
     ``generate`` stops): its later places hold that id, ``stats["lengths"]`` counts each row's tokens before it,
     and ``on_token`` is not called for it; both loops end once every row has stopped (the batched one is then a

@@ -162,8 +162,8 @@ def test_the_next_visits_commands_in_the_benchmarks_readme_name_only_what_the_sc
     commands = [c for c in commands if c and c[:2] == ["python3", "benchmarks/gpu_check.py"]]
     assert len(commands) >= 2, block
     allowed = {"--sections": gpu_check.SECTIONS, "--rows": gpu_check.SPEED_ROWS,
-               "--variants": gpu_check.CORRECTNESS_VARIANTS}  # fmt: skip
-    takes = {"--out", "--corpus", "--batch-size", "--budget-s", "--steps", "--sample-rows", *allowed}
+               "--variants": gpu_check.CORRECTNESS_VARIANTS, "--sample-rows": gpu_check.SAMPLE_ROWS}  # fmt: skip
+    takes = {"--out", "--corpus", "--batch-size", "--budget-s", "--steps", *allowed}
     for cmd in commands:
         flags = dict(zip(cmd[2::2], cmd[3::2], strict=True))
         assert set(flags) <= takes, cmd
