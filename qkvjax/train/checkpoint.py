@@ -105,11 +105,19 @@ class _ReadOnlyNotice(logging.Filter):
         return not record.getMessage().startswith("Given directory is read only")
 
 
+# Where a run's max_to_keep moves the steps it drops, inside checkpoints/, removed at the next save (finish):
+# orbax deletes a step file by file and then its folder, so a tool reading a live run (info, convert, eval) saw a
+# step with some of its items gone ('Item "config" was not found'); one rename takes it away whole. Object stores
+# have no rename; there orbax deletes in place and a reader says the step went away.
+ROTATED_DIR = ".rotated"
+
+
 def manager(workdir: str, max_to_keep: int = 3, read_only: bool = False) -> ocp.CheckpointManager:
     # A reader's options are the ones orbax would otherwise reset, each with a warning (eval, sample, qkvjax.load)
     options = ocp.CheckpointManagerOptions(
         max_to_keep=None if read_only else max_to_keep, save_interval_steps=0 if read_only else 1,
         create=not read_only, read_only=read_only, enable_async_checkpointing=True,
+        todelete_subdir=None if read_only else ROTATED_DIR,
     )  # fmt: skip
     handlers = {
         "state": ocp.StandardCheckpointHandler() if read_only else state_handler(),
@@ -221,16 +229,21 @@ def close(mngr: ocp.CheckpointManager) -> None:
 
 
 def _remove_leftovers(mngr: ocp.CheckpointManager, patience_s: float = 0.0) -> None:
-    """Removes the folders of saves killed half-way: nothing else writes here (the workdir is locked) and no save
-    is in flight. Locally they are orbax's ``*.orbax-checkpoint-tmp*`` folders; on an object store, step folders
-    without the commit file, which orbax does not list."""
+    """Removes the folders of saves killed half-way, and the steps max_to_keep moved to ``ROTATED_DIR``: nothing
+    else writes here (the workdir is locked) and no save is in flight. Locally the former are orbax's
+    ``*.orbax-checkpoint-tmp*`` folders; on an object store, step folders without the commit file, which orbax
+    does not list."""
     where = epath.Path(mngr.directory)
     if not where.exists():
         return
     finished = {str(s) for s in mngr.all_steps()}
     for leftover in where.iterdir():
         name = leftover.name
-        if ".orbax-checkpoint-tmp" in name or (is_remote(where) and name.isdigit() and name not in finished):
+        if (
+            name == ROTATED_DIR
+            or ".orbax-checkpoint-tmp" in name
+            or (is_remote(where) and name.isdigit() and name not in finished)
+        ):
             _remove(leftover, patience_s)
 
 
