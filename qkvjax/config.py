@@ -358,6 +358,11 @@ def _parse(raw: str, hint, name: str):
     options = [t for t in (typing.get_args(hint) if _is_union(hint) else (hint,))]
     if type(None) in options and raw.lower() in ("none", "null"):
         return None
+    if str in options and raw in ("None", "null"):  # Python's and JSON's None, given to a field that takes none
+        # (a folder literally named "None" was made for --config.data.data_dir=None; remat's "none" stays a value)
+        raise ValueError(
+            f"--config.{name}={raw!r}: this field cannot be None; allowed: a str (a folder named {raw}: ./{raw})"
+        )
     for t in options:
         try:
             if t is bool:

@@ -153,6 +153,25 @@ def test_a_seed_the_data_order_cannot_take_stops_the_run_before_a_workdir_exists
     assert not workdir.exists()
 
 
+def test_none_for_a_field_that_takes_no_none_is_refused_not_kept_as_the_word(tmp_path, monkeypatch, capsys):
+    """``--config.data.data_dir=None`` made a folder named "None" in the current folder and prepared the data
+    there; Optional fields still take None, and remat's value "none" is still a value."""
+    from qkvjax.config import apply_overrides, load_config_file
+    from tests.helpers import REPO
+
+    monkeypatch.chdir(tmp_path)
+    config = load_config_file(str(REPO / "experiments/configs/tiny.py"))
+    for raw in ("None", "null"):
+        with pytest.raises(ValueError, match=rf"^--config.data.data_dir='{raw}': this field cannot be None; allowed"):
+            apply_overrides(config, {"data.data_dir": raw})
+    assert run_in_process(["train", f"--config={REPO / 'experiments/configs/tiny.py'}", "--workdir=w",
+                           "--config.data.data_dir=None"]) == 2  # fmt: skip
+    assert "data_dir='None': this field cannot be None" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    kept = apply_overrides(config, {"data.source_path": "None", "model.remat": "none", "data.data_dir": "./None"})
+    assert (kept.data.source_path, kept.model.remat, kept.data.data_dir) == (None, "none", "./None")
+
+
 @pytest.mark.parametrize("command", ["sample", "analyze"])
 @pytest.mark.parametrize("seed", ["-1", "4294967296", "99999999999999999999"])
 def test_a_seed_option_out_of_range_is_refused_by_the_parser_naming_the_flag(command, seed, capsys):
