@@ -258,6 +258,8 @@ def plot_report(report: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from qkvjax.workdir import replace_file
+
     rows = [(f"layer {r['layer']}", r) for r in report["layers"]]
     rows += [("random", report["random"]), ("mismatched", report["mismatched"])]
     rows += [("initial W_0", report["initial"])] if "initial" in report else []
@@ -285,7 +287,7 @@ def plot_report(report: dict, path: str) -> None:
     ax.set_title(f"W^Q, W^K, W^V similarity: {report['source']}{heads}", fontsize=9)
     fig.colorbar(im, ax=ax, fraction=0.03)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    replace_file(path, lambda target: fig.savefig(target, dpi=120))  # the old plot or the new, never a part
     plt.close(fig)
 
 

@@ -89,14 +89,14 @@ def _eval(args: argparse.Namespace) -> int:
     import json
 
     from qkvjax.evaluate import evaluate
+    from qkvjax.workdir import replace_text
 
     _check_outputs(("--output", args.output, False))
     result = evaluate(args.workdir, args.step, args.split, args.source_path, args.data_dir, args.stride)
     text = json.dumps(result)
     print(text)
     if args.output:
-        with open(args.output, "w") as f:
-            f.write(text + "\n")
+        replace_text(args.output, text + "\n")
     return 0
 
 
@@ -376,6 +376,7 @@ def _analyze(args: argparse.Namespace) -> int:
 
     from qkvjax.analyze import MAX_RANDOM_SEEDS, analyze_layers, format_report, plot_report
     from qkvjax.sources import FORMATS, load_safetensors, load_workdir
+    from qkvjax.workdir import replace_text
 
     if (args.workdir is None) == (args.safetensors is None):
         raise ValueError(f"pass exactly one of --workdir DIR or --safetensors FILE --format {'|'.join(FORMATS)}")
@@ -400,9 +401,7 @@ def _analyze(args: argparse.Namespace) -> int:
     report = analyze_layers(layers, source, args.seed, args.random_seeds, initial, drift, decay_only)
     print(format_report(report))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
-            f.write("\n")
+        replace_text(args.json, json.dumps(report, indent=2) + "\n")
     if args.plot:
         plot_report(report, args.plot)
         print(f"wrote {os.path.abspath(args.plot)}", file=sys.stderr)
@@ -413,7 +412,7 @@ def _compare(args: argparse.Namespace) -> int:
     import json
 
     from qkvjax.compare import compare, differences, format_table, plot
-    from qkvjax.workdir import json_safe
+    from qkvjax.workdir import json_safe, replace_text
 
     _check_outputs(("--json", args.json, False), ("--plot", args.plot, True))
     rows = compare(args.workdirs)
@@ -421,9 +420,7 @@ def _compare(args: argparse.Namespace) -> int:
     for note in differences(rows):
         print(note, file=sys.stderr)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(json_safe(rows), f, indent=2, allow_nan=False)
-            f.write("\n")
+        replace_text(args.json, json.dumps(json_safe(rows), indent=2, allow_nan=False) + "\n")
     if args.plot:
         plot(rows, args.plot)
         print(f"wrote {os.path.abspath(args.plot)}", file=sys.stderr)

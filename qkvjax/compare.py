@@ -10,7 +10,7 @@ import os
 import statistics
 
 from qkvjax.models.lm import kv_cache_bytes_per_token, param_count
-from qkvjax.workdir import learning_curve, path, read_metrics, recorded_text, run_config
+from qkvjax.workdir import learning_curve, path, read_metrics, recorded_text, replace_file, run_config
 
 COLUMNS = (
     ("run", "run", "{}"),
@@ -134,5 +134,5 @@ def plot(rows: list[dict], path: str) -> None:
         fontsize=11,
     )
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    replace_file(path, lambda target: fig.savefig(target, dpi=110))  # the old plot or the new, never a part
     plt.close(fig)

@@ -84,6 +84,31 @@ def write_text(target: epath.Path, text: str) -> None:
     os.replace(tmp, target)
 
 
+def replace_file(target: str, write) -> None:
+    """Calls ``write(path)`` on a temporary sibling of ``target`` (same suffix, so a format read from the name
+    holds) and renames it over ``target``: a kill, a full disk or an error while writing leaves the old file or
+    none, never a part (a command's ``--json``, ``--output``, ``--plot``). A target that exists and is not a
+    regular file (``/dev/null``, ``/dev/stdout``, a pipe) is written directly: a rename would replace it."""
+    target = os.fspath(target)
+    if os.path.exists(target) and not os.path.isfile(target):
+        write(target)
+        return
+    folder, name = os.path.split(os.path.abspath(target))
+    stem, suffix = os.path.splitext(name)
+    tmp = os.path.join(folder, f".{stem}.{uuid.uuid4().hex[:8]}.tmp{suffix}")
+    try:
+        write(tmp)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def replace_text(target: str, text: str) -> None:
+    """``text`` into ``target`` through :func:`replace_file`."""
+    replace_file(target, lambda path: epath.Path(path).write_text(text))
+
+
 def require_empty(target, holds: str = "files") -> None:
     """Refuses, in one line, a ``target`` that exists and is not an empty folder (checked before expensive work
     and again by :func:`whole_or_absent`)."""

@@ -461,6 +461,36 @@ def test_clear_errors(args, match, run, tmp_path, capsys):
     assert captured.out == ""  # nothing (not the prompt) printed before the error
 
 
+def test_an_output_file_is_the_old_one_or_the_new_one_never_a_part(run, tmp_path, monkeypatch, capsys):
+    """``--json``, ``--output`` and ``--plot`` were opened in place: a full disk or a kill while writing left a part
+    of the new file where the old one was. Now each is written beside it and renamed over it; ``/dev/null`` (not a
+    regular file) is still written, not replaced."""
+    import errno
+
+    import matplotlib.figure
+
+    out, plot = tmp_path / "rows.json", tmp_path / "curves.svg"
+    out.write_text("old rows\n")
+    plot.write_text("old plot\n")
+    real = matplotlib.figure.Figure.savefig
+
+    def full_disk(self, fname, **kwargs):
+        with open(fname, "w") as f:
+            f.write("<svg")
+        raise OSError(errno.ENOSPC, "No space left on device", str(fname))
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", full_disk)
+    assert run_in_process(["compare", str(run), f"--json={out}", f"--plot={plot}"]) != 0
+    assert plot.read_text() == "old plot\n" and json.loads(out.read_text())[0]["workdir"]  # the JSON came first
+    assert sorted(os.listdir(tmp_path)) == ["curves.svg", "rows.json"]  # no temporary left beside them
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", real)
+    assert run_in_process(["compare", str(run), f"--json={out}", f"--plot={plot}"]) == 0
+    assert plot.read_text().startswith("<?xml") and sorted(os.listdir(tmp_path)) == ["curves.svg", "rows.json"]
+    assert run_in_process(["eval", f"--workdir={run}", "--output=/dev/null"]) == 0
+    assert os.path.exists("/dev/null") and not os.path.isfile("/dev/null")
+    capsys.readouterr()
+
+
 def test_corrupted_checkpoint_names_the_step_and_the_file(run, tmp_path):
     copy = tmp_path / "copy"
     shutil.copytree(run, copy)
