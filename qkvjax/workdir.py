@@ -93,6 +93,7 @@ def replace_file(target: str, write) -> None:
     if os.path.exists(target) and not os.path.isfile(target):
         write(target)
         return
+    target = os.path.realpath(target)  # through a link: its file is replaced, the link stays
     folder, name = os.path.split(os.path.abspath(target))
     stem, suffix = os.path.splitext(name)
     tmp = os.path.join(folder, f".{stem}.{uuid.uuid4().hex[:8]}.tmp{suffix}")

@@ -486,6 +486,11 @@ def test_an_output_file_is_the_old_one_or_the_new_one_never_a_part(run, tmp_path
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", real)
     assert run_in_process(["compare", str(run), f"--json={out}", f"--plot={plot}"]) == 0
     assert plot.read_text().startswith("<?xml") and sorted(os.listdir(tmp_path)) == ["curves.svg", "rows.json"]
+    link = tmp_path / "latest.json"
+    link.symlink_to(out)
+    assert run_in_process(["compare", str(run), f"--json={link}"]) == 0
+    assert link.is_symlink() and json.loads(out.read_text())[0]["workdir"]  # the link's file was replaced
+    link.unlink()
     assert run_in_process(["eval", f"--workdir={run}", "--output=/dev/null"]) == 0
     assert os.path.exists("/dev/null") and not os.path.isfile("/dev/null")
     capsys.readouterr()
