@@ -242,6 +242,8 @@ def _sample(args: argparse.Namespace) -> int:
         jax.eval_shape(lambda: DecodeCache.empty(saved.model, len(prompts) * n))
     except ValueError as e:
         raise ValueError(f"--num-samples {n} x {len(prompts)} prompt(s): {e}") from None
+    texts = [t.encode("utf-8", "surrogateescape").decode("utf-8", "replace") for t in texts]  # echoed: bytes that
+    # are not UTF-8 (given on the command line to a byte model) print as U+FFFD on any terminal's encoding
     texts, prompts = [t for t in texts for _ in range(n)], [p for p in prompts for _ in range(n)]  # prompt-major
     model, params, config, step = restore_params(args.workdir, args.step)
     check_request(model, prompts, args.num_tokens)  # before the prompt is echoed

@@ -496,6 +496,30 @@ def test_an_output_file_is_the_old_one_or_the_new_one_never_a_part(run, tmp_path
     capsys.readouterr()
 
 
+def test_a_prompt_of_bytes_that_are_not_utf8_is_bytes_to_a_byte_model_and_refused_by_a_text_tokenizer(
+    run, tmp_path, capsys
+):
+    """Bytes on a command line that are not UTF-8 reach Python as the surrogates U+DC80-U+DCFF: ``sample --prompt``
+    stopped on "'utf-8' codec can't encode characters in position 0-1: surrogates not allowed". A byte-level model
+    now reads them as the bytes they were; a tokenizer of text, and any lone surrogate, is refused naming it."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from qkvjax.data.tokenizer import ByteTokenizer, HFTokenizer
+
+    assert ByteTokenizer().encode("ab\udcff\udcfe").tolist() == [97, 98, 255, 254]
+    assert run_in_process(["sample", f"--workdir={run}", "--prompt=ab\udcff\udcfe", "--num-tokens=3"]) == 0
+    assert run_in_process(["sample", f"--workdir={run}", "--prompt=a\ud800b"]) == 2
+    assert "the text holds '\\ud800' at character 1, a lone surrogate; allowed: UTF-8 text" in capsys.readouterr().err
+    tok = Tokenizer(models.WordLevel({"a": 0, "b": 1}, unk_token="a"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    text = HFTokenizer(str(tmp_path / "tokenizer.json"))
+    assert text.encode("a b").tolist() == [0, 1]
+    for encode in (text.encode, text.encode_prompt):
+        with pytest.raises(ValueError, match=r"^the text holds '\\udcff' at character 2, a byte that is not UTF-8"):
+            encode("a \udcff")
+
+
 def test_corrupted_checkpoint_names_the_step_and_the_file(run, tmp_path):
     copy = tmp_path / "copy"
     shutil.copytree(run, copy)

@@ -14,6 +14,19 @@ import os
 import numpy as np
 
 
+def utf8(text: str, raw_bytes: bool) -> bytes:
+    """``text`` as UTF-8, or one line naming what is not text. ``raw_bytes``: bytes that are not UTF-8, which
+    Python keeps in a command line's arguments as the surrogates U+DC80-U+DCFF (``os.fsencode``'s convention),
+    become those bytes again (a byte-level model reads any bytes); a tokenizer of text refuses them."""
+    try:
+        return text.encode("utf-8", "surrogateescape" if raw_bytes else "strict")
+    except UnicodeEncodeError as e:
+        kind = "a lone surrogate" if raw_bytes else "a byte that is not UTF-8 (from a command line) or a lone surrogate"
+        raise ValueError(
+            f"the text holds {text[e.start : e.end]!r} at character {e.start}, {kind}; allowed: UTF-8 text"
+        ) from None
+
+
 class ByteTokenizer:
     """The default: each UTF-8 byte is a token (vocabulary 256)."""
 
@@ -21,7 +34,7 @@ class ByteTokenizer:
     vocab_size = 256
 
     def encode(self, text: str) -> np.ndarray:
-        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
+        return np.frombuffer(utf8(text, raw_bytes=True), dtype=np.uint8).astype(np.int32)
 
     def encode_prompt(self, text: str) -> np.ndarray:
         return self.encode(text)
@@ -63,11 +76,13 @@ class HFTokenizer:
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> np.ndarray:
+        utf8(text, raw_bytes=False)  # the library's own error names no position
         return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.int32)
 
     def encode_prompt(self, text: str) -> np.ndarray:
         """A prompt as transformers' ``tokenizer(text)`` gives it: with the special tokens of the tokenizer's own
         post-processor (Llama's BOS before the text; none for GPT-2 or Qwen)."""
+        utf8(text, raw_bytes=False)
         return np.asarray(self._tok.encode(text, add_special_tokens=True).ids, dtype=np.int32)
 
     def decode(self, ids) -> str:
