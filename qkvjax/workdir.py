@@ -53,8 +53,10 @@ REMOTE_SCHEMES = ("gs",)  # orbax writes checkpoints to local paths and Cloud St
 def path(workdir) -> epath.Path:
     """``workdir`` as an ``epath.Path``: a local path made absolute (``~`` expanded), a ``gs://`` URI as given.
     An empty text is refused: it would mean the current folder, and is more often an unset shell variable
-    (``--workdir=$RUN``) than a wish to train into the folder a command was typed in."""
-    text = os.fspath(workdir)
+    (``--workdir=$RUN``) than a wish to train into the folder a command was typed in. A local path that is not
+    UTF-8 is refused too: TensorStore, which writes the checkpoints, takes no other, and failed at the first save,
+    after the training before it (Python keeps such bytes as the surrogates U+DC80-U+DCFF)."""
+    text = os.fsdecode(workdir)
     if not text.strip():
         raise ValueError(f"a run or model folder given as {text!r}; allowed: a folder's path (is a variable unset?)")
     if is_remote(text):
@@ -65,7 +67,15 @@ def path(workdir) -> epath.Path:
                 "or gs://BUCKET/PATH"
             )
         return epath.Path(text)
-    return epath.Path(os.path.abspath(os.path.expanduser(text)))
+    full = os.path.abspath(os.path.expanduser(text))
+    try:
+        full.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(
+            f"a run or model folder given as {text!r}: {full!r} holds {full[e.start : e.end]!r}, bytes that are not "
+            "UTF-8; allowed: a path in UTF-8 (TensorStore, which writes the checkpoints, takes no other)"
+        ) from None
+    return epath.Path(full)
 
 
 def is_remote(workdir) -> bool:

@@ -200,6 +200,9 @@ def test_a_damaged_newest_checkpoint_is_moved_aside_and_training_falls_back(tmp_
         (["info", "--workdir="], r"given as ''; allowed: a folder's path"),
         (["compare", ""], r"given as ''; allowed: a folder's path"),
         (["analyze", "--workdir="], r"given as ''; allowed: a folder's path"),
+        # a path that is not UTF-8 trained, then failed at the first save inside TensorStore with a traceback
+        (["train", f"--config={TINY}", "--workdir={w}\udcff"], r"holds '\\udcff', bytes that are not UTF-8; allowed"),
+        (["info", "--workdir=w\udcff"], r"holds '\\udcff', bytes that are not UTF-8; allowed: a path in UTF-8"),
         (["schemes", "--num-layers", "1099511627776"], r"--num-layers=1099511627776; allowed: an integer in \[1, 6"),
         (["schemes", "--num-layers", "4", "--layers", "x=separate*1000000000000"],
          r"'\*1000000000000' makes 1000000000000 or more layers, more than num_layers=4"),
@@ -216,7 +219,7 @@ def test_one_line_errors_instead_of_tracebacks(args, match, tmp_path, capsys, mo
     assert run_in_process(args) == 2
     err = capsys.readouterr().err
     assert re.search(match, err) and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
-    assert not any((tmp_path / "cwd").iterdir()) and not (tmp_path / "w").exists()  # nothing written
+    assert not any((tmp_path / "cwd").iterdir()) and sorted(os.listdir(tmp_path)) == ["afile", "cwd"]  # nothing written
 
 
 def test_decoding_past_the_cache_is_an_error():
