@@ -162,7 +162,12 @@ def text(config, name: str, *, none: str | None = None) -> None:
         return
     if not isinstance(value, str | os.PathLike):
         refuse(config, name, _none_or(none, "a string or a path"))
-    _keep(config, name, os.fspath(value))
+    value = os.fspath(value)
+    try:  # bytes that are not UTF-8 (Python keeps them as surrogates) fail later in TFDS, TensorStore or JSON
+        value.encode("utf-8")
+    except (UnicodeEncodeError, AttributeError):
+        refuse(config, name, _none_or(none, "UTF-8 text (a path whose bytes are not UTF-8 cannot be read here)"))
+    _keep(config, name, value)
 
 
 def device_memory(device=None) -> int:

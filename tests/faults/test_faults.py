@@ -203,6 +203,10 @@ def test_a_damaged_newest_checkpoint_is_moved_aside_and_training_falls_back(tmp_
         # a path that is not UTF-8 trained, then failed at the first save inside TensorStore with a traceback
         (["train", f"--config={TINY}", "--workdir={w}\udcff"], r"holds '\\udcff', bytes that are not UTF-8; allowed"),
         (["info", "--workdir=w\udcff"], r"holds '\\udcff', bytes that are not UTF-8; allowed: a path in UTF-8"),
+        (["train", f"--config={TINY}", "--workdir={w}", "--config.data.data_dir=td\udcff"],
+         r"data.data_dir='td\\udcff'; allowed: UTF-8 text"),  # array_record's writer failed with a traceback
+        (["train", f"--config={TINY}", "--workdir={w}", "--config.data.source_path=in\udcff.txt"],
+         r"data.source_path='in\\udcff.txt'; allowed: None \(download Tiny Shakespeare\) or UTF-8 text"),
         (["schemes", "--num-layers", "1099511627776"], r"--num-layers=1099511627776; allowed: an integer in \[1, 6"),
         (["schemes", "--num-layers", "4", "--layers", "x=separate*1000000000000"],
          r"'\*1000000000000' makes 1000000000000 or more layers, more than num_layers=4"),
