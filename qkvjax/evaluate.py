@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import sys
@@ -148,6 +149,8 @@ def evaluate(
         raise ValueError(f"split={split!r}; allowed: {list(SPLITS)}")
     saved = load_config(workdir)  # refusals before anything is restored or compiled
     require_decoder(saved, "eval")
+    given = {k: v for k, v in (("source_path", source_path), ("data_dir", data_dir)) if v is not None}
+    dataclasses.replace(saved.data, **given)  # DataConfig's own checks of the paths (UTF-8: TFDS fails on others)
     if stride is not None:
         check_stride(stride, saved.seq_len)
     from qkvjax.data.builders import load_splits  # TFDS loads when a split is read

@@ -451,6 +451,9 @@ def test_convert_to_mla_reports_errors_and_uptrains_from_its_config_json(run, tm
         (["compare", "{run}", "--json={empty}"], r"--json=.* is a folder; allowed: a file's path in it"),
         (["analyze", "--workdir={run}", "--plot={empty}/heat"], r"--plot=.*/heat' names no image format"),
         (["eval", "--workdir={run}", "--output={empty}"], r"--output=.* is a folder; allowed: a file's path in it"),
+        # eval's own --source-path and --data-dir skipped the config's checks: a codec error, array_record's traceback
+        (["eval", "--workdir={run}", "--source-path=in\udcff.txt"], r"data.source_path='in\\udcff.txt'; allowed"),
+        (["eval", "--workdir={run}", "--data-dir=td\udcff"], r"data.data_dir='td\\udcff'; allowed: UTF-8 text"),
     ],
 )
 def test_clear_errors(args, match, run, tmp_path, capsys):
