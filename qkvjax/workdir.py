@@ -98,9 +98,11 @@ def replace_file(target: str, write) -> None:
     """Calls ``write(path)`` on a temporary sibling of ``target`` (same suffix, so a format read from the name
     holds) and renames it over ``target``: a kill, a full disk or an error while writing leaves the old file or
     none, never a part (a command's ``--json``, ``--output``, ``--plot``). A target that exists and is not a
-    regular file (``/dev/null``, ``/dev/stdout``, a pipe) is written directly: a rename would replace it."""
+    regular file (``/dev/null``, a pipe) or is named under ``/dev`` or ``/proc`` (``/dev/stdout``, which may lead to
+    the file a shell redirected the output into) is written directly: a rename would replace it."""
     target = os.fspath(target)
-    if os.path.exists(target) and not os.path.isfile(target):
+    special = os.path.abspath(target).startswith(("/dev/", "/proc/"))
+    if special or (os.path.exists(target) and not os.path.isfile(target)):
         write(target)
         return
     target = os.path.realpath(target)  # through a link: its file is replaced, the link stays

@@ -79,16 +79,18 @@ print((counts[1] - counts[0]) / 30)
     mngr = checkpoint.manager(os.fspath(tmp_path / "here"), max_to_keep=2)
     try:
         counts = []
-        for step in range(1, 41):
+        for step in range(1, 71):
             checkpoint.save(mngr, step, state, {"i": step}, {"a": 1})
             checkpoint.finish(mngr)
-            if step in (10, 40):
+            if step in (10, 40, 70):
                 gc.collect()
                 counts.append(len(gc.get_objects()))
     finally:
         checkpoint.close(mngr)
     assert tensorstore_leak._in_flight == {}  # every window closed
-    per_save = (counts[1] - counts[0]) / 30
+    # a leak keeps objects in every stretch of saves; the other threads of a busy machine (a full suite's workers
+    # beside it) move one stretch's count now and then: 3.8 once, 0-1.2 alone. The smaller of two stretches of 30.
+    per_save = min(counts[1] - counts[0], counts[2] - counts[1]) / 30
     assert per_save < 3, f"{per_save:.1f} Python objects kept alive per save (without the remedy: {without:.1f})"
 
 
