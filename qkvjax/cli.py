@@ -89,14 +89,14 @@ def _eval(args: argparse.Namespace) -> int:
     import json
 
     from qkvjax.evaluate import evaluate
-    from qkvjax.workdir import replace_text
+    from qkvjax.workdir import write_text
 
     _check_outputs(("--output", args.output, False))
     result = evaluate(args.workdir, args.step, args.split, args.source_path, args.data_dir, args.stride)
     text = json.dumps(result)
     print(text)
     if args.output:
-        replace_text(args.output, text + "\n")
+        write_text(args.output, text + "\n")
     return 0
 
 
@@ -378,7 +378,7 @@ def _analyze(args: argparse.Namespace) -> int:
 
     from qkvjax.analyze import MAX_RANDOM_SEEDS, analyze_layers, format_report, plot_report
     from qkvjax.sources import FORMATS, load_safetensors, load_workdir
-    from qkvjax.workdir import replace_text
+    from qkvjax.workdir import write_text
 
     if (args.workdir is None) == (args.safetensors is None):
         raise ValueError(f"pass exactly one of --workdir DIR or --safetensors FILE --format {'|'.join(FORMATS)}")
@@ -403,7 +403,7 @@ def _analyze(args: argparse.Namespace) -> int:
     report = analyze_layers(layers, source, args.seed, args.random_seeds, initial, drift, decay_only)
     print(format_report(report))
     if args.json:
-        replace_text(args.json, json.dumps(report, indent=2) + "\n")
+        write_text(args.json, json.dumps(report, indent=2) + "\n")
     if args.plot:
         plot_report(report, args.plot)
         print(f"wrote {os.path.abspath(args.plot)}", file=sys.stderr)
@@ -414,7 +414,7 @@ def _compare(args: argparse.Namespace) -> int:
     import json
 
     from qkvjax.compare import compare, differences, format_table, plot
-    from qkvjax.workdir import json_safe, replace_text
+    from qkvjax.workdir import json_safe, write_text
 
     _check_outputs(("--json", args.json, False), ("--plot", args.plot, True))
     rows = compare(args.workdirs)
@@ -422,7 +422,7 @@ def _compare(args: argparse.Namespace) -> int:
     for note in differences(rows):
         print(note, file=sys.stderr)
     if args.json:
-        replace_text(args.json, json.dumps(json_safe(rows), indent=2, allow_nan=False) + "\n")
+        write_text(args.json, json.dumps(json_safe(rows), indent=2, allow_nan=False) + "\n")
     if args.plot:
         plot(rows, args.plot)
         print(f"wrote {os.path.abspath(args.plot)}", file=sys.stderr)

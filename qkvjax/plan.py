@@ -169,10 +169,11 @@ def plan(config: Config, devices: int, backend: str | None = None, abstract=None
         if value % dp:
             raise ValueError(f"train.{name}={value} is not divisible by the data-parallel size {dp} (data x fsdp)")
     # the state's shapes do not depend on the mesh or the kernel (which may need a GPU this machine lacks)
-    einsum = dataclasses.replace(config.model.attention, implementation="einsum")
-    state = abstract or _abstract(
-        dataclasses.replace(config, mesh=MeshConfig(), model=dataclasses.replace(config.model, attention=einsum))
-    )
+    state = abstract
+    if state is None:
+        einsum = dataclasses.replace(config.model.attention, implementation="einsum")
+        model = dataclasses.replace(config.model, attention=einsum)
+        state = _abstract(dataclasses.replace(config, mesh=MeshConfig(), model=model))
     params = _sharded_bytes(state.params, sizes)
     micro = tc.batch_size // tc.grad_accum_steps // dp
     return Plan(

@@ -83,15 +83,13 @@ def is_remote(workdir) -> bool:
     return "://" in os.fspath(workdir)
 
 
-def write_text(target: epath.Path, text: str) -> None:
-    """Writes ``text`` so that readers see the old file or the new one, never a part: a local file through a
-    temporary file and ``os.replace``, an object in one upload."""
+def write_text(target, text: str) -> None:
+    """Writes ``text`` so that readers see the old file or the new one, never a part: a local file through
+    :func:`replace_file`, an object in one upload."""
     if is_remote(target):
-        target.write_text(text)
+        epath.Path(target).write_text(text)
         return
-    tmp = target.with_name(target.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, target)
+    replace_file(target, lambda tmp: epath.Path(tmp).write_text(text))
 
 
 def replace_file(target: str, write) -> None:
@@ -115,11 +113,6 @@ def replace_file(target: str, write) -> None:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-
-
-def replace_text(target: str, text: str) -> None:
-    """``text`` into ``target`` through :func:`replace_file`."""
-    replace_file(target, lambda path: epath.Path(path).write_text(text))
 
 
 def require_empty(target, holds: str = "files") -> None:
