@@ -280,6 +280,8 @@ def section_correctness(args) -> dict:
 
     cases = {}
     result = {"seed": seed, "bounds": BOUNDS, "f32_matmul_rel_error": _matmul_precision_probe(), "cases": cases}
+    result["init"] = _init_probe(args)
+    _save(args, result)
     names = args.variants.split(",") if args.variants else CORRECTNESS_VARIANTS if not args.smoke else SMOKE_VARIANTS
     variants = {k: CORRECTNESS_VARIANTS[k] for k in names}
     for name, over in variants.items():
@@ -318,6 +320,38 @@ def section_correctness(args) -> dict:
         print(f"{name}: " + ", ".join(cells) + f", decode {row.get('decode', float('nan')):.1e}", flush=True)
         _save(args, result)  # what is done survives a timeout
     return result
+
+
+def _init_probe(args) -> dict:
+    """``create_state`` (its draws on jax's ThreeFry GPU kernel where ``uses_threefry_kernel`` says so) against the
+    same init jitted with XLA's inlined lowering: whether every parameter is bit-identical, and both compile times,
+    at ``gpt2_small``'s width with 2 layers (the tiny config under ``--smoke``)."""
+    import flax.linen as nn
+    import jax
+    import numpy as np
+
+    from qkvjax.models.lm import DecoderLM
+    from qkvjax.train.state import create_state, init_fn, make_optimizer, uses_threefry_kernel
+
+    path = "experiments/configs/tiny.py" if args.smoke else "experiments/configs/gpt2_small.py"
+    cfg = _config(path, {"model.num_layers": 2})
+    model, tx = DecoderLM(cfg.model), make_optimizer(cfg.train)
+    out = {"layers": 2, "d_model": cfg.model.d_model, "kernel_used": uses_threefry_kernel(None)}
+    try:
+        start = time.perf_counter()
+        chosen = jax.device_get(create_state(model, cfg, tx, None).params)
+        out["create_state_s"] = time.perf_counter() - start
+        init = init_fn(model, cfg, tx)
+        start = time.perf_counter()
+        inlined = jax.device_get(jax.jit(lambda rng: nn.meta.unbox(init(rng)))(jax.random.PRNGKey(cfg.seed)).params)
+        out["xla_lowering_s"] = time.perf_counter() - start
+        pairs = zip(jax.tree.leaves(chosen), jax.tree.leaves(inlined), strict=True)
+        out["leaves"] = len(jax.tree.leaves(chosen))
+        out["leaves_differing"] = sum(not np.array_equal(a, b) for a, b in pairs)
+    except Exception as e:  # recorded; the correctness rows still run
+        out["error"] = _error(e)
+    print(f"init: {out}", flush=True)
+    return out
 
 
 @contextlib.contextmanager
@@ -438,13 +472,15 @@ def section_speed(args) -> dict:
             "mfu": tps * flops / peak if peak else None,
             "compile_s": runner["compile_s"],
             "init_s": runner["init_s"],  # the state's init (jitted) and the warm-up step: where row_s goes
+            "init_threefry_kernel": runner["init_threefry_kernel"],  # its draws lowered to jax's GPU kernel
             "warmup_s": runner["warmup_s"],
             "xla_memory_bytes": runner["xla_memory_bytes"],
             "cudnn_attention_calls": runner["cudnn_attention_calls"],  # cuDNN's fused attention in the program
             "loss": runner["last_loss"](),
             "row_s": time.perf_counter() - row_start,  # building, compiling and timing this row
         }
-        print(f"{row}: {tps:,.0f} tok/s, compile {runner['compile_s']:.1f} s", flush=True)
+        times = f"compile {runner['compile_s']:.1f} s, init {runner['init_s']:.1f} s"
+        print(f"{row}: {tps:,.0f} tok/s, {times}", flush=True)
         del runner
         jax.clear_caches()
         result["process_peak_device_bytes"] = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
@@ -895,6 +931,14 @@ def table(m: dict) -> str:
                     ok = all(x == x and x < bound for x in (v["out"], v["grads"]))  # NaN never passes
                     cells.append(f"{k} {v['out']:.1e}/{v['grads']:.1e}{'' if ok else ' FAIL'}")
             lines.append(f"  {name:<12} " + " | ".join(cells))
+        if "init" in c:
+            i = c["init"]
+            lines.append(
+                f"init ({i['layers']} layers, D {i['d_model']}): ERROR {i['error']}" if "error" in i else
+                f"init ({i['layers']} layers, D {i['d_model']}): ThreeFry GPU kernel {i['kernel_used']}, "
+                f"{i['leaves_differing']} of {i['leaves']} parameters differ from XLA's lowering; "
+                f"{i['create_state_s']:.1f} s against {i['xla_lowering_s']:.1f} s"
+            )  # fmt: skip
     if "speed" in m:
         s = m["speed"]["rows"]
         lines.append(

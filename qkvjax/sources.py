@@ -176,11 +176,8 @@ def decay_only_drift(train: TrainConfig, steps: int) -> dict:
 def initial_params(workdir: str, config):
     """W_0 of a run: its params-only copy of step 0 (an imported model, trained since or not), else the
     initialisation recomputed from the run's seed (``create_state`` draws it from ``PRNGKey(config.seed)``)."""
-    import flax.linen as nn
-    import jax
-
     from qkvjax.models.encoder import model_of
-    from qkvjax.train.state import init_fn, make_optimizer
+    from qkvjax.train.state import create_state, make_optimizer
     from qkvjax.workdir import exported_steps
 
     if 0 in exported_steps(workdir):  # imported at step 0 (trained since or not)
@@ -189,8 +186,7 @@ def initial_params(workdir: str, config):
         from qkvjax.train.mesh import make_mesh
 
         return _restore_exported(workdir, 0, make_mesh(MeshConfig(data=-1, fsdp=1, tensor=1)))[1]
-    init = init_fn(model_of(config.model), config, make_optimizer(config.train))
-    return nn.meta.unbox(jax.jit(init)(jax.random.PRNGKey(config.seed)).params)
+    return create_state(model_of(config.model), config, make_optimizer(config.train), None).params
 
 
 def drift(params: dict, initial: dict) -> list[dict]:

@@ -59,8 +59,12 @@ def test_gpu_check_smoke_runs_the_measuring_sections_in_ci(tmp_path):
     row = out["correctness"]["cases"]["mla+rope"]
     assert list(out["correctness"]["cases"]) == ["mla+rope"]
     assert row["float32"]["out"] < 1e-5 and row["bfloat16"]["grads"] < 1e-2 and row["decode"] < 1e-5
+    init = out["correctness"]["init"]  # create_state against the inlined lowering: on the CPU, no kernel, the same
+    assert init["kernel_used"] is False and init["leaves"] > 10 and init["leaves_differing"] == 0
+    assert "ThreeFry GPU kernel False, 0 of" in proc.stdout  # the table printed last
     speed = out["speed"]["rows"]["separate"]
     assert speed["tokens_per_s"] > 0 and speed["init_s"] > 0 and speed["warmup_s"] > 0 and speed["mfu"] > 0
+    assert speed["init_threefry_kernel"] is False
     auto = out["speed"]["rows"]["separate/auto"]  # the implementation unset, as a user runs it; no cuDNN here
     assert auto["implementation"] is None and auto["cudnn_attention_calls"] == speed["cudnn_attention_calls"] == 0
     rows = out["sample"]["rows"]

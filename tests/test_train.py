@@ -332,3 +332,20 @@ def test_one_process_writes_replicated_arrays_whole_compiling_nothing_and_orbax_
             back = plain.restore(where, target)
             for k in tree:
                 np.testing.assert_array_equal(np.asarray(back[k]), np.asarray(tree[k]), err_msg=f"{where} {k}")
+
+
+def test_the_threefry_gpu_kernel_is_chosen_only_for_a_gpu_and_arrays_whole_on_each_device():
+    """``create_state`` lowers the init's random draws to jax's ThreeFry kernel only on a GPU and only when no
+    output is split over devices (the kernel is one custom call the SPMD partitioner cannot split)."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from qkvjax.train import state
+
+    mesh = jax.make_mesh((8,), ("data",))
+    whole, split = NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh, PartitionSpec("data"))
+    assert state.whole_on_a_gpu(None, "gpu") and state.whole_on_a_gpu({"w_q": whole, "scale": whole}, "gpu")
+    assert not state.whole_on_a_gpu({"w_q": whole, "scale": split}, "gpu")
+    assert not state.whole_on_a_gpu(None, "cpu") and not state.whole_on_a_gpu(None, "tpu")
+    assert not state.uses_threefry_kernel(None)  # this machine's backend is the CPU
+    # the probe itself runs here: the CPU ignores the flag, so both compiles give the same bits
+    assert state._kernel_agrees()

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import logging
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import struct
 
@@ -64,6 +69,54 @@ def abstract_state(model: nn.Module, config: Config, tx: optax.GradientTransform
 
 
 def create_state(model, config: Config, tx, shardings) -> TrainState:
-    """Initialises the state directly into its shardings (no full copy on any one device)."""
+    """Initialises the state directly into its shardings (no full copy on any one device); ``shardings=None``: on
+    the default device.
+
+    On a GPU, with every array whole on each device, the random draws are lowered to jax's ThreeFry kernel (see
+    ``uses_threefry_kernel``): the same parameters, compiled in a fraction of the time."""
     init = init_fn(model, config, tx)
-    return jax.jit(lambda rng: nn.meta.unbox(init(rng)), out_shardings=shardings)(jax.random.PRNGKey(config.seed))
+    kernel = uses_threefry_kernel(shardings)
+    with jax._src.config.threefry_gpu_kernel_lowering(True) if kernel else contextlib.nullcontext():
+        return jax.jit(lambda rng: nn.meta.unbox(init(rng)), out_shardings=shardings)(jax.random.PRNGKey(config.seed))
+
+
+def uses_threefry_kernel(shardings) -> bool:
+    """Whether ``create_state`` lowers ThreeFry2x32 (Salmon et al. 2011, jax.random's hash) to jax's CUDA/ROCm
+    kernel (``jax_threefry_gpu_kernel_lowering``) for these output shardings.
+
+    Why: XLA inlines the hash into every draw, so initialising ``gpt2_small`` compiles ~1,000 fusions; on an H200 the
+    jitted init took 19-36 s against the train step's 5-10 s (``benchmarks/README.md``, "GPU: the fourth visit").
+    The kernel computes the same integers, so a seed gives the same parameters; it is used only when
+    - the default device is a GPU (other backends ignore the flag; the CPU has its own lowering),
+    - every output is whole on each device (``shardings`` None or fully replicated): the kernel is one custom call
+      that XLA's SPMD partitioner cannot split, so a sharded parameter would be drawn whole on every device,
+    - a probe on this device gives the same bits with and without it (``_kernel_agrees``), else a warning and the
+      default lowering."""
+    return whole_on_a_gpu(shardings, jax.default_backend()) and _kernel_agrees()
+
+
+def whole_on_a_gpu(shardings, backend: str) -> bool:
+    """Whether ``uses_threefry_kernel`` may apply: a GPU backend, a jax with the flag, every output whole on each
+    device."""
+    if backend != "gpu" or not hasattr(jax._src.config, "threefry_gpu_kernel_lowering"):  # a State, no public alias
+        return False
+    return all(s.is_fully_replicated for s in jax.tree.leaves(shardings))
+
+
+@functools.cache
+def _kernel_agrees() -> bool:
+    """Whether jax's ThreeFry kernel gives the bits of the default lowering here (odd shape, fresh compile each)."""
+    state = jax._src.config.threefry_gpu_kernel_lowering
+    draw = lambda key: jax.random.bits(key, (3, 1031))  # noqa: E731
+    key = jax.random.PRNGKey(20261130)
+    default = np.asarray(jax.jit(draw)(key))
+    try:
+        with state(True):
+            kernel = np.asarray(jax.jit(draw)(key))
+    except Exception as e:  # a plugin without the kernel: the default lowering still works
+        logging.warning("jax's ThreeFry GPU kernel failed here (%s); the init keeps XLA's lowering", e)
+        return False
+    if not np.array_equal(default, kernel):
+        logging.warning("jax's ThreeFry GPU kernel gave other bits than XLA's lowering; the init keeps XLA's")
+        return False
+    return True
