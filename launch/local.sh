@@ -30,6 +30,14 @@ n=$1 devices=$2
 shift 2
 [[ $n =~ ^[1-9][0-9]*$ ]] || die "N=$n; allowed: a number of processes >= 1"
 [[ $devices =~ ^[1-9][0-9]*$ ]] || die "DEVICES=$devices; allowed: devices per process >= 1"
+((${#devices} <= 3 && devices <= 512)) || die "DEVICES=$devices; allowed: 1..512 simulated CPU devices per process"
+# Each process is a whole JAX runtime, ~0.5 GiB resident (tests/faults/soak.py: 440-543 MiB on the tiny config), so
+# an N past what the memory holds would swap the machine to a halt instead of failing: refused before anything starts.
+if [[ -r /proc/meminfo ]]; then
+  avail_mib=$(awk '/^MemAvailable:/ {print int($2 / 1024)}' /proc/meminfo)
+  most=$((avail_mib / 512 > 0 ? avail_mib / 512 : 1))
+  ((${#n} <= 6 && n <= most)) || die "N=$n; allowed: 1..$most here (a JAX runtime of ~0.5 GiB each; $avail_mib MiB available)"
+fi
 port=${QKVJAX_PORT:-$((20000 + RANDOM % 20000))}
 timeout=${QKVJAX_TIMEOUT:-60}
 python=${PYTHON:-.venv/bin/python}

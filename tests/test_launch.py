@@ -144,6 +144,12 @@ def test_local_dry_run_prints_one_line_per_process():
         for i in range(2)
     ]
     assert "DEVICES=x" in _bash(LAUNCH / "local.sh", "--dry-run", "2", "x").stderr
+    # past what the machine holds: refused in one line before anything starts (9,999 runtimes would fill the memory)
+    for n, devices, message in [("9999", "4", "N=9999; allowed: 1.."), ("10" * 20, "4", "N=1010"),
+                                ("2", "100000", "DEVICES=100000; allowed: 1..512")]:  # fmt: skip
+        proc = _bash(LAUNCH / "local.sh", n, devices, "--config=experiments/configs/tiny.py", "--workdir=runs/mp")
+        assert proc.returncode == 2 and message in proc.stderr and len(proc.stderr.splitlines()) == 1, proc.stderr
+        assert not proc.stdout  # no plan printed, no process started
 
 
 def test_shellcheck_passes_on_every_script():
