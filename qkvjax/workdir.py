@@ -27,6 +27,9 @@ import json
 import math
 import os
 import socket
+import stat
+import sys
+import tempfile
 import time
 import uuid
 
@@ -96,10 +99,13 @@ def replace_file(target: str, write) -> None:
     """Calls ``write(path)`` on a temporary sibling of ``target`` (same suffix, so a format read from the name
     holds) and renames it over ``target``: a kill, a full disk or an error while writing leaves the old file or
     none, never a part (a command's ``--json``, ``--output``, ``--plot``). A target that exists and is not a
-    regular file (``/dev/null``, a pipe) or is named under ``/dev`` or ``/proc`` (``/dev/stdout``, which may lead to
-    the file a shell redirected the output into) is written directly: a rename would replace it."""
+    regular file (``/dev/null``, a pipe) or is named under ``/dev`` or ``/proc`` is written directly: a rename would
+    replace it; one that is this process's own output redirected into a file is appended through its descriptor."""
     target = os.fspath(target)
     special = os.path.abspath(target).startswith(("/dev/", "/proc/"))
+    if special and (fd := _own_output(target)) is not None:
+        _append_to(fd, write, os.path.splitext(target)[1])
+        return
     if special or (os.path.exists(target) and not os.path.isfile(target)):
         write(target)
         return
@@ -113,6 +119,37 @@ def replace_file(target: str, write) -> None:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def _own_output(target: str) -> int | None:
+    """1 or 2 where ``target`` (``/dev/stdout``, ``/dev/fd/2``, ...) is this process's standard output or error
+    and that is a regular file: opening it again would truncate the file a shell redirected it into."""
+    try:
+        named = os.stat(target)
+    except OSError:
+        return None
+    for fd in (1, 2):
+        try:
+            own = os.fstat(fd)
+        except OSError:
+            continue
+        if stat.S_ISREG(own.st_mode) and (own.st_dev, own.st_ino) == (named.st_dev, named.st_ino):
+            return fd
+    return None
+
+
+def _append_to(fd: int, write, suffix: str) -> None:
+    """``write(path)`` into a temporary file, then its bytes through ``fd`` at its offset, after what Python's own
+    streams hold (so ``--json /dev/stdout > out.txt`` keeps the table printed before the JSON)."""
+    with tempfile.TemporaryDirectory() as folder:
+        part = os.path.join(folder, "part" + suffix)
+        write(part)
+        with open(part, "rb") as f:
+            data = memoryview(f.read())
+    sys.stdout.flush()
+    sys.stderr.flush()
+    while data:
+        data = data[os.write(fd, data) :]
 
 
 def require_empty(target, holds: str = "files") -> None:

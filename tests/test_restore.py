@@ -499,6 +499,23 @@ def test_an_output_file_is_the_old_one_or_the_new_one_never_a_part(run, tmp_path
     capsys.readouterr()
 
 
+def test_json_to_dev_stdout_redirected_into_a_file_follows_the_table_instead_of_truncating_it(run, tmp_path):
+    """``compare --json /dev/stdout > out.txt`` opened /dev/stdout again, which truncated out.txt: the table printed
+    before the JSON was lost. The JSON now goes through the process's own descriptor, after the table."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "out.txt"
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    with open(out, "w") as f:
+        proc = subprocess.run([sys.executable, "-m", "qkvjax.cli", "compare", str(run), "--json=/dev/stdout"],
+                              cwd=REPO, env=env, stdout=f, stderr=subprocess.PIPE, text=True, timeout=240)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    text = out.read_text()
+    table, _, rest = text.partition("\n[")
+    assert "scheme" in table and json.loads("[" + rest)[0]["workdir"] == str(run)
+
+
 def test_a_prompt_of_bytes_that_are_not_utf8_is_bytes_to_a_byte_model_and_refused_by_a_text_tokenizer(
     run, tmp_path, capsys
 ):
