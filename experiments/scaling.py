@@ -323,14 +323,18 @@ def check_protocol(sweep: Sweep) -> None:
         changed = ", ".join(f"{k}: {old.get(k)!r} -> {v!r}" for k, v in protocol.items() if old.get(k) != v)
         if changed:
             raise ValueError(f"{sweep.out} holds a sweep of another protocol ({changed}); use another --out")
+        recorded = json.loads(path.read_text()).get("corpora", {})
+        for name, data in filter(None, sweep.corpora.values()):  # the same name with other text: other runs
+            if name in recorded and _sha256(data.source_path) != recorded[name]["sha256"]:
+                raise ValueError(f"{data.source_path} is not the {name} text {sweep.out} was swept on (sha256 "
+                                 f"{recorded[name]['sha256'][:12]}...); rebuild it or use another --out")  # fmt: skip
         return
     import jax
 
     sweep.out.mkdir(parents=True, exist_ok=True)
     corpora = {}
     for name, data in filter(None, sweep.corpora.values()):
-        with open(data.source_path, "rb") as f:
-            corpora[name] = {"path": data.source_path, "sha256": hashlib.sha256(f.read()).hexdigest()}
+        corpora[name] = {"path": data.source_path, "sha256": _sha256(data.source_path)}
     record = {
         "protocol": protocol,
         "corpora": corpora,
@@ -341,6 +345,11 @@ def check_protocol(sweep: Sweep) -> None:
         "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
     path.write_text(json.dumps(record, indent=2) + "\n")
+
+
+def _sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def train_split_bytes(data: DataConfig) -> int:

@@ -7,6 +7,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -881,3 +882,12 @@ def test_a_results_folder_refuses_a_sweep_under_other_positions(tmp_path, small_
     more = scaling.build_parser().parse_args([*argv, "--heads", "8"])
     with pytest.raises(ValueError, match=r"another protocol \(heads: 4 -> 8\)"):
         scaling.check_protocol(scaling.Sweep(more))
+    # the corpus is pinned by its sha256: a resumed sweep (another machine's copy) must read the same text
+    copy = tmp_path / "elsewhere" / os.path.basename(small_text)
+    copy.parent.mkdir()
+    shutil.copyfile(small_text, copy)
+    argv[argv.index(small_text)] = str(copy)
+    scaling.check_protocol(scaling.Sweep(scaling.build_parser().parse_args(argv)))  # the same bytes elsewhere
+    copy.write_text(copy.read_text() + "one line more\n")
+    with pytest.raises(ValueError, match=r"is not the \S+ text .* was swept on \(sha256 [0-9a-f]{12}\.\.\.\)"):
+        scaling.check_protocol(scaling.Sweep(scaling.build_parser().parse_args(argv)))
