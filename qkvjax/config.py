@@ -73,7 +73,8 @@ class TrainConfig:
       grad_accum_steps: micro-batches per step (the batch is split; gradients averaged).
       log_every: steps between training records in metrics.jsonl and the progress line.
       eval_every: steps between evaluations on the validation split.
-      eval_batches: batches per evaluation; None evaluates the whole split.
+      eval_batches: batches per evaluation (windows spread evenly over the split, the same each time); None
+        evaluates the whole split.
       checkpoint_every: steps between checkpoints (one is also saved at the end and on SIGTERM/Ctrl-C).
       max_to_keep: checkpoints kept (the oldest are deleted).
       peak_flops: FLOP/s that MFU is measured against; None measures a matmul at start.

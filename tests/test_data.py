@@ -98,6 +98,30 @@ def test_eval_batches_predict_every_byte_once():
         next(eval_batches(tokens[:1], 9, 4))
 
 
+@pytest.mark.parametrize("stride", [3, 9])
+def test_a_limited_evaluation_samples_windows_across_the_split_not_its_prefix(stride):
+    """``max_batches`` of a split that holds more: full batches of distinct windows evenly spread from the first to
+    the last (a split keeps its documents in order, so a prefix is one or two of them), each scoring the targets it
+    would score in the whole evaluation, and the same windows every time."""
+    tokens = (np.arange(211) * 7 % 256).astype(np.uint8)  # 210 targets: 24 windows of 9 at stride 9, 70 at 3
+    whole = list(eval_batches(tokens, seq_len=9, batch_size=5, stride=stride))
+    scored_in_whole = {}
+    for b in whole:
+        for t, w in zip(b["targets"], b["weights"], strict=True):
+            scored_in_whole[tuple(t[w > 0])] = True
+    sample = list(eval_batches(tokens, 9, 5, max_batches=3, stride=stride))
+    assert len(sample) == 3 and all(b["inputs"].shape == (5, 9) for b in sample)
+    rows = [(i, t, w) for b in sample for i, t, w in zip(b["inputs"], b["targets"], b["weights"], strict=True)]
+    assert all(w.sum() > 0 for _, _, w in rows)  # no padding rows: 15 windows of the split's 24 or 70
+    firsts = [int(np.flatnonzero(tokens == t[w > 0][0])[0]) for _, t, w in rows]  # each row's first scored place
+    assert firsts == sorted(set(firsts)) and firsts[0] == 1  # distinct, in order, from the first target ...
+    assert tuple(rows[-1][1][rows[-1][2] > 0])[-1] == tokens[-1]  # ... to the last
+    assert max(np.diff(firsts)) < 2 * (210 // 15) + 9  # spread evenly, not bunched at the start
+    assert all(tuple(t[w > 0]) in scored_in_whole for _, t, w in rows)  # what the whole evaluation scores there
+    again = list(eval_batches(tokens, 9, 5, max_batches=3, stride=stride))
+    assert all(np.array_equal(a[k], b[k]) for a, b in zip(sample, again, strict=True) for k in a)
+
+
 @pytest.mark.parametrize("stride", [1, 4, 8, 9])
 def test_strided_eval_scores_every_byte_once_with_the_context_it_promises(stride):
     """Windows ``stride`` apart, each scoring its last ``stride`` targets: every target once, in order, and each

@@ -57,7 +57,8 @@ def check_stride(stride, seq_len: int) -> int:
 def eval_batches(
     tokens: np.ndarray, seq_len: int, batch_size: int, max_batches: int | None = None, stride: int | None = None
 ) -> Iterator[dict]:
-    """Windows that predict every byte after the first exactly once, in fixed-shape batches.
+    """Windows that predict every byte after the first exactly once, in fixed-shape batches; with ``max_batches``
+    fewer than that takes, ``max_batches`` full batches of windows spread evenly over the split.
 
     Without ``stride`` (or ``stride == seq_len``) the windows do not overlap: a target's context is whatever of its
     window precedes it, 0 to ``seq_len - 1`` tokens. With ``stride`` S < ``seq_len``, the sliding-window evaluation
@@ -81,8 +82,13 @@ def eval_batches(
         if end == n:
             break
     num_batches = -(-len(spans) // batch_size)
-    if max_batches is not None:
-        num_batches = min(num_batches, max_batches)
+    if max_batches is not None and max_batches < num_batches:
+        # A sample of the split, not its prefix: a text's split keeps its documents in order, so the first windows
+        # are one or two documents (the Linux corpus' first 16 KB of validation scored 2.2 nats, the whole split
+        # 1.24). Windows evenly spaced over the split instead, the same ones at every evaluation; each still
+        # scores only the targets its stride adds (distinct: the split holds more than the sample's windows).
+        keep = np.linspace(0, len(spans) - 1, max_batches * batch_size).round().astype(int)
+        spans, num_batches = [spans[i] for i in keep], max_batches
     for b in range(num_batches):
         inputs = np.zeros((batch_size, seq_len), np.int32)
         targets = np.zeros((batch_size, seq_len), np.int32)
