@@ -47,7 +47,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import hashlib
 import json
 import math
 import os
@@ -62,6 +61,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from experiments import budget
+from experiments.build_corpus import sha256_file
 from experiments.ladder import (  # noqa: F401  (the ladder's names, read here and by the tests)
     BATCH,
     CONTEXT,
@@ -325,7 +325,7 @@ def check_protocol(sweep: Sweep) -> None:
             raise ValueError(f"{sweep.out} holds a sweep of another protocol ({changed}); use another --out")
         recorded = json.loads(path.read_text()).get("corpora", {})
         for name, data in filter(None, sweep.corpora.values()):  # the same name with other text: other runs
-            if name in recorded and _sha256(data.source_path) != recorded[name]["sha256"]:
+            if name in recorded and sha256_file(data.source_path) != recorded[name]["sha256"]:
                 raise ValueError(f"{data.source_path} is not the {name} text {sweep.out} was swept on (sha256 "
                                  f"{recorded[name]['sha256'][:12]}...); rebuild it or use another --out")  # fmt: skip
         return
@@ -334,7 +334,7 @@ def check_protocol(sweep: Sweep) -> None:
     sweep.out.mkdir(parents=True, exist_ok=True)
     corpora = {}
     for name, data in filter(None, sweep.corpora.values()):
-        corpora[name] = {"path": data.source_path, "sha256": _sha256(data.source_path)}
+        corpora[name] = {"path": data.source_path, "sha256": sha256_file(data.source_path)}
     record = {
         "protocol": protocol,
         "corpora": corpora,
@@ -345,11 +345,6 @@ def check_protocol(sweep: Sweep) -> None:
         "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
     path.write_text(json.dumps(record, indent=2) + "\n")
-
-
-def _sha256(path: str) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def train_split_bytes(data: DataConfig) -> int:
