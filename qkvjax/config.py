@@ -187,7 +187,10 @@ class Config:
         checks.choice(self, "parallelism", PARALLELISMS)
         object.__setattr__(self, "seed", checks.seed("seed", self.seed))
         if self.data.seq_len is not None and self.data.seq_len > self.model.max_len:
-            raise ValueError(f"data.seq_len={self.data.seq_len} exceeds model.max_len={self.model.max_len}")
+            raise ValueError(
+                f"data.seq_len={self.data.seq_len} exceeds model.max_len={self.model.max_len}; allowed: at most "
+                f"{self.model.max_len} (or a larger model.max_len)"
+            )
 
     @property
     def seq_len(self) -> int:
@@ -372,8 +375,12 @@ def _parse(raw: str, hint, name: str):
                 return t(raw)
         except ValueError:
             continue
-    allowed = " or ".join(getattr(t, "__name__", str(t)) for t in options)
-    raise ValueError(f"--config.{name}={raw!r} is not a valid {allowed}")
+    allowed = " or ".join(_SPELLED.get(t, getattr(t, "__name__", str(t))) for t in options)
+    raise ValueError(f"--config.{name}={raw!r}; allowed: {allowed}")
+
+
+_SPELLED = {bool: ", ".join(BOOLEAN_SPELLINGS[True] + BOOLEAN_SPELLINGS[False]), int: "an integer", float: "a number",
+            type(None): "None"}  # fmt: skip
 
 
 def _is_union(hint) -> bool:

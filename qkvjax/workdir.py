@@ -22,6 +22,7 @@ folder, and the metrics log and TensorBoard events are rewritten whole when the 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import math
@@ -34,6 +35,11 @@ import time
 import uuid
 
 from etils import epath
+
+try:
+    import fcntl
+except ImportError:  # Windows: no flock, the lock file alone
+    fcntl = None
 
 from qkvjax.config import Config, from_dict
 
@@ -86,6 +92,39 @@ def is_remote(workdir) -> bool:
     return "://" in os.fspath(workdir)
 
 
+def is_disk_full(e: BaseException) -> bool:
+    """Whether ``e`` or what caused it is ENOSPC (an OSError's errno, or the words in another library's error:
+    orbax's thread errors, array_record's RuntimeError)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if getattr(e, "errno", None) == errno.ENOSPC or "No space left on device" in str(e):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+@contextlib.contextmanager
+def writing(where, advice: str = ""):
+    """An OSError raised inside names ``where`` (then ``advice``): a buffered write's error names no file, or a
+    temporary one."""
+    try:
+        yield
+    except OSError as e:
+        raise OSError(e.errno, f"{e.strerror or e} while writing {where}{advice}") from e
+
+
+def _pid_gone(pid: int) -> bool:
+    """Whether no process ``pid`` runs on this host (one of another user's runs)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        pass
+    return False
+
+
 def write_text(target, text: str) -> None:
     """Writes ``text`` so that readers see the old file or the new one, never a part: a local file through
     :func:`replace_file`, an object in one upload."""
@@ -114,7 +153,8 @@ def replace_file(target: str, write) -> None:
     stem, suffix = os.path.splitext(name)
     tmp = os.path.join(folder, f".{stem}.{uuid.uuid4().hex[:8]}.tmp{suffix}")
     try:
-        write(tmp)
+        with writing(target):
+            write(tmp)
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -165,13 +205,18 @@ def whole_or_absent(target, holds: str):
     """Yields a temporary sibling folder of ``target`` to write a whole output into (a workdir, a model folder);
     when the block ends it is flushed to disk and renamed to ``target``, the last step; if the block fails, it is
     removed. So ``target`` is either whole or absent after a kill, a full disk or an error at any moment, and a
-    rerun after any failure starts clean (a killed attempt's sibling is removed first). ``target`` must not exist,
-    or be an empty folder; otherwise one line says it already holds ``holds``."""
+    rerun after any failure starts clean (the siblings of killed attempts on this host are removed first). Each
+    attempt has its own sibling, so two writing the same ``target`` at once never mix their files: the first to
+    finish publishes, the other is refused. ``target`` must not exist, or be an empty folder; otherwise one line
+    says it already holds ``holds``."""
     target = path(target)
     require_empty(target, holds)
-    staging = target.parent / f".{target.name}.partial"
-    if staging.exists():  # what a killed attempt left: never a finished output
-        staging.rmtree()
+    prefix = f".{target.name}.partial"
+    if target.parent.is_dir():
+        for sibling in target.parent.iterdir():
+            if sibling.is_dir() and _killed_attempt(sibling.name, prefix):  # never a finished output
+                sibling.rmtree()
+    staging = target.parent / f"{prefix}.{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
     try:
         staging.mkdir(parents=True)
     except OSError as e:  # a parent that is a file, a read-only or missing mount: one line naming the target
@@ -181,12 +226,27 @@ def whole_or_absent(target, holds: str):
         if not is_remote(staging):
             _fsync_tree(os.fspath(staging))
         if target.exists():
-            target.rmdir()  # empty, checked above
+            try:
+                target.rmdir()  # empty when checked above
+            except (OSError, ValueError) as e:  # epath says "Directory ... is not empty" as a ValueError
+                raise ValueError(
+                    f"{target} was written by another process while this one wrote it; that output stands, this "
+                    "one was discarded"
+                ) from e
         staging.rename(target)
     except BaseException:
         with contextlib.suppress(OSError):
             staging.rmtree()
         raise
+
+
+def _killed_attempt(name: str, prefix: str) -> bool:
+    """Whether ``name`` is the staging folder of a :func:`whole_or_absent` whose process on this host is gone (or
+    the one name all attempts shared before 2026-11-30)."""
+    if name == prefix:
+        return True
+    host, pid, _ = (name.removeprefix(prefix + ".").rsplit(".", 2) + ["", ""])[:3]
+    return name.startswith(prefix + ".") and host == socket.gethostname() and pid.isdigit() and _pid_gone(int(pid))
 
 
 def _fsync_tree(folder: str) -> None:
@@ -387,14 +447,18 @@ def json_safe(value):
 
 
 class WorkdirLock:
-    """One training run per workdir: ``WORKDIR/train.lock`` holds the holder's host, pid, start and refresh times.
+    """One training run per workdir: ``WORKDIR/train.lock`` names the holder (host, pid, start and refresh times).
 
-    Locally the file is created with O_EXCL, so of two runs starting together exactly one wins. On an object store
-    (no exclusive create) a run writes its own token, waits, and reads it back: of runs racing, the last write wins
-    and every other run sees a foreign token and refuses. A lock left by a dead process is taken over: on the same
-    host when its pid no longer runs, otherwise when it has not been refreshed (:meth:`refresh`, called by the loop
-    as it logs) for ``STALE_AFTER_S``. Locally, taking over renames the stale file first, so two runs that both find
-    it stale cannot both win.
+    Locally the holder keeps an exclusive ``flock`` on the file for the whole run. The kernel grants it to one open
+    file at a time and drops it when its process ends, however it ends: of runs starting together exactly one wins,
+    whether the file is absent or left by a killed run, which the winner then takes. The file's contents are
+    checked too, for holders that take no flock (qkvjax before 2026-11-30, a host on a network mount whose locks
+    are local only): one names a live pid on this host, or was refreshed (:meth:`refresh`, called by the loop as
+    it logs) within ``STALE_AFTER_S`` on another, still refuses. Where there is no flock (an object store, a mount
+    without locks), the file itself is the lock: created with O_EXCL locally (a stale one renamed away first; two
+    runs that find it stale at the same moment can then both take it, which flock rules out); on an object store a
+    run writes its own token, waits, and reads it back, so of runs racing the last write wins and the others see a
+    foreign token and refuse.
     """
 
     SETTLE_S = 2.0  # object stores: how long a racing writer gets before the read-back
@@ -402,6 +466,7 @@ class WorkdirLock:
     def __init__(self, workdir):
         self.path = path(workdir) / LOCK_FILE
         self.held = False
+        self.fd: int | None = None  # the open file that holds the flock
         self.me = {"host": socket.gethostname(), "pid": os.getpid(), "token": uuid.uuid4().hex}
 
     def _content(self) -> str:
@@ -410,16 +475,66 @@ class WorkdirLock:
     def acquire(self) -> None:
         self.started = time.strftime("%Y-%m-%d %H:%M:%S")
         for _ in range(3):
-            holder = self._holder() if self.path.exists() else None
-            if holder is not None:
-                if not self._stale(holder):
-                    self._refuse(holder)
-                if not self._remove_stale():
-                    continue
-            if self._create():
+            taken = self._flock() if fcntl is not None and not is_remote(self.path) else None
+            if taken is None:  # no flock here: the file alone
+                taken = self._take_file()
+            if taken:
                 self.held = True
                 return
         raise ValueError(f"could not take the lock {self.path}: other runs keep taking it")
+
+    def _flock(self) -> bool | None:
+        """Takes the file's flock and writes this run into it: True; False to try again (a holder releasing it
+        unlinked the file this opened); None where the filesystem has no flock. Refuses a live holder."""
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except PermissionError:  # another user's file: the file protocol reads it and refuses a live holder
+            return None
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                self._refuse(self._holder())
+            except OSError:  # ENOLCK, EOPNOTSUPP: a mount without locks
+                return None
+            opened = os.fstat(fd)
+            try:
+                if not os.path.samestat(opened, os.stat(self.path)):
+                    return False
+            except FileNotFoundError:
+                return False
+            if opened.st_size:  # left by a holder gone, or one that takes no flock
+                holder = self._holder()
+                if not self._stale(holder):
+                    self._refuse(holder)
+            try:
+                with writing(f"the lock {self.path}"):
+                    self._write(fd)
+            except OSError:  # a full disk: the file this holds the flock on goes (nobody else can hold it)
+                os.unlink(self.path)
+                raise
+            self.fd, fd = fd, None
+            return True
+        finally:
+            if fd is not None:
+                os.close(fd)
+
+    def _write(self, fd: int) -> None:
+        """This run's record, in place (a rename would leave the flock on the old file); readers that catch it half
+        written see a fresh file and refuse."""
+        data = self._content().encode()
+        os.pwrite(fd, data, 0)
+        os.ftruncate(fd, len(data))
+
+    def _take_file(self) -> bool:
+        """The lock without flock: the file's existence. True when taken, False to try again."""
+        holder = self._holder() if self.path.exists() else None
+        if holder is not None:
+            if not self._stale(holder):
+                self._refuse(holder)
+            if not self._remove_stale():
+                return False
+        return self._create()
 
     def _refuse(self, holder: dict):
         who = "unknown" if holder.get("pid", -1) == -1 else f"pid {holder['pid']} on {holder['host']}"
@@ -451,7 +566,7 @@ class WorkdirLock:
             self.path.unlink(missing_ok=True)
             return True
         aside = f"{self.path}.stale.{os.getpid()}"
-        try:  # one of the runs that found it stale renames it away; the others retry and lose to it
+        try:
             os.rename(self.path, aside)
             os.remove(aside)
         except FileNotFoundError:
@@ -460,38 +575,48 @@ class WorkdirLock:
 
     def _holder(self) -> dict:
         try:
-            return json.loads(self.path.read_text())
-        except (OSError, ValueError):  # vanished, or half-written by a holder that died at once
-            try:
-                age = time.time() - self.path.stat().mtime
-            except OSError:
-                return {"host": "?", "pid": -1, "stale": True}
-            return {"host": "?", "pid": -1, "stale": age > 5.0}
+            holder = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            holder = None
+        if isinstance(holder, dict) and isinstance(holder.get("pid"), int) and "host" in holder:
+            return holder
+        try:  # vanished, half written by a holder that died at once, or not a lock's record
+            age = time.time() - self.path.stat().mtime
+        except OSError:
+            return {"host": "?", "pid": -1, "stale": True}
+        return {"host": "?", "pid": -1, "stale": age > 5.0}
 
     def _stale(self, holder: dict) -> bool:
         if "stale" in holder:
             return holder["stale"]
         if holder.get("host") == socket.gethostname():
-            try:
-                os.kill(int(holder["pid"]), 0)
-            except ProcessLookupError:
-                return True
-            except PermissionError:  # alive, another user's
-                return False
-            return False
+            return _pid_gone(holder["pid"])
         refreshed = holder.get("refreshed")
         if refreshed is None:  # written by an older version: the file's own time
             refreshed = self.path.stat().mtime
         return time.time() - refreshed > STALE_AFTER_S
 
     def refresh(self) -> None:
-        if self.held:
+        if self.fd is not None:
+            self._write(self.fd)
+        elif self.held:
             self.path.write_text(self._content())
 
     def release(self) -> None:
-        if self.held:
-            self.held = False
+        if not self.held:
+            return
+        self.held = False
+        if self.fd is None:
             self.path.unlink(missing_ok=True)
+            return
+        try:  # unlinked while the flock is held: a run waiting on this file sees it gone and opens a new one
+            if os.path.samestat(os.fstat(self.fd), os.stat(self.path)):
+                os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        finally:
+            os.close(self.fd)
+            self.fd = None
 
     def __enter__(self):
         self.acquire()

@@ -234,8 +234,15 @@ def test_grad_accumulation_matches_one_big_batch(tmp_path, small_text, data_dir)
 def test_readme_entry_point_refuses_unknown_overrides(tmp_path, small_text, data_dir):
     with pytest.raises(ValueError, match=r"TrainConfig has no field 'num_step'.*num_steps"):
         _tiny(small_text, data_dir, **{"train.num_step": 3})
-    with pytest.raises(ValueError, match=r"--config.train.batch_size='eight' is not a valid int"):
+    with pytest.raises(ValueError, match=r"--config.train.batch_size='eight'; allowed: an integer$"):
         _tiny(small_text, data_dir, **{"train.batch_size": "eight"})
+    bools = r"true, yes, 1, false, no, 0"
+    with pytest.raises(ValueError, match=rf"--config.model.attention.rope='maybe'; allowed: {bools}$"):
+        _tiny(small_text, data_dir, **{"model.attention.rope": "maybe"})
+    with pytest.raises(ValueError, match=r"--config.train.peak_flops='fast'; allowed: a number or None$"):
+        _tiny(small_text, data_dir, **{"train.peak_flops": "fast"})
+    with pytest.raises(ValueError, match=r"data.seq_len=100001 exceeds model.max_len=\d+; allowed: at most \d+ \("):
+        _tiny(small_text, data_dir, **{"data.seq_len": 100001})
     with pytest.raises(ValueError, match=r"scheme 'shared_qk' uses one projection.*num_kv_heads == num_heads"):
         _tiny(small_text, data_dir, **{"model.attention.scheme": "shared_qk", "model.attention.num_kv_heads": 2})
     cfg = _tiny(small_text, data_dir, **{"model.attention.scheme": "shared_kv", "model.attention.num_kv_heads": 2})

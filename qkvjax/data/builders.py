@@ -8,6 +8,7 @@ same 90/5/5 train/validation/test split. The catalog's own builder reads its fil
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import re
@@ -17,6 +18,7 @@ import numpy as np
 import tensorflow_datasets as tfds
 
 from qkvjax.data import DATASET_NAMES, SPLITS
+from qkvjax.workdir import is_disk_full
 
 TINY_SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 TINY_SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
@@ -143,18 +145,31 @@ DATASETS = {"tiny_shakespeare": TinyShakespeare, "text_file": TextFile}
 assert tuple(DATASETS) == DATASET_NAMES
 
 
-def _prepared(make):
+def _prepared(make, data_dir: str):
     """``make()``'s builder, prepared. Two processes may prepare one new corpus at once (two runs started on it,
     a sweep's workers): each writes its own ``incomplete.*`` folder and the one that renames it into place second
-    fails. Its files are the same bytes split the same way, so the loser reads the winner's."""
+    fails. Its files are the same bytes split the same way, so the loser reads the winner's. A full disk is one
+    line naming ``data_dir`` (array_record raises it as a RuntimeError; TFDS removes its incomplete folder)."""
     builder = make()
     try:
         builder.download_and_prepare(file_format="array_record")
-    except OSError:  # FileExistsError locally; whatever the filesystem raises for a taken destination elsewhere
+    except (OSError, RuntimeError) as e:  # OSError: FileExistsError locally, or another filesystem's "taken"
+        if (full := _disk_full(e, data_dir)) is not None:
+            raise full from e
         builder = make()
-        if not builder.is_prepared():  # a full disk, a permission: not the race
+        if isinstance(e, RuntimeError) or not builder.is_prepared():  # a permission, ...: not the race
             raise
     return builder
+
+
+def _disk_full(e: BaseException, data_dir: str) -> OSError | None:
+    if not is_disk_full(e):
+        return None
+    return OSError(
+        errno.ENOSPC,
+        f"No space left on device while preparing the dataset in data_dir={data_dir} (written once per corpus, "
+        "then read); free space there or pass another --config.data.data_dir",
+    )
 
 
 def load_splits(dataset: str, source_path: str | None, data_dir: str) -> dict[str, np.ndarray]:
@@ -164,7 +179,7 @@ def load_splits(dataset: str, source_path: str | None, data_dir: str) -> dict[st
     if dataset == "text_file":
         read_text_file(source_path or "")
     builder = _prepared(
-        lambda: DATASETS[dataset](source_path=source_path, data_dir=data_dir, file_format="array_record")
+        lambda: DATASETS[dataset](source_path=source_path, data_dir=data_dir, file_format="array_record"), data_dir
     )
     out = {}
     for split in SPLITS:

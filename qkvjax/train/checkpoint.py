@@ -10,7 +10,6 @@ standard ones; one process writes each replicated array whole (:func:`qkvjax.wor
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
@@ -23,7 +22,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from qkvjax.train import tensorstore_leak
-from qkvjax.workdir import DAMAGED_DIR, is_remote, state_handler, write_text
+from qkvjax.workdir import DAMAGED_DIR, is_disk_full, is_remote, state_handler, write_text
 from qkvjax.workdir import path as workdir_path
 
 ITEMS = ("state", "data", "config")
@@ -181,11 +180,7 @@ class DiskFullError(CheckpointError):
 
 def _disk_full(mngr: ocp.CheckpointManager, e: BaseException) -> DiskFullError | None:
     """A DiskFullError saying where and how much is free, if ``e`` (or its cause) is ENOSPC; else None."""
-    text, chain = "", e
-    while chain is not None:
-        text += f" {chain}" + (" [errno 28]" if getattr(chain, "errno", None) == errno.ENOSPC else "")
-        chain = chain.__cause__ or chain.__context__
-    if "No space left on device" not in text and "errno 28" not in text:
+    if not is_disk_full(e):
         return None
     where = epath.Path(mngr.directory)
     _remove_leftovers(mngr, patience_s=10.0)  # give the space back, once orbax's writer threads have stopped

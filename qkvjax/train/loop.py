@@ -14,7 +14,6 @@ import math
 import os
 import shutil
 import signal
-import sys
 import tempfile
 import time
 
@@ -34,6 +33,7 @@ from qkvjax.models.lm import DecoderLM, param_count, train_flops_per_token
 from qkvjax.perf import measure_peak_flops
 from qkvjax.train import checkpoint
 from qkvjax.train.checks import check_fits, check_resume, check_splits, check_workdir, imported
+from qkvjax.train.events import EventFile
 from qkvjax.train.mesh import batch_sharding, data_parallel_size, make_mesh, shardings_for
 from qkvjax.train.progress import TrainProgress
 from qkvjax.train.state import abstract_state, create_state, learning_rate_schedule, make_optimizer
@@ -54,25 +54,9 @@ from qkvjax.workdir import (  # noqa: F401
     set_aside,
     splits_digest,
     write_text,
+    writing,
 )
 from qkvjax.workdir import path as workdir_path
-
-
-def summary_writer_class():
-    """tensorboardX's ``SummaryWriter``, imported without PyTorch. Its writer module tries ``import torch`` (only to
-    accept torch tensors as values) wherever torch is installed: 2-3 s and a few hundred MB per training process
-    here, and on a GPU machine PyTorch's CUDA libraries loaded beside JAX's. A ``None`` in ``sys.modules`` makes that
-    import raise ImportError, which tensorboardX catches; the entry is removed at once, so the caller's own ``import
-    torch`` still works, and nothing changes where torch is already imported."""
-    keep_out = "tensorboardX" not in sys.modules and "torch" not in sys.modules
-    if keep_out:
-        sys.modules["torch"] = None  # type: ignore[assignment]
-    try:
-        from tensorboardX import SummaryWriter
-    finally:
-        if keep_out:
-            del sys.modules["torch"]
-    return SummaryWriter
 
 
 class MetricsWriter:
@@ -103,18 +87,12 @@ class MetricsWriter:
             write_text(self.path, "".join(self.lines))
         if not tensorboard:
             return
-        SummaryWriter = summary_writer_class()  # only when events are wanted
-
         # One TensorBoard run per workdir: each (re)start writes its own events file, named by the step it starts
-        # from, and a resume marks the steps after its checkpoint as purged (TensorBoard's SessionLog.START), so
-        # the curves continue without the records that are about to be recomputed.
-        start = 0 if resume_step is None else resume_step
+        # from, and a resume hides the steps after its checkpoint (they are about to be recomputed).
         self.tb_dir = self.workdir / "tensorboard"
         self.tb_local = tempfile.mkdtemp(prefix="qkvjax-tensorboard-") if self.remote else os.fspath(self.tb_dir)
-        self.tb = SummaryWriter(
-            self.tb_local,
-            purge_step=None if resume_step is None else resume_step + 1,
-            filename_suffix=f".from_step_{start}",
+        self.tb = EventFile(
+            self.tb_local, 0 if resume_step is None else resume_step, None if resume_step is None else resume_step + 1
         )
 
     def write(self, record: dict) -> None:
@@ -124,32 +102,48 @@ class MetricsWriter:
         if self.remote:
             self.lines.append(line)
         else:
-            with open(self.path, "a") as f:
-                f.write(line)
-        prefix = "eval/" if record.get("eval") else "train/"
-        for k, v in record.items():
-            if isinstance(v, int | float) and not isinstance(v, bool) and k != "step":
-                if self.tb is not None:
-                    self.tb.add_scalar(prefix + k, v, record["step"])
+            with writing(self.path, RESUME_ADVICE):
+                with open(self.path, "a") as f:
+                    f.write(line)
+        if self.tb is not None:
+            prefix = "eval/" if record.get("eval") else "train/"
+            values = {prefix + k: v for k, v in record.items() if _scalar(v) and k != "step"}
+            with writing(self.tb_local, RESUME_ADVICE):
+                self.tb.scalars(values, record["step"])
 
     def flush(self) -> None:
-        if not (self.enabled and self.remote):
+        if not self.enabled:
+            return
+        if self.tb is not None:
+            with writing(self.tb_local, RESUME_ADVICE):
+                self.tb.flush()
+        if not self.remote:
             return
         write_text(self.path, "".join(self.lines))
         if self.tb is None:
             return
-        self.tb.flush()
         self.tb_dir.mkdir(parents=True, exist_ok=True)
         for name in os.listdir(self.tb_local):
             epath.Path(self.tb_local, name).copy(self.tb_dir / name, overwrite=True)
 
     def close(self) -> None:
         if self.enabled:
+            self.flush()
             if self.tb is not None:
                 self.tb.close()
-            self.flush()
             if self.remote and self.tb is not None:
                 shutil.rmtree(self.tb_local, ignore_errors=True)
+
+
+def _scalar(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+# What a failed write of the run's log adds to the file it names (a checkpoint's failure says it itself)
+RESUME_ADVICE = (
+    "; the checkpoints already saved are intact: fix the disk (or free space) and rerun the same command to resume "
+    "from the last one"
+)
 
 
 class _Preemption:
@@ -252,20 +246,25 @@ def train(config: Config, workdir: str, *, overwrite: bool = False) -> dict:
         raise ValueError(f"--workdir={workdir} is a file; pass a folder (it is created if missing)")
     lock = WorkdirLock(workdir)
     created = not workdir.exists()
-    if jax.process_index() == 0:
-        try:
-            workdir.mkdir(parents=True, exist_ok=True)
-        except OSError as e:  # a read-only or missing mount, no permission: say which flag
-            raise ValueError(f"--workdir={workdir} cannot be created: {e.strerror or e}") from e
-        lock.acquire()
     try:
+        if jax.process_index() == 0:
+            try:
+                workdir.mkdir(parents=True, exist_ok=True)
+            except OSError as e:  # a read-only or missing mount, no permission: say which flag
+                raise ValueError(f"--workdir={workdir} cannot be created: {e.strerror or e}") from e
+            lock.acquire()
         return _train(config, workdir, overwrite, lock)
     finally:
         lock.release()
-        # A start that failed before writing anything (bad data, a config the data cannot take) leaves no empty
-        # folder behind; a folder that held anything before, or now holds a checkpoint or a log, stays.
-        if created and jax.process_index() == 0 and workdir.is_dir() and not any(workdir.iterdir()):
-            workdir.rmdir()
+        # A start that failed before writing anything (bad data, a config the data cannot take, no room for the
+        # lock) leaves no empty folder behind; a folder that held anything before, or now holds a checkpoint or a
+        # log, stays.
+        if created and jax.process_index() == 0 and workdir.is_dir() and not _holds_a_file(workdir):
+            workdir.rmtree()  # empty, or only the empty checkpoints/ folder orbax made
+
+
+def _holds_a_file(folder: epath.Path) -> bool:
+    return any(not p.is_dir() or _holds_a_file(p) for p in folder.iterdir())
 
 
 class Interrupted(Exception):
@@ -537,7 +536,8 @@ class Loop:
     def log(self, metrics) -> None:
         """A training record: loss, bits per byte, gradient norm, rate; throughput and MFU since the last one."""
         par, tc, step = self.prep.par, self.tc, self.step
-        self.lock.refresh()
+        with writing(self.lock.path, RESUME_ADVICE):
+            self.lock.refresh()
         metrics = jax.device_get(par.unreplicate(metrics) if par.mesh is None else metrics)
         now = time.perf_counter() - self.paused_s
         record = {

@@ -4,7 +4,7 @@ for writing, renames or removes one (Python's audit events ``os.mkdir``, ``open`
 than N boundaries.
 
     python tests/faults/kill_at.py N import FOLDER --workdir W
-    python tests/faults/kill_at.py publish convert ...     # at the rename that publishes a ``.partial`` folder
+    python tests/faults/kill_at.py publish convert ...     # at the rename that publishes a ``.NAME.partial.*`` folder
 
 Writes made by native code (orbax's TensorStore, safetensors' Rust writer) are not seen one by one, only the
 Python boundaries around them: every folder and file these tools name themselves.
@@ -42,7 +42,7 @@ def main() -> int:
         elif event not in EVENTS:
             return
         seen += 1
-        published = event == "os.rename" and str(args[0]).endswith(".partial")
+        published = event == "os.rename" and ".partial." in os.path.basename(str(args[0]))
         if seen == n or (publish and published):
             os.kill(os.getpid(), signal.SIGKILL)
 

@@ -49,6 +49,93 @@ def test_a_second_run_on_a_locked_workdir_refuses_and_a_stale_lock_is_taken_over
     assert not (w / LOCK_FILE).exists()
 
 
+def test_two_runs_that_both_found_the_lock_stale_cannot_both_hold_it(tmp_path):
+    """A lock left by a dead run, and two runs that both read it before either took it over: the second acts on
+    what it read (the dead holder) after the first holds the lock. Before the flock, it renamed the first run's
+    fresh lock away as the stale one and created its own, and both trained into the workdir."""
+    from qkvjax.workdir import WorkdirLock
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    record = {"host": socket.gethostname(), "pid": dead.pid, "started": "then"}
+    (tmp_path / LOCK_FILE).write_text(json.dumps(record))
+
+    class ReadBeforeTheTakeover(WorkdirLock):
+        def _holder(self):
+            return dict(record)
+
+    first, second = WorkdirLock(tmp_path), ReadBeforeTheTakeover(tmp_path)
+    first.acquire()
+    try:
+        with pytest.raises(ValueError, match="in use by another training run"):
+            second.acquire()
+        assert json.loads((tmp_path / LOCK_FILE).read_text())["token"] == first.me["token"]
+    finally:
+        first.release()
+        second.release()
+    assert not (tmp_path / LOCK_FILE).exists()
+    with WorkdirLock(tmp_path) as third:  # released: taken at once
+        assert third.held
+
+
+def test_a_lock_holder_killed_with_sigkill_leaves_a_lock_the_next_run_takes_and_junk_is_no_holder(tmp_path):
+    from qkvjax.workdir import WorkdirLock
+
+    code = (
+        "import sys, time; from qkvjax.workdir import WorkdirLock; lock = WorkdirLock(sys.argv[1]); lock.acquire(); "
+        "print('held', flush=True); time.sleep(120)"
+    )
+    holder = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(ValueError, match=f"in use by another training run \\(pid {holder.pid} on "):
+            WorkdirLock(tmp_path).acquire()
+    finally:
+        holder.kill()
+        holder.wait()
+        holder.stdout.close()
+    assert json.loads((tmp_path / LOCK_FILE).read_text())["pid"] == holder.pid  # what the killed run left
+    with WorkdirLock(tmp_path) as lock:
+        assert json.loads((tmp_path / LOCK_FILE).read_text())["token"] == lock.me["token"]
+    for junk in ("[]", '{"pid": "7", "host": "h"}', "{"):  # not a holder's record, and old: taken
+        (tmp_path / LOCK_FILE).write_text(junk)
+        os.utime(tmp_path / LOCK_FILE, (0, 0))
+        with WorkdirLock(tmp_path) as lock:
+            assert lock.held
+
+
+def test_two_writers_of_one_output_folder_never_mix_their_files_and_a_killed_ones_folder_is_removed(tmp_path):
+    """Two ``whole_or_absent`` blocks on one target, interleaved (two ``qkvjax import --workdir W`` at once): each
+    writes its own sibling, the first to finish publishes its files alone, the other is refused. Before, both
+    staged in ``.W.partial`` (the second removing the first's), so the target got the files of both."""
+    from qkvjax.workdir import whole_or_absent
+
+    target = tmp_path / "out"
+    first_block, second_block = whole_or_absent(target, "files"), whole_or_absent(target, "files")
+    first = first_block.__enter__()
+    second = second_block.__enter__()
+    (first / "from_first").write_text("1")
+    (second / "from_second").write_text("2")
+    second_block.__exit__(None, None, None)
+    assert sorted(os.listdir(target)) == ["from_second"]  # published alone
+    with pytest.raises(ValueError, match="written by another process while this one wrote it"):
+        first_block.__exit__(None, None, None)
+    assert sorted(os.listdir(target)) == ["from_second"]
+    assert sorted(os.listdir(tmp_path)) == ["out"]  # the refused attempt's sibling removed
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    killed = tmp_path / f".again.partial.{socket.gethostname()}.{dead.pid}.0a1b2c3d"  # a killed attempt's
+    legacy, elsewhere = tmp_path / ".again.partial", tmp_path / f".again.partial.otherhost.{dead.pid}.0a1b2c3d"
+    for folder in (killed, legacy, elsewhere):
+        folder.mkdir()
+        (folder / "half").write_text("x")
+    with whole_or_absent(tmp_path / "again", "files") as staging:
+        (staging / "whole").write_text("y")
+    assert sorted(os.listdir(tmp_path)) == [elsewhere.name, "again", "out"]  # another host's attempt may be alive
+    assert os.listdir(tmp_path / "again") == ["whole"]
+
+
 def test_a_diverging_run_stops_at_the_step_keeps_the_last_good_checkpoint_and_can_skip(
     tmp_path, corpus, data_dir, capsys
 ):
@@ -292,6 +379,131 @@ def test_disk_full_injected_without_a_mount(tmp_path, small_text, data_dir, monk
     assert re.search(r"disk full while writing a checkpoint to .*the last complete checkpoint is step 3", err[0]), err
     monkeypatch.undo()
     assert evaluate(str(w))["step"] == 3  # that checkpoint restores
+
+
+# The CLI with tensorboardX's record writer failing as a full disk does from its Nth record on (argv[1]).
+FAILING_EVENTS = """
+import errno, sys
+from tensorboardX import record_writer
+real, calls = record_writer.RecordWriter.write, [0]
+def write(self, data):
+    calls[0] += 1
+    if calls[0] >= int(sys.argv[1]):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    return real(self, data)
+record_writer.RecordWriter.write = write
+from qkvjax.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def _train_until_stopped(args, timeout=150, prefix=()):
+    from tests.helpers import REPO, xla_flags
+
+    env = dict(os.environ, XLA_FLAGS=xla_flags(1), JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
+    command = [sys.executable, *prefix, *args] if prefix else [sys.executable, "-m", "qkvjax.cli", *args]
+    try:
+        return subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        raise AssertionError(f"the run hung instead of stopping ({timeout} s); its output: {e.stderr!r}") from None
+
+
+def test_a_failing_tensorboard_write_stops_the_run_in_one_line_keeping_its_checkpoints(tmp_path, small_text, data_dir):
+    """Before, tensorboardX's writer thread died on the error, its queue of 10 filled, and the loop blocked in
+    ``add_scalar`` for ever (SIGTERM too): a run whose disk filled hung silently."""
+    w = tmp_path / "w"
+    args = train_args(w, small_text, data_dir, **{"train.num_steps": 60, "train.checkpoint_every": 10,
+                                                   "train.eval_every": 1000})  # fmt: skip
+    proc = _train_until_stopped(["25", *args], prefix=("-c", FAILING_EVENTS))
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(err) == 1, proc.stderr[-3000:]
+    assert re.search(r"No space left on device while writing .*tensorboard; the checkpoints already saved", err[0])
+    assert evaluate(str(w))["step"] == 20  # the steps saved before the failure restore
+    assert not (w / LOCK_FILE).exists()
+
+
+def test_a_disk_that_fills_while_the_run_logs_stops_it_with_one_line(small_disk, small_text, data_dir):
+    """A real full disk (the tmpfs above, a few kB left): metrics.jsonl or the events file fails first, and the run
+    stops naming it instead of hanging."""
+    filler = small_disk / "filler"
+    free = shutil.disk_usage(small_disk).free
+    with open(filler, "wb") as f:
+        f.write(b"\0" * (free - 160 * 1024))
+    w = small_disk / "w"
+    args = train_args(w, small_text, data_dir, **{"train.num_steps": 100000, "train.checkpoint_every": 100000,
+                                                   "train.eval_every": 100000})  # fmt: skip
+    proc = _train_until_stopped(args, timeout=300)
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(err) == 1, proc.stderr[-3000:]
+    assert re.search(r"No space left on device while writing .*(metrics\.jsonl|tensorboard)", err[0]), err
+
+
+def test_a_disk_that_fills_while_the_dataset_is_prepared_is_one_line_naming_data_dir(small_disk, small_text, capsys):
+    """array_record's writer raised a RuntimeError with a traceback of 30 lines; TFDS removes its incomplete folder."""
+    with open(small_disk / "filler", "wb") as f:
+        f.write(b"\0" * (shutil.disk_usage(small_disk).free - 64 * 1024))
+    data_dir, w = small_disk / "tfds", small_disk / "w"
+    assert run_in_process(train_args(w, small_text, str(data_dir), **{"train.num_steps": 1})) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"No space left on device while preparing the dataset in data_dir={data_dir}" in err[0]
+    assert not list(data_dir.rglob("incomplete*")) and not w.exists()
+
+
+def test_no_room_for_the_lock_is_one_line_naming_it_and_leaves_no_workdir(small_disk, small_text, data_dir, capsys):
+    with open(small_disk / "filler", "wb", buffering=0) as f:
+        with contextlib.suppress(OSError):  # until the disk is full
+            while True:
+                f.write(b"\0" * 4096)
+    w = small_disk / "w"
+    assert run_in_process(train_args(w, small_text, data_dir, **{"train.num_steps": 1})) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"No space left on device while writing the lock {w / LOCK_FILE}" in err[0], err
+    assert not w.exists()  # before, an empty train.lock in the folder this run had made
+
+
+def test_no_room_for_the_lock_injected_without_a_mount(tmp_path, small_text, data_dir, monkeypatch, capsys):
+    """The same as the tmpfs test above where none can be mounted: the lock's write raises ENOSPC."""
+
+    def full(fd, data, offset):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "pwrite", full)  # the lock's record is the run's only pwrite before it fails
+    w = tmp_path / "w"
+    assert run_in_process(train_args(w, small_text, data_dir, **{"train.num_steps": 1})) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"No space left on device while writing the lock {w / LOCK_FILE}" in err[0], err
+    assert not w.exists()
+
+
+def test_room_for_the_lock_but_not_the_config_is_one_line_naming_it_and_leaves_no_workdir(
+    small_disk, small_text, data_dir, capsys
+):
+    filler = small_disk / "filler"
+    with open(filler, "wb", buffering=0) as f:
+        with contextlib.suppress(OSError):  # until the disk is full
+            while True:
+                f.write(b"\0" * 4096)
+    os.truncate(filler, filler.stat().st_size - 4096)  # one page: the lock's
+    w = small_disk / "w"
+    assert run_in_process(train_args(w, small_text, data_dir, **{"train.num_steps": 1})) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"No space left on device while writing {w / 'config.json'}" in err[0], err
+    assert not w.exists()  # before, an unnamed error and the empty checkpoints/ folder orbax had made
+
+
+def test_a_full_disk_reported_by_the_dataset_writer_is_one_line_without_a_mount(
+    tmp_path, small_text, monkeypatch, capsys
+):
+    import tensorflow_datasets as tfds
+
+    def full(self, **kwargs):  # array_record's own words when its chunk writer cannot write
+        raise RuntimeError('Failed to finalize writing of split "test": write() failed: No space left on device')
+
+    monkeypatch.setattr(tfds.core.DatasetBuilder, "download_and_prepare", full)
+    data_dir = tmp_path / "tfds"
+    assert run_in_process(train_args(tmp_path / "w", small_text, str(data_dir), **{"train.num_steps": 1})) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"No space left on device while preparing the dataset in data_dir={data_dir}" in err[0]
 
 
 def test_a_relative_source_path_is_stored_absolute(tmp_path, small_text, data_dir, monkeypatch):
