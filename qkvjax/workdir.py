@@ -212,10 +212,7 @@ def whole_or_absent(target, holds: str):
     target = path(target)
     require_empty(target, holds)
     prefix = f".{target.name}.partial"
-    if target.parent.is_dir():
-        for sibling in target.parent.iterdir():
-            if sibling.is_dir() and _killed_attempt(sibling.name, prefix):  # never a finished output
-                sibling.rmtree()
+    _remove_killed_attempts(target.parent, prefix)  # never a finished output
     staging = target.parent / f"{prefix}.{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
     try:
         staging.mkdir(parents=True)
@@ -369,15 +366,51 @@ def metric_lines(file: epath.Path) -> list[tuple[str, dict]]:
 
 
 def export_params(workdir, step: int, params) -> str:
-    """A params-only orbax copy for evaluation and other code: ``WORKDIR/params/<step>``; returns its path."""
+    """A params-only orbax copy for evaluation and other code: ``WORKDIR/params/<step>``; returns its path.
+
+    The copy is written beside the target, into ``.<step>.exporting`` (orbax writes its own temporary folder and
+    renames it when whole), and put in place by renames: an earlier export of the step (a finished run started
+    again) is moved aside to ``.<step>.replaced`` first and removed last. So a kill or a full disk at any moment
+    leaves a whole copy, in place or aside; the next export puts an aside copy back before it starts and removes
+    what killed attempts left. Until 2026-12-01 the earlier copy was removed before the new one was written, and a
+    kill during that removal left a ``params/<step>`` that did not restore. One writer at a time: training holds the
+    workdir's lock, import and convert write into folders of their own. Every process saves its shards; process 0
+    renames. (An object store has no rename: there each is a copy and a delete, and a kill during one can leave the
+    step without a whole export; the step's checkpoint still holds its params.)"""
+    import jax
     import orbax.checkpoint as ocp
 
-    target = path(workdir) / "params" / str(step)
-    if target.exists():
-        target.rmtree()
+    folder = path(workdir) / "params"
+    target, staging, aside = (folder / name for name in (str(step), f".{step}.exporting", f".{step}.replaced"))
+    primary = jax.process_index() == 0
+    if primary and folder.is_dir():
+        if aside.exists() and not target.exists():
+            aside.rename(target)  # a killed export's earlier copy, back in place
+        for leftover in folder.iterdir():
+            if leftover.name.startswith((staging.name, aside.name)):  # orbax's temporary folder included
+                leftover.rmtree()
     with ocp.AsyncCheckpointer(state_handler()) as ckptr:
-        ckptr.save(target, args=ocp.args.StandardSave(params))
+        ckptr.save(staging, args=ocp.args.StandardSave(params))
+    if primary:
+        if target.exists():
+            target.rename(aside)
+        try:
+            staging.rename(target)
+        except BaseException:
+            if aside.exists():
+                aside.rename(target)  # the earlier copy back in place
+            raise
+        if aside.exists():
+            aside.rmtree()
     return os.fspath(target)
+
+
+def _remove_killed_attempts(folder: epath.Path, prefix: str) -> None:
+    """Removes ``folder``'s subfolders that are a killed attempt's ``prefix.HOST.PID.*``."""
+    if folder.is_dir():
+        for sibling in folder.iterdir():
+            if sibling.is_dir() and _killed_attempt(sibling.name, prefix):
+                sibling.rmtree()
 
 
 def state_handler():

@@ -27,8 +27,17 @@ def main() -> int:
         print(f"kill_at: error: the first argument is {got!r}; allowed: a boundary number N >= 1 or 'publish', "
               "then the qkvjax command", file=sys.stderr)  # fmt: skip
         return 2
-    publish = sys.argv[1] == "publish"
-    n = 0 if publish else int(sys.argv[1])
+    from qkvjax.cli import main as cli
+
+    install(sys.argv[1])  # after the import, whose own writes (bytecode caches) are no boundary of the command
+    return cli(sys.argv[2:])
+
+
+def install(at: str, echo: bool = False) -> None:
+    """Adds the audit hook that SIGKILLs this process at boundary ``at`` (a number; 0 never) or at the publishing
+    rename (``"publish"``); with ``echo`` each boundary is printed as ``N<TAB>event<TAB>arg<TAB>arg``."""
+    publish = at == "publish"
+    n = 0 if publish else int(at)
     seen = 0
 
     def hook(event, args):
@@ -42,14 +51,13 @@ def main() -> int:
         elif event not in EVENTS:
             return
         seen += 1
+        if echo:
+            print(seen, event, *(str(a) for a in args[:2]), sep="\t", flush=True)
         published = event == "os.rename" and ".partial." in os.path.basename(str(args[0]))
         if seen == n or (publish and published):
             os.kill(os.getpid(), signal.SIGKILL)
 
-    from qkvjax.cli import main as cli
-
     sys.addaudithook(hook)
-    return cli(sys.argv[2:])
 
 
 if __name__ == "__main__":
