@@ -212,7 +212,10 @@ def whole_or_absent(target, holds: str):
     target = path(target)
     require_empty(target, holds)
     prefix = f".{target.name}.partial"
-    _remove_killed_attempts(target.parent, prefix)  # never a finished output
+    if target.parent.is_dir():
+        for sibling in target.parent.iterdir():
+            if sibling.is_dir() and _killed_attempt(sibling.name, prefix):  # never a finished output
+                sibling.rmtree()
     staging = target.parent / f"{prefix}.{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
     try:
         staging.mkdir(parents=True)
@@ -403,14 +406,6 @@ def export_params(workdir, step: int, params) -> str:
         if aside.exists():
             aside.rmtree()
     return os.fspath(target)
-
-
-def _remove_killed_attempts(folder: epath.Path, prefix: str) -> None:
-    """Removes ``folder``'s subfolders that are a killed attempt's ``prefix.HOST.PID.*``."""
-    if folder.is_dir():
-        for sibling in folder.iterdir():
-            if sibling.is_dir() and _killed_attempt(sibling.name, prefix):
-                sibling.rmtree()
 
 
 def state_handler():

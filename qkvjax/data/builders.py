@@ -156,8 +156,10 @@ def _prepared(make, data_dir: str):
     except (OSError, RuntimeError) as e:  # OSError: FileExistsError locally, or another filesystem's "taken"
         if (full := _disk_full(e, data_dir)) is not None:
             raise full from e
+        if isinstance(e, RuntimeError):
+            raise
         builder = make()
-        if isinstance(e, RuntimeError) or not builder.is_prepared():  # a permission, ...: not the race
+        if not builder.is_prepared():  # a permission, ...: not the race
             raise
     return builder
 
