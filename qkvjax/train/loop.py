@@ -34,6 +34,7 @@ from qkvjax.perf import measure_peak_flops
 from qkvjax.train import checkpoint
 from qkvjax.train.checks import check_fits, check_resume, check_splits, check_workdir, imported
 from qkvjax.train.events import EventFile
+from qkvjax.train.lock import WorkdirLock
 from qkvjax.train.mesh import batch_sharding, data_parallel_size, make_mesh, shardings_for
 from qkvjax.train.progress import TrainProgress
 from qkvjax.train.state import abstract_state, create_state, learning_rate_schedule, make_optimizer
@@ -41,7 +42,6 @@ from qkvjax.train.step import make_eval_step, make_train_step, mean_loss
 from qkvjax.workdir import (  # noqa: F401
     CONFIG_FILE,
     METRICS_FILE,
-    WorkdirLock,
     check_data,
     drop_aside,
     export_params,
@@ -236,7 +236,7 @@ class _Parallel:
 def train(config: Config, workdir: str, *, overwrite: bool = False) -> dict:
     """Trains (or resumes) ``config`` in ``workdir``; returns the last logged training record.
 
-    Process 0 holds the workdir's lock (:class:`qkvjax.workdir.WorkdirLock`) for the whole run, so a second run on
+    Process 0 holds the workdir's lock (:class:`qkvjax.train.lock.WorkdirLock`) for the whole run, so a second run on
     the same workdir refuses to start and names the holder. Raises :class:`Interrupted` when SIGTERM or SIGINT
     stopped the run (after its checkpoint is saved).
     """

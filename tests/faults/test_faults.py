@@ -17,7 +17,7 @@ import pytest
 
 from qkvjax.config import apply_overrides, load_config_file
 from qkvjax.evaluate import evaluate
-from qkvjax.workdir import LOCK_FILE
+from qkvjax.train.lock import LOCK_FILE
 from tests.helpers import TINY, exported_params, flat, metrics, run_in_process, train_args
 
 STRICT_DTYPE_PROMOTION = False  # optax
@@ -53,7 +53,7 @@ def test_two_runs_that_both_found_the_lock_stale_cannot_both_hold_it(tmp_path):
     """A lock left by a dead run, and two runs that both read it before either took it over: the second acts on
     what it read (the dead holder) after the first holds the lock. Before the flock, it renamed the first run's
     fresh lock away as the stale one and created its own, and both trained into the workdir."""
-    from qkvjax.workdir import WorkdirLock
+    from qkvjax.train.lock import WorkdirLock
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
@@ -79,10 +79,10 @@ def test_two_runs_that_both_found_the_lock_stale_cannot_both_hold_it(tmp_path):
 
 
 def test_a_lock_holder_killed_with_sigkill_leaves_a_lock_the_next_run_takes_and_junk_is_no_holder(tmp_path):
-    from qkvjax.workdir import WorkdirLock
+    from qkvjax.train.lock import WorkdirLock
 
     code = (
-        "import sys, time; from qkvjax.workdir import WorkdirLock; lock = WorkdirLock(sys.argv[1]); lock.acquire(); "
+        "import sys, time; from qkvjax.train.lock import WorkdirLock; lock = WorkdirLock(sys.argv[1]); lock.acquire(); "
         "print('held', flush=True); time.sleep(120)"
     )
     holder = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
