@@ -51,7 +51,17 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 from experiments import budget, report
 from experiments.ladder import params_matched_mlp_dim
-from experiments.rows import PROTOCOL_FILE, append_rows, blank, csv_list, read_csv, replace_rows, row_spec, rows_file
+from experiments.rows import (
+    PROTOCOL_FILE,
+    append_rows,
+    blank,
+    csv_list,
+    read_csv,
+    replace_rows,
+    row_spec,
+    rows_file,
+    write_json,
+)
 from qkvjax.attention import SCHEMES
 from qkvjax.config import Config, apply_overrides, from_dict, load_config_file, to_dict
 from qkvjax.models.lm import kv_cache_bytes_per_token, param_count
@@ -314,7 +324,7 @@ def check_protocol(out: Path, base: Config, args) -> None:
         f"jax {jax.__version__} on {jax.devices()[0].device_kind})",
         "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
-    path.write_text(json.dumps(record, indent=2) + "\n")
+    write_json(path, record)
 
 
 def sweep(args) -> Path:
@@ -369,7 +379,7 @@ def print_bill(out: Path, base: Config, todo: list[Run]) -> float:
     key = json.dumps(to_dict(dataclasses.replace(base, seed=0))["model"], sort_keys=True)
     if key not in cache:
         cache[key] = budget.probe(base)
-        cache_file.write_text(json.dumps(cache, indent=2) + "\n")
+        write_json(cache_file, cache)
     tokens_per_s, source = cache[key], "a probe of its train step, kept in probe.json"
     print(f"the base model trains at {tokens_per_s:,.0f} tokens/s ({source}); each run scaled by its FLOPs per token")
     groups: dict[tuple[str, str], list[float]] = {}

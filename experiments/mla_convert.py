@@ -35,7 +35,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from experiments.rows import append_rows
+from experiments.rows import append_rows, write_json
 from qkvjax.config import apply_overrides, load_config_file
 from qkvjax.convert import convert_workdir
 from qkvjax.evaluate import evaluate
@@ -157,7 +157,7 @@ def sweep(argv=None) -> int:
     meta["earlier_commands"] = previous.get("earlier_commands", []) + (
         [previous["command"]] if previous.get("command") not in (None, meta["command"]) else []
     )  # rows appended by other commands (e.g. --shared-kv, --cla) keep theirs on record
-    (out / "protocol.json").write_text(json.dumps(meta, indent=2) + "\n")
+    write_json(out / "protocol.json", meta)
     results = out / "results.csv"
     done = _done(results)
     for seed in args.seeds:

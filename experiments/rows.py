@@ -6,6 +6,7 @@ and truncated before the next append), and a rerun resumes from what is there.
     append_rows(path, columns, rows)    one finished run's rows (the header first, if the file is new; a file
                                         written before columns were added at the end is rewritten with them)
     replace_rows(path, columns, rows)   the whole file, written beside it and renamed into place
+    write_json(path, value)             a JSON record (protocol.json, probe.json), the same way
     blank(value)                        a CSV cell ('' for None)
     PROTOCOL_FILE                       the name of a results folder's record of the settings that made it
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import csv
 import io
+import json
 import os
 from pathlib import Path
 
@@ -72,14 +74,32 @@ def append_rows(path: Path, columns, rows: list[dict]) -> None:
 
 
 def replace_rows(path: Path, columns, rows: list[dict]) -> None:
-    tmp = path.with_suffix(".tmp")
-    with open(tmp, "w", newline="") as f:
+    def write(f) -> None:
         writer = csv.DictWriter(f, fieldnames=columns)
         writer.writeheader()
         writer.writerows(rows)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+
+    _replace(path, write)
+
+
+def write_json(path: Path, value) -> None:
+    """``value`` as indented JSON: a kill or a full disk while writing leaves the earlier record whole (a resumed
+    sweep reads it first, and an empty one stopped it)."""
+    _replace(path, lambda f: f.write(json.dumps(value, indent=2) + "\n"))
+
+
+def _replace(path: Path, write) -> None:
+    """``write(file)`` into a temporary sibling, flushed to disk, renamed over ``path``; removed if it fails. One
+    name per file (one writer at a time): what a kill leaves is overwritten by the next write, never piled up."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "w", newline="") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def blank(value):

@@ -73,7 +73,7 @@ from experiments.ladder import (  # noqa: F401  (the ladder's names, read here a
     VARIANTS,
     size_config,
 )
-from experiments.rows import PROTOCOL_FILE, append_rows, blank, csv_list, read_csv
+from experiments.rows import PROTOCOL_FILE, append_rows, blank, csv_list, read_csv, write_json
 from qkvjax.config import Config, DataConfig
 from qkvjax.models.lm import kv_cache_bytes_per_token, param_count
 from qkvjax.train.loop import Interrupted
@@ -296,7 +296,7 @@ def speeds(sweep: Sweep) -> dict[int, float]:
         key = f"d{size}-L{sweep.args.layers}-T{sweep.args.context}"
         if key not in cache:
             cache[key] = budget.probe(sweep.run("lr-small", "primary", size, "separate", 1e-3, 0).config)
-            cache_file.write_text(json.dumps(cache, indent=2) + "\n")
+            write_json(cache_file, cache)
         out[size] = cache[key]
     return out
 
@@ -344,7 +344,7 @@ def check_protocol(sweep: Sweep) -> None:
         f"jax {jax.__version__} on {jax.devices()[0].device_kind})",
         "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
-    path.write_text(json.dumps(record, indent=2) + "\n")
+    write_json(path, record)
 
 
 def train_split_bytes(data: DataConfig) -> int:

@@ -102,6 +102,20 @@ def read_messages(path: str) -> list[dict]:
     return turns
 
 
+def save_messages(path: str, turns: list[dict]) -> None:
+    """Writes ``turns`` as :func:`read_messages` reads them (a JSON list, non-ASCII text kept), into a file beside
+    ``path`` renamed over it: a full disk or a kill while writing leaves the file that was there whole."""
+    from qkvjax.workdir import replace_file
+
+    data = (json.dumps(turns, ensure_ascii=False, indent=1) + "\n").encode("utf-8")
+
+    def write(target: str) -> None:
+        with open(target, "wb") as f:
+            f.write(data)
+
+    replace_file(path, write)
+
+
 def conversation(prompt: str | None, system: str | None = None, history: list[dict] = ()) -> list[dict]:
     """A system turn when ``system`` is given, the ``history`` turns, then ``prompt`` as the user's turn when given
     (OpenAI's message format, which templates read)."""
@@ -245,10 +259,10 @@ class Session:
             print("/save needs a FILE; allowed: /save FILE", file=notes)
             return
         try:
-            with open(path, "w", encoding="utf-8") as f:
-                f.write(json.dumps(self.turns(), ensure_ascii=False, indent=1) + "\n")
+            save_messages(path, self.turns())
         except OSError as e:
-            print(f"/save {path}: {e.strerror or e}; the conversation is kept, try another FILE", file=notes)
+            reason = os.strerror(e.errno) if e.errno else str(e)  # the file named once, not again as "while writing"
+            print(f"/save {path}: {reason}; the conversation is kept, try another FILE", file=notes)
             return
         print(f"saved {len(self.turns())} turns to {path}", file=notes)
 

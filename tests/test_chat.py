@@ -93,6 +93,34 @@ def test_a_failing_template_is_refused_in_one_line(template, match):
     assert "\n" not in str(e.value)
 
 
+def test_a_save_that_fails_part_way_leaves_the_earlier_file_whole(tmp_path):
+    """``/save`` over an earlier save, failing part-way as on a full disk (a process limited to 1,000-byte files:
+    the kernel's EFBIG once the limit is reached, SIGXFSZ ignored; no root needed): the earlier save still reads
+    whole and nothing else is left in the folder. Until 2026-12-01 the file was truncated first, then written."""
+    import subprocess
+    import sys
+
+    from qkvjax.chat import save_messages
+
+    saved = tmp_path / "turns.json"
+    first = [{"role": "user", "content": "h\u00e9llo"}, {"role": "assistant", "content": "b\u00f8njour"}]
+    save_messages(str(saved), first)
+    assert read_messages(str(saved)) == first and "h\u00e9llo" in saved.read_text(encoding="utf-8")  # not escaped
+    longer = [*first, {"role": "user", "content": "x" * 5000}]
+    code = (
+        "import json, resource, signal, sys; from qkvjax.chat import save_messages; "
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN); resource.setrlimit(resource.RLIMIT_FSIZE, (1000, 1000)); "
+        "save_messages(sys.argv[1], json.loads(sys.argv[2]))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code, str(saved), json.dumps(longer)], capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert proc.returncode != 0 and "File too large" in proc.stderr, proc.stderr[-1000:]
+    assert read_messages(str(saved)) == first
+    assert [p.name for p in tmp_path.iterdir()] == ["turns.json"]
+    save_messages(str(saved), longer)  # without the limit: replaced
+    assert read_messages(str(saved)) == longer
+
+
 def test_read_folder_finds_what_transformers_finds(tmp_path):
     assert read_folder(str(tmp_path)) == (None, {})  # a base model: no template, no strings
     (tmp_path / "tokenizer_config.json").write_text(
