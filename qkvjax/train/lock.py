@@ -1,7 +1,8 @@
 """One training run per workdir: ``WORKDIR/train.lock``, held by the running trainer (:class:`WorkdirLock`).
 
-The training loop takes it before it reads or writes anything in the workdir and holds it to the end; tools that only
-read a workdir (info, eval, sample, analyze) do not take it."""
+The training loop (process 0 of a multi-process run) takes it once the folder exists, before it reads or writes
+anything in it, and holds it to the end; tools that only read a workdir (info, eval, sample, analyze) do not take it,
+and import and convert write folders of their own (``qkvjax.workdir.whole_or_absent``)."""
 
 from __future__ import annotations
 
