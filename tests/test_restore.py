@@ -311,6 +311,29 @@ def test_sample_cli_streams_and_greedy_is_deterministic(run, capsys, tmp_path):
     assert seeded[0] != seeded[2]  # another seed, another text (30 draws over 256 bytes)
 
 
+def test_complete_is_the_sample_command_in_python_on_the_streams_it_is_given(run, capsys):
+    import io
+
+    from qkvjax.complete import Request, complete
+
+    args = ["sample", f"--workdir={run}", "--prompt=the ", "--prompt=a", "--num-tokens=9", "--temperature=0"]
+    assert run_in_process(args) == 0
+    command = capsys.readouterr()
+    out, err = io.StringIO(), io.StringIO()
+    complete(Request(str(run), ("the ", "a"), num_tokens=9, temperature=0.0), out=out, err=err)
+    assert capsys.readouterr().out == ""  # nothing on the process's streams
+    assert out.getvalue() == command.out and out.getvalue().startswith("=== prompt 0 ===\nthe ")
+    assert "2 x 9 tokens" in err.getvalue()
+    # flags that cannot go together are refused when the request is made, before the workdir is read
+    for fields, said in (({"system": "be brief"}, "--system gives chat turns"),
+                         ({"chat": True, "interactive": True}, "allowed: without --prompt"),
+                         ({"num_samples": 0}, "--num-samples 0; allowed"), ({"seed": -1}, "--seed")):  # fmt: skip
+        with pytest.raises(ValueError, match=said):
+            Request("no/such/workdir", ("a",), **fields)
+    with pytest.raises(ValueError, match="sample needs a --prompt"):
+        Request("no/such/workdir")
+
+
 def test_info_lists_checkpoints_parameters_and_metrics(run, capsys):
     assert run_in_process(["info", f"--workdir={run}", "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
