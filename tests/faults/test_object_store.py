@@ -39,6 +39,23 @@ def _send_generation(download):
     return handler
 
 
+def _move(request, response, storage, *args, **kwargs):
+    """GCS's ``objects.move`` (``POST .../o/SRC/moveTo/o/DST``), which the emulator lacks: gcsfs tries it first for
+    every rename and retries the emulator's 501 with backoff for about 35 s before falling back to a copy and a
+    delete, which made this test three times as long. Answered as GCS does: the copy and the delete in one call."""
+    from gcp_storage_emulator.handlers import objects
+
+    request.params["dest_bucket_name"] = request.params["bucket_name"]
+    objects.copy(request, response, storage)
+    if response.status == 200:
+        storage.delete_file(request.params["bucket_name"], request.params["object_id"])
+
+
+def _move_route(prefix: str):
+    pattern = rf"^{prefix}/b/(?P<bucket_name>[-.\w]+)/o/(?P<object_id>.*[^/]+)/moveTo/o/(?P<dest_object_id>.*[^/]+)$"
+    return pattern, {emulator.POST: _move}
+
+
 @pytest.fixture(scope="module")
 def gcs():
     logging.getLogger("gcp_storage_emulator").setLevel(logging.CRITICAL)
@@ -50,6 +67,8 @@ def gcs():
         for _, handlers in emulator.HANDLERS:
             if handlers.get(emulator.GET) is original:
                 handlers[emulator.GET] = objects.download
+    if not any(handlers.get(emulator.POST) is _move for _, handlers in emulator.HANDLERS):
+        emulator.HANDLERS = (_move_route("/storage/v1"), _move_route("")) + tuple(emulator.HANDLERS)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
