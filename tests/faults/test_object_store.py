@@ -42,7 +42,7 @@ def _send_generation(download):
 def _move(request, response, storage, *args, **kwargs):
     """GCS's ``objects.move`` (``POST .../o/SRC/moveTo/o/DST``), which the emulator lacks: gcsfs tries it first for
     every rename and retries the emulator's 501 with backoff for about 35 s before falling back to a copy and a
-    delete, which made this test three times as long. Answered as GCS does: the copy and the delete in one call."""
+    delete, which made this test over twice as long (104 s against 40). Answered as GCS does: copy, then delete."""
     from gcp_storage_emulator.handlers import objects
 
     request.params["dest_bucket_name"] = request.params["bucket_name"]
