@@ -378,20 +378,20 @@ ANNOTATIONS = textwrap.dedent(
         AttentionConfig(num_heads=6, head_dim=4, num_kv_heads=2, scheme="mla", rope=True, kv_rank=5),
     ]:
         module = (LatentAttention if cfg.tying.latent else Attention)(cfg)
-        # under jit the checks run as the functions are traced (on the tracers' shapes), one compile each
-        params = jax.jit(lambda k, x: module.init(k, x, causal=True))(jax.random.PRNGKey(1), x)
-        jax.jit(lambda p, x: module.apply(p, x, causal=True))(params, x)
-        jax.jit(lambda p, x, y: module.apply(p, x, y, causal=False))(params, x, x[:, :5])
+        # the checks run as the functions are traced (on the tracers' shapes): traced, nothing compiled
+        params = jax.eval_shape(lambda k, x: module.init(k, x, causal=True), jax.random.PRNGKey(1), x)
+        jax.eval_shape(lambda p, x: module.apply(p, x, causal=True), params, x)
+        jax.eval_shape(lambda p, x, y: module.apply(p, x, y, causal=False), params, x, x[:, :5])
     for scheme in ("shared_kv", "mla"):  # decoding: a cache, one token at a time
         att = AttentionConfig(num_heads=6, head_dim=4, num_kv_heads=3 if scheme == "shared_kv" else 2,
                               scheme=scheme, rope=True)
         model = DecoderLM(ModelConfig(attention=att, vocab_size=17, d_model=12, num_layers=2, max_len=16,
                                       learned_positions=False))
         tokens = jnp.ones((2, 5), jnp.int32)
-        params = jax.jit(model.init)(jax.random.PRNGKey(2), tokens)
-        step = jax.jit(lambda p, x, c: model.apply(p, x, cache=c))
-        _, cache = step(params, tokens, DecodeCache.empty(model.config, 2, 9))
-        step(params, tokens[:, :1], cache)
+        params = jax.eval_shape(model.init, jax.random.PRNGKey(2), tokens)
+        step = lambda p, x, c: model.apply(p, x, cache=c)
+        _, cache = jax.eval_shape(step, params, tokens, DecodeCache.empty(model.config, 2, 9))
+        jax.eval_shape(step, params, tokens[:, :1], cache)
     from jaxtyping import TypeCheckError
     from qkvjax.attention.module import Positions
     try:  # the annotations are live: queries at 3 positions with mask indices for 4 are refused

@@ -102,9 +102,11 @@ def _lm(scheme, kv=None, rope=False, causal_block=64):
 
 
 # Generation's own code is the same for every scheme; each scheme's cached decoding is checked against its full
-# forward in test_attention (every scheme, ragged rows) and test_window (a model of every family). Here: GQA with
-# rotary, a cache of the key side's inputs (bilinear), Reformer's self-mask with rotary, MLA's absorbed reading.
-SAMPLE_CASES = [("separate", 1, True), ("bilinear", None, False), ("reformer_qk", None, True), ("mla", None, False)]
+# forward in test_attention (every scheme, ragged rows), test_lm (a model of bilinear's key-side cache, Reformer's
+# self-mask with rotary) and test_window (a model of every family). Here in CI: GQA with rotary and MLA's absorbed
+# reading, each with the generation options only it takes; bilinear and Reformer are `pytest -m slow`.
+SAMPLE_CASES = [("separate", 1, True), pytest.param("bilinear", None, False, marks=pytest.mark.slow),
+                pytest.param("reformer_qk", None, True, marks=pytest.mark.slow), ("mla", None, False)]  # fmt: skip
 # the prefix and the absorbed kernel, reading key prefixes of 2, 4, 8 or all 13 slots as the rows grow
 PREFIXES = (("separate", 1, True), ("mla", None, False))
 

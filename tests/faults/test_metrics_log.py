@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.helpers import REPO, metrics, run_in_process, train_args
+from tests.helpers import REPO, metrics, run_in_process, train_args, xla_flags
 
 STRICT_DTYPE_PROMOTION = False  # optax
 
@@ -106,7 +106,7 @@ def test_tensorboardx_is_imported_only_for_events_and_never_brings_torch(tmp_pat
         + ("import torch; print('TORCH_AFTER', torch.ones(1).item()); " if tensorboard else "")
         + "sys.exit(rc)"
     )
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = {**os.environ, "XLA_FLAGS": xla_flags(1)}  # one device, as a user runs it; compiled as the suite compiles
     proc = subprocess.run([sys.executable, "-c", code, *train_args(w, small_text, data_dir, **settings)], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
