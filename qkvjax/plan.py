@@ -168,11 +168,12 @@ def plan(config: Config, devices: int, backend: str | None = None, abstract=None
     for name, value in (("batch_size", tc.batch_size), ("micro-batch", tc.batch_size // tc.grad_accum_steps)):
         if value % dp:
             raise ValueError(f"train.{name}={value} is not divisible by the data-parallel size {dp} (data x fsdp)")
-    # the state's shapes do not depend on the mesh or the kernel (which may need a GPU this machine lacks)
+    # the state's shapes do not depend on the mesh, the kernel (which may need a GPU this machine lacks) or
+    # recomputation: configs differing only there share _abstract's cached state
     state = abstract
     if state is None:
         einsum = dataclasses.replace(config.model.attention, implementation="einsum")
-        model = dataclasses.replace(config.model, attention=einsum)
+        model = dataclasses.replace(config.model, attention=einsum, remat="none")
         state = _abstract(dataclasses.replace(config, mesh=MeshConfig(), model=model))
     params = _sharded_bytes(state.params, sizes)
     micro = tc.batch_size // tc.grad_accum_steps // dp
