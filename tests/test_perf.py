@@ -8,10 +8,11 @@ import pytest
 from qkvjax import perf
 
 
-@pytest.mark.parametrize("tick, timed", [(0.4, 3), (0.001, 10)])
-def test_the_peak_is_the_best_of_the_calls_that_fit_in_its_budget(monkeypatch, tick, timed):
+@pytest.mark.parametrize("tick, budget_s, timed", [(0.4, 1.0, 3), (0.001, 1.0, 10), (0.4, None, 10)])
+def test_the_peak_is_the_best_of_the_calls_that_fit_in_its_budget(monkeypatch, tick, budget_s, timed):
     """A clock that moves ``tick`` seconds per reading: 0.4 s calls leave room for the three at least within 1 s,
-    1 ms calls for all ten asked; two warm-up calls come first either way, and FLOP/s is 2 n^3 over a call."""
+    1 ms calls for all ten asked, and no budget (benchmarks) times all ten; two warm-up calls come first each
+    time, and FLOP/s is 2 n^3 over a call."""
     now, calls, jit = [0.0], [], jax.jit
 
     def clock():
@@ -24,7 +25,7 @@ def test_the_peak_is_the_best_of_the_calls_that_fit_in_its_budget(monkeypatch, t
 
     monkeypatch.setattr(perf, "time", types.SimpleNamespace(perf_counter=clock))
     monkeypatch.setattr(perf.jax, "jit", counting_jit)
-    flops = perf.measure_peak_flops(size=5, repeats=10, budget_s=1.0)
+    flops = perf.measure_peak_flops(size=5, repeats=10, budget_s=budget_s)
     assert len(calls) == 2 + timed
     assert flops == pytest.approx(2 * 5**3 / tick)
 

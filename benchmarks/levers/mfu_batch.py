@@ -41,7 +41,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     sizes = [int(x) for x in args.batch_sizes.split(",")]
     extra = parse_set(p, args.set)
-    peak = measure_peak_flops("float32", budget_s=600)  # all ten calls: a benchmark, not a run's start
+    peak = measure_peak_flops("float32")
     runners = {}
     for b in sizes:
         cfg = timing_config(args.config, b, extra)
@@ -52,7 +52,7 @@ def main(argv=None) -> int:
         for b in sizes:
             runners[b]["step"]()  # untimed: the first step after another batch size
             times[b] += [runners[b]["step"]() for _ in range(args.steps)]
-    peak = max(peak, measure_peak_flops("float32", budget_s=600))
+    peak = max(peak, measure_peak_flops("float32"))
     print(f"{time.strftime('%Y-%m-%d %H:%M')} | {args.config} {extra or ''} | {jax.devices()[0].device_kind} | "
           f"peak {peak / 1e9:.1f} GFLOP/s | median of {args.rounds} x {args.steps} steps")  # fmt: skip
     rows = []

@@ -432,6 +432,10 @@ CADENCES = (
     Cadence("checkpoint", "checkpoint_every", "save", on_stop=True),
 )
 
+# Seconds of timed matmuls for MFU's peak at a run's start (and again if a step beats it): milliseconds of calls on
+# an accelerator; on a 2-core CPU all ten took 3.6-5.5 s, a third of a tiny run (2026-12-02).
+PEAK_BUDGET_S = 1.0
+
 
 class Loop:
     """Stage 3: the loop around the pure train step, with its cadences (:data:`CADENCES`): the log records, the
@@ -445,7 +449,10 @@ class Loop:
         self.step = int(par.unreplicate(self.state).step) if latest is not None else 0
         self.flops_per_token = train_flops_per_token(config.model, config.seq_len)
         self.devices = 1 if jax.devices()[0].platform == "cpu" else jax.device_count()
-        self.peak = self.tc.peak_flops or measure_peak_flops(config.model.attention.dtype) * self.devices
+        self.peak = (
+            self.tc.peak_flops
+            or measure_peak_flops(config.model.attention.dtype, budget_s=PEAK_BUDGET_S) * self.devices
+        )
         self.schedule = jax.jit(learning_rate_schedule(self.tc))  # one program, not one per eager op it makes
         self.writer = MetricsWriter(prep.workdir, latest, self.tc.tensorboard)
         self._announce()
@@ -553,7 +560,9 @@ class Loop:
             tokens_per_s = (step - self.last_step) * tc.batch_size * self.prep.config.seq_len / (now - self.last_time)
             achieved = tokens_per_s * self.flops_per_token
             if achieved > self.peak:  # the peak was measured low (a loaded machine): it cannot be under this
-                measured = measure_peak_flops(self.prep.config.model.attention.dtype) * self.devices
+                measured = (
+                    measure_peak_flops(self.prep.config.model.attention.dtype, budget_s=PEAK_BUDGET_S) * self.devices
+                )
                 self.peak = max(achieved, measured)
                 self.progress.message(
                     f"the model ran at {achieved / 1e9:,.1f} GFLOP/s, above the peak MFU was read against; "
