@@ -37,7 +37,7 @@ if __package__ in (None, ""):
 
 from experiments.rows import append_rows, write_json
 from qkvjax.config import apply_overrides, load_config_file
-from qkvjax.convert import convert_workdir
+from qkvjax.convert import CrossLayerError, convert_workdir
 from qkvjax.evaluate import evaluate
 from qkvjax.models.lm import kv_cache_bytes_per_token
 from qkvjax.train.loop import Interrupted, train
@@ -171,7 +171,7 @@ def sweep(argv=None) -> int:
                 continue
             work = out / "work" / f"{name}-seed{seed}"
             shutil.rmtree(work, ignore_errors=True)  # a half-made conversion from a killed run
-            errors: list[float] = []
+            errors: list = []  # LayerError / CrossLayerError records
             # "none" converts to the same head count, a no-op on the weights: every row then uptrains from a fresh
             # AdamW state, as a converted run must, so the control differs from the others only by the conversion
             kv_heads = kv_heads or (None if to else config.model.attention.kv_heads)
@@ -188,7 +188,8 @@ def sweep(argv=None) -> int:
                 "kv_heads": converted.model.attention.kv_heads,
                 "kv_cache_bytes_per_token": kv_cache_bytes_per_token(converted.model),
                 "layer_errors": " ".join(  # CLA: "key/value-output" per reading layer
-                    f"{e[2]:.4f}/{e[3]:.4f}" if isinstance(e, tuple) else f"{e:.4f}" for e in errors
+                    f"{e.key_error:.4f}/{e.value_error:.4f}" if isinstance(e, CrossLayerError) else f"{e.error:.4f}"
+                    for e in errors
                 ),
                 "source_val_loss": f"{source_loss:.4f}",
                 "converted_val_loss": f"{converted_loss:.4f}",

@@ -77,7 +77,7 @@ def main() -> None:
     retrofits += [(f"mla R={r}", "mla", None, r) for r in (384, 192, 96, 64, 32)]
     rows = []
     for name, to, kv, rank in retrofits:
-        errors: list[float] = []
+        errors: list = []  # a LayerError per converted layer
         new_config, new_params = (
             (config, params) if name == "original" else convert(config, params, to, kv, rank, errors)
         )
@@ -85,7 +85,7 @@ def main() -> None:
         rows.append({
             "retrofit": name, "kv_cache_fraction": cache(new_config) / base,
             "cosine_mean": float(cos.mean()), "cosine_std": float(cos.std(ddof=1)), "cosine_min": float(cos.min()),
-            "weight_error_mean": float(np.mean(errors)) if errors else "",
+            "weight_error_mean": float(np.mean([e.error for e in errors])) if errors else "",
         })  # fmt: skip
         print(f"{name:<22} cache x{rows[-1]['kv_cache_fraction']:.3f}  cosine {cos.mean():.4f} ± {cos.std(ddof=1):.4f} "
               f"(min {cos.min():.4f})")  # fmt: skip

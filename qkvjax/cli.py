@@ -140,12 +140,12 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from qkvjax.convert import convert_workdir
+    from qkvjax.convert import CrossLayerError, LayerError, convert_workdir
     from qkvjax.models.encoder import EncoderConfig
     from qkvjax.models.lm import kv_cache_bytes_per_token
     from qkvjax.workdir import load_config
 
-    errors: list[float] = []
+    errors: list = []  # LayerError and CrossLayerError records, in layer order
     out = convert_workdir(
         args.workdir, args.out, args.to, args.num_kv_heads, args.step, args.rank, errors, args.cla, args.rope_dim,
         args.latent_norm,
@@ -155,9 +155,9 @@ def _convert(args: argparse.Namespace) -> int:
         if args.rank is not None
         else "K = V keeps the value-output maps W^V W^O to a relative error"
     )
-    for i, error in enumerate(e for e in errors if not isinstance(e, tuple)):
-        print(f"layer {i}: {what} = {error:.4f}")
-    for reader, donor, key_error, value_error in (e for e in errors if isinstance(e, tuple)):
+    for layer, error in (e for e in errors if isinstance(e, LayerError)):
+        print(f"layer {layer}: {what} = {error:.4f}")
+    for reader, donor, key_error, value_error in (e for e in errors if isinstance(e, CrossLayerError)):
         print(
             f"layer {reader} reads layer {donor}'s K/V: relative error of its keys {key_error:.4f}, of its "
             f"value-output maps {value_error:.4f} (weights only: it now attends over layer {donor}'s input)"

@@ -47,6 +47,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+from typing import NamedTuple
 
 import flax.linen as nn
 import jax
@@ -57,8 +58,27 @@ from qkvjax.attention import AttentionConfig, get_scheme
 from qkvjax.models.lm import ModelConfig
 
 
+class LayerError(NamedTuple):
+    """How far a converted layer's weights are from the original's: ``|W - W_R|_F / |W|_F`` of ``[W^K, W^V]`` for
+    MLA at rank R, the relative error of the value-output maps for K = V (module docstring)."""
+
+    layer: int
+    error: float
+
+
+class CrossLayerError(NamedTuple):
+    """A layer that now reads an earlier layer's K/V (CLA): the relative errors of its keys and of its value-output
+    maps, of the weights alone (it attends over the donor's input, which no weight error measures)."""
+
+    reader: int
+    donor: int
+    key_error: float
+    value_error: float
+
+
 def _attention_layers(params) -> list[str]:
-    return sorted(k for k in params if k.startswith("block_"))
+    """The blocks' names in layer order (block_2 before block_10)."""
+    return sorted((k for k in params if k.startswith("block_")), key=lambda k: int(k.removeprefix("block_")))
 
 
 def bilinear_attention_params(att: dict, cfg: AttentionConfig) -> dict:
@@ -312,17 +332,16 @@ def convert(
     to: str | None = None,
     num_kv_heads: int | None = None,
     rank: int | None = None,
-    errors: list | None = None,
+    errors: list[LayerError | CrossLayerError] | None = None,
     cross_layer: int | None = None,
     rope_dim: int | None = None,
     latent_norm: bool = False,
 ):
     """(new config, new params) with the scheme ``to`` and/or ``num_kv_heads`` changed; ``rank`` is the latent
-    rank of ``to="mla"``, whose relative approximation error per layer is appended to ``errors`` if given,
-    ``rope_dim`` its rotary features per head for a rotary model and ``latent_norm`` whether its latent is
-    normalised, as DeepSeek-V2's always is (:func:`latent_attention_params`).
-    ``cross_layer`` G: CLA in groups of G layers (last), appending (reader, donor, key error, value-output error)
-    per reading layer to ``errors``."""
+    rank of ``to="mla"``, ``rope_dim`` its rotary features per head for a rotary model and ``latent_norm`` whether
+    its latent is normalised, as DeepSeek-V2's always is (:func:`latent_attention_params`). ``cross_layer`` G: CLA
+    in groups of G layers (last). ``errors``, if given, receives a :class:`LayerError` per layer converted to MLA or
+    K = V, in layer order, then a :class:`CrossLayerError` per layer reading another's K/V."""
     att_cfg = model.attention
     if att_cfg.tying.latent:
         raise ValueError(f"this run's scheme {att_cfg.scheme!r} is latent (MLA); convert starts from a plain scheme "
@@ -369,7 +388,7 @@ def convert(
             else:
                 block["attention"], error = shared_kv_attention_params(block["attention"], att_cfg)
             if errors is not None and error is not None:
-                errors.append(error)
+                errors.append(LayerError(int(layer.removeprefix("block_")), error))
             new[layer] = block
         att_cfg = (latent_config(att_cfg, rank, rope_dim, latent_norm) if target.latent
                    else dataclasses.replace(att_cfg, scheme=to))  # fmt: skip
@@ -394,7 +413,7 @@ def _cross_layer(model, params: dict, group: int, errors: list | None):
         )
         new[f"block_{i}"] = block
         if errors is not None:
-            errors.append((i, donor, key_error, value_error))
+            errors.append(CrossLayerError(i, donor, key_error, value_error))
     return dataclasses.replace(model, layers=cross_layer_pattern(model.attention.scheme, group)), new
 
 
@@ -405,7 +424,7 @@ def convert_workdir(
     num_kv_heads: int | None,
     step: int | None = None,
     rank: int | None = None,
-    errors: list | None = None,
+    errors: list[LayerError | CrossLayerError] | None = None,
     cross_layer: int | None = None,
     rope_dim: int | None = None,
     latent_norm: bool = False,

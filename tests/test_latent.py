@@ -246,7 +246,7 @@ def test_svd_conversion_is_exact_at_full_rank_and_reports_its_error():
     model_cfg = ModelConfig(sep, vocab_size=13, d_model=D, num_layers=2, mlp_dim=7, max_len=T)
     tokens = jax.random.randint(jax.random.key(12), (B, T), 0, 13)
     params = jax.jit(DecoderLM(model_cfg).init)(jax.random.key(13), tokens)["params"]
-    errors: list[float] = []
+    errors: list = []
     new_cfg, new_params = convert(model_cfg, params, to="mla", rank=full, errors=errors)
     assert new_cfg.attention.scheme == "mla" and new_cfg.attention.kv_rank == full and len(errors) == 2
     np.testing.assert_allclose(
@@ -255,6 +255,22 @@ def test_svd_conversion_is_exact_at_full_rank_and_reports_its_error():
         rtol=1e-4,
         atol=1e-4,
     )
+
+
+def test_each_layers_conversion_error_is_reported_under_its_own_layer_past_ten_layers():
+    """Eleven layers: the errors come in layer order, each one the error of that block's own conversion (the
+    blocks' names sorted as text put block_10 third, and the CLI printed block_10's error as layer 2's)."""
+    sep = AttentionConfig(num_heads=N, head_dim=H, num_kv_heads=K, v_head_dim=HV)
+    model_cfg = ModelConfig(sep, vocab_size=13, d_model=D, num_layers=11, mlp_dim=7, max_len=T)
+    shapes = jax.eval_shape(DecoderLM(model_cfg).init, jax.random.key(0), jnp.zeros((1, T), jnp.int32))["params"]
+    rng = np.random.default_rng(14)  # distinct random weights per layer, without compiling an init
+    params = jax.tree.map(lambda s: rng.standard_normal(s.shape).astype(np.float32), nn.meta.unbox(shapes))
+    errors: list = []
+    convert(model_cfg, params, to="mla", rank=R - 4, errors=errors)
+    assert [e.layer for e in errors] == list(range(11))
+    for e in errors:
+        assert e.error == latent_attention_params(params[f"block_{e.layer}"]["attention"], sep, R - 4)[1]
+    assert len({e.error for e in errors}) == 11  # distinct: a mislabelled one would fail above
 
 
 @pytest.mark.parametrize(
