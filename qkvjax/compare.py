@@ -98,11 +98,21 @@ def format_table(rows: list[dict]) -> str:
     )
 
 
+MARKERS, LINESTYLES = ("o", "s", "^", "D"), ("-", "--", ":", "-.")
+
+
+def run_style(i: int) -> tuple[str, str, str]:
+    """Run ``i``'s (colour, marker, line style): matplotlib's ten colours, then the same ten with the next marker
+    and line style, so no two of the first 40 runs are drawn alike."""
+    turn = (i // 10) % len(MARKERS)
+    return f"C{i % 10}", MARKERS[turn], LINESTYLES[turn]
+
+
 def plot(rows: list[dict], path: str) -> None:
-    """Loss against step and against training time (each step at its logged tokens/s), one colour per run: training
-    loss as a thin line, each evaluation as a marked point. The legend gives each run's last validation loss and
-    its difference from the first run's, and the title the range of the y-axis, so a small gap is read as the
-    number it is."""
+    """Loss against step and against training time (each step at its logged tokens/s), one style per run
+    (:func:`run_style`): training loss as a thin line, each evaluation as a marked point. The legend gives each
+    run's last validation loss and its difference from the first run's, and the title the range of the y-axis, so
+    a small gap is read as the number it is."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -111,16 +121,16 @@ def plot(rows: list[dict], path: str) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
     first = rows[0]["last_val_loss"] if rows else None
     for i, r in enumerate(rows):
-        color = f"C{i % 10}"
+        color, marker, ls = run_style(i)
         last = r["last_val_loss"]
         label = f"{r['run']} ({r['scheme']}, K={r['kv_heads']})"
         if last is not None:
             label += f": val {last:.3f}" + (f" ({last - first:+.3f})" if i and first is not None else "")
         for ax, x in zip(axes, ("step", "wall_s"), strict=True):
             train = [c for c in r["train_curve"] if c[x] is not None]
-            ax.plot([c[x] for c in train], [c["train_loss"] for c in train], color=color, lw=0.8, alpha=0.45)
+            ax.plot([c[x] for c in train], [c["train_loss"] for c in train], color=color, ls=ls, lw=0.8, alpha=0.45)
             val = [c for c in r["curve"] if c[x] is not None]
-            ax.plot([c[x] for c in val], [c["val_loss"] for c in val], color=color, marker="o", ms=5, lw=1.6,
+            ax.plot([c[x] for c in val], [c["val_loss"] for c in val], color=color, marker=marker, ls=ls, ms=5, lw=1.6,
                     label=label)  # fmt: skip
     low, high = axes[0].get_ylim()
     for ax, xlabel in zip(axes, ("step", "training time (s; compile and evaluations left out)"), strict=True):

@@ -615,6 +615,19 @@ def test_compare_puts_runs_side_by_side(run, tmp_path, small_text, data_dir, cap
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_compare_draws_more_than_ten_runs_each_in_its_own_style(tmp_path):
+    """matplotlib has ten colours: the eleventh run was drawn in the first one's, indistinguishable from it."""
+    from qkvjax.compare import plot, run_style
+
+    assert len({run_style(i) for i in range(40)}) == 40
+    assert run_style(10)[0] == run_style(0)[0] and run_style(10)[1:] != run_style(0)[1:]
+    curve = [{"step": s, "wall_s": 2.0 * s, "train_loss": 3.0 - s / 9, "val_loss": 3.1 - s / 9} for s in (1, 2, 3)]
+    rows = [{"run": f"r{i}", "scheme": "separate", "kv_heads": 3, "last_val_loss": 2.8 + i / 100, "curve": curve,
+             "train_curve": curve} for i in range(13)]  # fmt: skip
+    plot(rows, str(tmp_path / "c.png"))
+    assert (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_compare_notes_runs_whose_losses_are_on_other_footings():
     from qkvjax.compare import differences
 
