@@ -118,7 +118,9 @@ def plot(rows: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
+    many = len(rows) > 5
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8 + (0.17 * ((len(rows) + 1) // 2) + 0.4 if many else 0)),
+                             layout="constrained")  # fmt: skip
     first = rows[0]["last_val_loss"] if rows else None
     for i, r in enumerate(rows):
         color, marker, ls = run_style(i)
@@ -137,12 +139,15 @@ def plot(rows: list[dict], path: str) -> None:
         ax.set_xlabel(xlabel)
         ax.set_ylabel("loss (nats/byte)")
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8, title="validation (points), training (thin line)", title_fontsize=8)
+    legend = dict(fontsize=8, title="validation (points), training (thin line)", title_fontsize=8)
+    if not many:
+        axes[0].legend(**legend)
+    else:  # below the panels, where it hides no curve
+        fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncol=2, **legend)
     fig.suptitle(
         f"qkvjax compare: {len(rows)} run(s), validation loss (points) and training loss (lines); "
         f"the y-axis runs from {low:.2f} to {high:.2f} nats/byte",
         fontsize=11,
     )
-    fig.tight_layout()
     replace_file(path, lambda target: fig.savefig(target, dpi=110))  # the old plot or the new, never a part
     plt.close(fig)
