@@ -6,6 +6,7 @@ instant and works while a run is still training).
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 
@@ -118,9 +119,9 @@ def plot(rows: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    many = len(rows) > 5
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8 + (0.17 * ((len(rows) + 1) // 2) + 0.4 if many else 0)),
-                             layout="constrained")  # fmt: skip
+    many = len(rows) > 5  # the legend then goes below the panels, two runs a line
+    legend_height = 0.4 + 0.17 * math.ceil(len(rows) / 2) if many else 0.0  # inches
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8 + legend_height), layout="constrained")
     first = rows[0]["last_val_loss"] if rows else None
     for i, r in enumerate(rows):
         color, marker, ls = run_style(i)

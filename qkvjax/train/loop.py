@@ -449,10 +449,7 @@ class Loop:
         self.step = int(par.unreplicate(self.state).step) if latest is not None else 0
         self.flops_per_token = train_flops_per_token(config.model, config.seq_len)
         self.devices = 1 if jax.devices()[0].platform == "cpu" else jax.device_count()
-        self.peak = (
-            self.tc.peak_flops
-            or measure_peak_flops(config.model.attention.dtype, budget_s=PEAK_BUDGET_S) * self.devices
-        )
+        self.peak = self.tc.peak_flops or self._measure_peak()
         self.schedule = jax.jit(learning_rate_schedule(self.tc))  # one program, not one per eager op it makes
         self.writer = MetricsWriter(prep.workdir, latest, self.tc.tensorboard)
         self._announce()
@@ -464,6 +461,10 @@ class Loop:
         self.record: dict = {}
         self.compile_s = self.last_time = 0.0
         self.last_step, self.paused_s = self.step, 0.0
+
+    def _measure_peak(self) -> float:
+        """The devices' matmul FLOP/s, MFU's denominator, within :data:`PEAK_BUDGET_S`."""
+        return measure_peak_flops(self.prep.config.model.attention.dtype, budget_s=PEAK_BUDGET_S) * self.devices
 
     def _announce(self) -> None:
         config, tc, par = self.prep.config, self.tc, self.prep.par
@@ -560,10 +561,7 @@ class Loop:
             tokens_per_s = (step - self.last_step) * tc.batch_size * self.prep.config.seq_len / (now - self.last_time)
             achieved = tokens_per_s * self.flops_per_token
             if achieved > self.peak:  # the peak was measured low (a loaded machine): it cannot be under this
-                measured = (
-                    measure_peak_flops(self.prep.config.model.attention.dtype, budget_s=PEAK_BUDGET_S) * self.devices
-                )
-                self.peak = max(achieved, measured)
+                self.peak = max(achieved, self._measure_peak())
                 self.progress.message(
                     f"the model ran at {achieved / 1e9:,.1f} GFLOP/s, above the peak MFU was read against; "
                     f"MFU is now against {self.peak / 1e9:,.1f} GFLOP/s (measured again)"
