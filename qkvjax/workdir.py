@@ -131,10 +131,12 @@ def write_text(target, text: str) -> None:
 
 def replace_file(target: str, write) -> None:
     """Calls ``write(path)`` on a temporary sibling of ``target`` (same suffix, so a format read from the name
-    holds) and renames it over ``target``: a kill, a full disk or an error while writing leaves the old file or
-    none, never a part (a command's ``--json``, ``--output``, ``--plot``). A target that exists and is not a
-    regular file (``/dev/null``, a pipe) or is named under ``/dev`` or ``/proc`` is written directly: a rename would
-    replace it; one that is this process's own output redirected into a file is appended through its descriptor."""
+    holds), flushes it to disk and renames it over ``target``: a kill, a power loss, a full disk or an error while
+    writing leaves the old file or none, never a part or an empty file (a command's ``--json``, ``--output``,
+    ``--plot``; config.json, metrics.jsonl cut back at a resume, a checkpoint's inventory). A target that exists
+    and is not a regular file (``/dev/null``, a pipe) or is named under ``/dev`` or ``/proc`` is written directly:
+    a rename would replace it; one that is this process's own output redirected into a file is appended through
+    its descriptor."""
     target = os.fspath(target)
     special = os.path.abspath(target).startswith(("/dev/", "/proc/"))
     if special and (fd := _own_output(target)) is not None:
@@ -150,7 +152,10 @@ def replace_file(target: str, write) -> None:
     try:
         with writing(target):
             write(tmp)
+            _fsync(tmp)  # the bytes on disk before the name points at them: after a power loss, old or new
         os.replace(tmp, target)
+        with writing(target):
+            _fsync(folder, directory=True)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -229,6 +234,8 @@ def whole_or_absent(target, holds: str):
                     "one was discarded"
                 ) from e
         staging.rename(target)
+        if not is_remote(target):
+            _fsync(os.fspath(target.parent), directory=True)  # the rename that publishes it, on disk too
     except BaseException:
         with contextlib.suppress(OSError):
             staging.rmtree()
@@ -248,11 +255,20 @@ def _fsync_tree(folder: str) -> None:
     """Every file and folder under ``folder`` flushed to disk, so the rename that publishes it publishes data."""
     for root, dirs, files in os.walk(folder):
         for name in files + dirs:
-            fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            _fsync(os.path.join(root, name))
+
+
+def _fsync(path: str, directory: bool = False) -> None:
+    """``path``'s data (a file's bytes, a folder's entries: a rename inside it) flushed to disk. A file's error is
+    raised (its bytes may not be there); a folder's is ignored where the file system cannot sync folders."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        if not directory or e.errno not in (errno.EINVAL, errno.EBADF, errno.ENOTSUP):
+            raise
+    finally:
+        os.close(fd)
 
 
 def load_config(workdir) -> Config:
