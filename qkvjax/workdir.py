@@ -259,13 +259,14 @@ def _fsync_tree(folder: str) -> None:
 
 
 def _fsync(path: str, directory: bool = False) -> None:
-    """``path``'s data (a file's bytes, a folder's entries: a rename inside it) flushed to disk. A file's error is
-    raised (its bytes may not be there); a folder's is ignored where the file system cannot sync folders."""
+    """``path``'s data (a file's bytes, a folder's entries: a rename inside it) flushed to disk. An error of the
+    disk (EIO, ENOSPC) is raised: the bytes may not be there; a file system that cannot sync (EINVAL, ENOTSUP; a
+    folder: EBADF too) is written as it was before."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     except OSError as e:
-        if not directory or e.errno not in (errno.EINVAL, errno.EBADF, errno.ENOTSUP):
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP) + ((errno.EBADF,) if directory else ()):
             raise
     finally:
         os.close(fd)

@@ -529,7 +529,8 @@ def test_a_replaced_file_is_flushed_to_disk_before_its_rename_and_the_rename_aft
     keep the new name with no data (XFS; ext4 mounted without auto_da_alloc), so the metrics log a resume cuts back,
     config.json or a checkpoint's inventory could come back empty. The temporary's bytes are now flushed before the
     rename and the folder after it (a published output folder's too); a flush that fails (EIO: the bytes may not be
-    there) leaves the old file, as any failed write does."""
+    there) leaves the old file, as any failed write does; a file system that cannot sync (EINVAL) is written as
+    before."""
     import errno
 
     from qkvjax import workdir
@@ -562,6 +563,13 @@ def test_a_replaced_file_is_flushed_to_disk_before_its_rename_and_the_rename_aft
     with pytest.raises(OSError, match="Input/output error while writing .*metrics.jsonl"):
         workdir.write_text(target, "newer\n")
     assert open(target).read() == "new\n" and os.listdir(folder) == ["metrics.jsonl"]
+
+    def cannot_sync(fd):  # a file system without fsync (EINVAL): written as before, not refused
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(os, "fsync", cannot_sync)
+    workdir.write_text(target, "newest\n")
+    assert open(target).read() == "newest\n" and os.listdir(folder) == ["metrics.jsonl"]
 
     events.clear()
     monkeypatch.setattr(os, "fsync", fsync)
