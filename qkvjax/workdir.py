@@ -153,8 +153,7 @@ def replace_file(target: str, write) -> None:
         with writing(target):
             write(tmp)
             _fsync(tmp)  # the bytes on disk before the name points at them: after a power loss, old or new
-        os.replace(tmp, target)
-        with writing(target):
+            os.replace(tmp, target)
             _fsync(folder, directory=True)
     finally:
         if os.path.exists(tmp):
