@@ -73,6 +73,22 @@ def _train(args: argparse.Namespace, overrides: dict[str, str]) -> int:
     return 0
 
 
+def _prepare(args: argparse.Namespace) -> int:
+    from qkvjax.data.prepare import prepare
+
+    manifest = prepare(
+        args.inputs, args.out, args.tokenizer, field=args.field, val_fraction=args.val_fraction, seed=args.seed,
+        shard_mb=args.shard_mb, workers=args.workers, errors=args.errors, eot=args.eot, overwrite=args.overwrite,
+    )  # fmt: skip
+    splits = manifest["splits"]
+    print(f"{args.out}: " + ", ".join(f"{k} {v['tokens']:,} tokens in {v['documents']:,} documents "
+          f"({len(v['shards'])} shards)" for k, v in splits.items()) + f"; {manifest['tokenizer']['kind']} "
+          f"tokenizer, V={manifest['tokenizer']['vocab_size']:,}, {manifest['dtype']}"
+          + (f"; {len(manifest['skipped'])} files or documents left out (manifest.json: skipped)"
+             if manifest["skipped"] else ""))  # fmt: skip
+    return 0
+
+
 def _plan(args: argparse.Namespace, overrides: dict[str, str]) -> int:
     from qkvjax.config import apply_overrides, load_config_file, require_decoder
     from qkvjax.plan import format_plan, plan
@@ -430,6 +446,26 @@ def _run_commands() -> tuple[Command, ...]:
         ), "Per-device memory of training a config on a mesh of --devices devices (the config's mesh, e.g. "
            "--config.mesh.fsdp=8; -1 fills the rest). Takes --config.a.b=value overrides like train.",
            overrides=True),
+        Command("prepare", _prepare, "tokenize a corpus once, in parallel, into token shards for train", (
+            opt("inputs", nargs="+", metavar="INPUT",
+                help="text files, folders and globs; .jsonl, .jsonl.gz and .parquet hold a document per record"),
+            opt("--out", required=True, help="the prepared corpus' folder (train: --config.data.prepared=OUT)"),
+            opt("--tokenizer", required=True,
+                help="'bytes', a tokenizer.json, or GPT-2's encoder.json + vocab.bpe (their folder or either file)"),
+            opt("--field", default="text", help="the records' text field (jsonl, Parquet)"),
+            opt("--val-fraction", type=float, default=0.005, help="the share of documents held out for validation"),
+            opt("--seed", type=seed_option, default=0, help="seed of the train/validation split"),
+            opt("--shard-mb", type=float, default=32, help="megabytes of input per unit of work (and shard)"),
+            opt("--workers", type=int, default=None, help="processes (default: every core)"),
+            opt("--errors", default="strict", choices=["strict", "skip"],
+                help="a document that is not UTF-8: stop (strict) or leave it out, listed in the manifest (skip)"),
+            opt("--eot", default=None,
+                help="the separator after each document: a byte 0-255 for bytes (default 0), a token's text for a "
+                "tokenizer.json (default: its <|endoftext|>, </s>, ...)"),
+            opt("--overwrite", action="store_true", help="replace a corpus (or an unfinished one) of other inputs"),
+        ), "Writes OUT/manifest.json, OUT/tokenizer.json and OUT/{train,validation}/NNNNN.bin (raw uint16/uint32 "
+           "ids; qkvjax/data/prepare.py says why and how). A killed run resumes its finished units when rerun; OUT "
+           "appears only when whole. The same shards through Apache Beam: python -m qkvjax.data.beam --help."),
         Command("eval", _eval, "evaluate a checkpoint on a whole split; prints one JSON object", (
             WORKDIR,
             opt("--step", type=int, default=None, help="checkpoint step (None: the newest that restores)"),

@@ -87,10 +87,16 @@ def _history(request: Request) -> list[dict]:
     return history
 
 
-def _vocab_limit(saved, config, err: TextIO) -> int | None:
-    """256 for a model whose text is bytes (no tokenizer) but whose table is wider, with a note; else None."""
-    if saved.data.tokenizer is not None or config.model.vocab_size <= 256:
+def _vocab_limit(tokenizer, config, err: TextIO) -> int | None:
+    """256 for a model whose text is bytes but whose table is wider, with a note; for a run on a prepared corpus,
+    its tokenizer's vocabulary (GPT-2's 50,257 in a table padded to 50,304: the padding ids decode to nothing);
+    else None (an imported model draws from its whole table, as transformers does)."""
+    from qkvjax.data.tokenizer import ByteTokenizer
+
+    if config.model.vocab_size <= tokenizer.vocab_size:
         return None
+    if not isinstance(tokenizer, ByteTokenizer):
+        return tokenizer.vocab_size if config.data.prepared is not None else None
     print(f"note: the model has {config.model.vocab_size} tokens and no tokenizer.json, so its text is bytes: only "
           "ids 0-255 are drawn", file=err)  # fmt: skip
     return 256
@@ -120,7 +126,7 @@ def _converse(request: Request, saved, tokenizer, stops, chat, sampling, streams
     template, special = _template(request, chat)
     history = _history(request)
     model, params, config, step = restore_params(request.workdir, request.step)
-    sampling = dataclasses.replace(sampling, vocab_limit=_vocab_limit(saved, config, streams[2]))
+    sampling = dataclasses.replace(sampling, vocab_limit=_vocab_limit(tokenizer, config, streams[2]))
     session = Session(model, params, tokenizer, template, special, system=request.system, history=history,
                       stop_ids=stops, num_tokens=request.num_tokens, seed=request.seed,
                       **dataclasses.asdict(sampling))  # fmt: skip
@@ -134,7 +140,7 @@ def complete(request: Request, stdin: TextIO | None = None, out: TextIO | None =
     import jax
 
     from qkvjax.config import require_decoder
-    from qkvjax.data.tokenizer import check_vocab, load_tokenizer
+    from qkvjax.data.tokenizer import check_vocab, run_tokenizer
     from qkvjax.evaluate import restore_params
     from qkvjax.models.lm import DecodeCache
     from qkvjax.sample import check_request, describe_sampling, encode, generate_batch
@@ -145,8 +151,8 @@ def complete(request: Request, stdin: TextIO | None = None, out: TextIO | None =
     saved = load_config(r.workdir)
     require_decoder(saved, "sample")
     stops = () if r.ignore_eos else stop_ids(r.workdir)
-    tokenizer = load_tokenizer(saved.data.tokenizer, r.workdir)
-    if saved.data.tokenizer is not None:
+    tokenizer = run_tokenizer(saved.data, r.workdir)
+    if saved.data.tokenizer is not None or saved.data.prepared is not None:
         check_vocab(tokenizer, saved.model.vocab_size)
     defaults = sampling_defaults(r.workdir)
     sampling = r.sampling(defaults)
@@ -177,7 +183,7 @@ def complete(request: Request, stdin: TextIO | None = None, out: TextIO | None =
     if chat is not None and not r.chat:  # an instruct model given raw text continues it rather than answer
         print(f"note: {r.workdir} has a chat template: --chat writes each prompt as a user turn in it; the prompt "
               "is continued as typed", file=err)  # fmt: skip
-    sampling = dataclasses.replace(sampling, vocab_limit=_vocab_limit(saved, config, err))  # before the first token
+    sampling = dataclasses.replace(sampling, vocab_limit=_vocab_limit(tokenizer, config, err))  # before the first token
     stream = len(prompts) == 1
     streamer = tokenizer.streamer(lambda s: (out.write(s), out.flush()), prompts[0])
     if stream:

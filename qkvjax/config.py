@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 
 from qkvjax import checks
 from qkvjax.attention import AttentionConfig
-from qkvjax.data import DATASET_NAMES
+from qkvjax.data import DATASET_NAMES, SAMPLINGS
 from qkvjax.models.encoder import EncoderConfig
 from qkvjax.models.lm import ModelConfig
 from qkvjax.parse import BOOLEAN_SPELLINGS, parse_bool
@@ -32,7 +32,14 @@ class DataConfig:
       data_dir: where TFDS keeps the prepared datasets.
       seq_len: the training window in tokens; None means the model's ``max_len``.
       tokenizer: a Hugging Face ``tokenizer.json`` (read with the ``tokenizers`` library; a relative path is
-        looked up in the workdir, where ``qkvjax import`` copies the model's own); None: bytes are the tokens.
+        looked up in the workdir, where ``qkvjax import`` copies the model's own); None: bytes are the tokens, or
+        a prepared corpus' own tokenizer.
+      prepared: a corpus made by ``qkvjax prepare`` (a local or gs:// folder), streamed from its token shards;
+        ``dataset`` is then not read (and ``source_path`` is refused). None: the byte corpus ``dataset`` names.
+      sampling: how training windows are drawn: 'disjoint' (windows at multiples of seq_len, each target once per
+        epoch) or 'random' (a window at every offset, shuffled); None: disjoint for a prepared corpus, random for
+        the byte corpora (as before).
+      workers: grain worker processes reading training batches (0: in the training process).
     """
 
     dataset: str = "tiny_shakespeare"
@@ -40,6 +47,9 @@ class DataConfig:
     data_dir: str = "~/tensorflow_datasets"
     seq_len: int | None = None
     tokenizer: str | None = None
+    prepared: str | None = None
+    sampling: str | None = None
+    workers: int = 0
 
     LABEL: ClassVar[str] = "data"
 
@@ -49,6 +59,19 @@ class DataConfig:
         checks.text(self, "data_dir")
         checks.integer(self, "seq_len", none="the model's max_len")
         checks.text(self, "tokenizer", none="bytes")
+        checks.text(self, "prepared", none="the byte corpus data.dataset names")
+        checks.choice(self, "sampling", SAMPLINGS, none="disjoint for a prepared corpus, random for a byte corpus")
+        checks.integer(self, "workers", minimum=0, allowed="an integer >= 0 (grain worker processes)")
+        if self.prepared is not None and self.source_path is not None:
+            raise ValueError(
+                f"data.prepared={self.prepared!r} and data.source_path={self.source_path!r} are both given; a "
+                "prepared corpus holds its own text: drop one"
+            )
+
+    @property
+    def window_sampling(self) -> str:
+        """``sampling``, its default resolved."""
+        return self.sampling or ("disjoint" if self.prepared is not None else "random")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,6 +26,7 @@ from qkvjax.workdir import (
     CONFIG_FILE,
     check_data,
     exported_steps,
+    framed_digest,
     load_config,
     params_only,
     path,
@@ -153,23 +154,19 @@ def evaluate(
     dataclasses.replace(saved.data, **given)  # DataConfig's own checks of the paths (UTF-8: TFDS fails on others)
     if stride is not None:
         check_stride(stride, saved.seq_len)
-    from qkvjax.data.builders import load_splits  # TFDS loads when a split is read
+    if saved.data.prepared is not None:
+        if source_path is not None or data_dir is not None:
+            raise ValueError("--source-path and --data-dir name a byte corpus; this run read the prepared corpus "
+                             f"{saved.data.prepared}")  # fmt: skip
+        if split not in ("train", "validation"):
+            raise ValueError(f"split={split!r}; a prepared corpus has train and validation")
 
     mesh = make_mesh(MeshConfig(data=-1, fsdp=1, tensor=1))
     model, params, config, step = restore_params(workdir, step, mesh)
-    splits = load_splits(
-        config.data.dataset,
-        source_path or config.data.source_path,
-        os.path.expanduser(data_dir or config.data.data_dir),
-    )
-    changed = check_data(workdir, splits_digest(splits), source_path or config.data.source_path, record=False)
-    if changed:
-        print(changed, file=sys.stderr)
-    tokenizer = load_tokenizer(config.data.tokenizer, workdir)
-    if config.data.tokenizer is not None:
-        check_vocab(tokenizer, config.model.vocab_size)
-    byte_count = len(splits[split])
-    splits = tokenize_splits({split: splits[split]}, tokenizer)
+    if config.data.prepared is not None:
+        tokens, tokens_per_byte = _prepared_split(workdir, config, split)
+    else:
+        tokens, tokens_per_byte = _byte_split(workdir, config, split, source_path, data_dir)
     n = jax.device_count()
     batch_size = -(-config.train.batch_size // n) * n
     sharding = batch_sharding(mesh)
@@ -177,7 +174,7 @@ def evaluate(
     loss, count = mean_loss(
         eval_step,
         params,
-        splits[split],
+        tokens,
         config.seq_len,
         batch_size,
         lambda b: {k: jax.make_array_from_process_local_data(sharding, v) for k, v in b.items()},
@@ -190,6 +187,41 @@ def evaluate(
         "stride": stride or config.seq_len,  # seq_len: windows that do not overlap
         "tokens": count,
         "loss": loss,
-        "bits_per_byte": loss / math.log(2) * len(splits[split]) / max(1, byte_count),
+        "bits_per_byte": loss / math.log(2) * tokens_per_byte,
         "perplexity": math.exp(loss),
     }
+
+
+def _prepared_split(workdir, config, split: str):
+    """A prepared corpus' split and its tokens per byte, after checking it is the corpus the run recorded."""
+    from qkvjax.data.shards import check_prepared, open_corpus
+
+    corpus = open_corpus(config.data.prepared)
+    check_prepared(corpus, config.model.vocab_size, config.data.tokenizer, workdir)
+    changed = check_data(workdir, corpus.sha256, f"{config.data.prepared}/manifest.json", record=False)
+    if changed:
+        print(changed, file=sys.stderr)
+    return corpus.split(split), corpus.tokens_per_byte(split)
+
+
+def _byte_split(workdir, config, split: str, source_path, data_dir):
+    """A byte corpus' split as token ids and its tokens per byte."""
+    from qkvjax.data.builders import load_splits
+
+    splits = load_splits(
+        config.data.dataset,
+        source_path or config.data.source_path,
+        os.path.expanduser(data_dir or config.data.data_dir),
+    )
+    changed = check_data(
+        workdir, splits_digest(splits), source_path or config.data.source_path, record=False,
+        also=(framed_digest(splits),),
+    )  # fmt: skip
+    if changed:
+        print(changed, file=sys.stderr)
+    tokenizer = load_tokenizer(config.data.tokenizer, workdir)
+    if config.data.tokenizer is not None:
+        check_vocab(tokenizer, config.model.vocab_size)
+    byte_count = len(splits[split])
+    tokens = tokenize_splits({split: splits[split]}, tokenizer)[split]
+    return tokens, len(tokens) / max(1, byte_count)

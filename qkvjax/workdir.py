@@ -549,7 +549,16 @@ def drop_aside(aside: epath.Path) -> None:
 
 
 def splits_digest(splits: dict) -> str:
-    """sha256 of a dataset's splits (train, validation, test bytes in that order, each with its length)."""
+    """sha256 of a dataset's text: its train, validation and test bytes in that order. A byte corpus' splits are
+    consecutive cuts of one file, so this is the file's own sha256 (``sha256sum FILE`` confirms data.json)."""
+    h = hashlib.sha256()
+    for name in ("train", "validation", "test"):
+        h.update(memoryview(splits[name]))
+    return h.hexdigest()
+
+
+def framed_digest(splits: dict) -> str:
+    """The digest data.json held before 2026-12-07 (each split framed by its name and length): still accepted."""
     h = hashlib.sha256()
     for name in ("train", "validation", "test"):
         data = bytes(memoryview(splits[name]))
@@ -573,13 +582,14 @@ def recorded_text(workdir) -> str | None:
         return None
 
 
-def check_data(workdir, digest: str, source: str | None, record: bool) -> str | None:
+def check_data(workdir, digest: str, source: str | None, record: bool, also: tuple[str, ...] = ()) -> str | None:
     """Compares the text's ``digest`` with the one the run recorded in ``data.json``; returns a warning naming
     both when the corpus changed (the caller says it), else None. ``record`` writes it where none is recorded
-    (a training start); evaluation only compares."""
+    (a training start); evaluation only compares. ``also``: other digests of the same text that an older record
+    may hold (:func:`framed_digest`)."""
     old = _data_record(workdir)
     if old is not None:
-        if old.get("sha256") != digest:
+        if old.get("sha256") not in (digest, *also):
             return (
                 f"warning: the text at {source or old.get('source')} is not the one this run recorded "
                 f"(sha256 {str(old.get('sha256'))[:16]}... then, {digest[:16]}... now): it was replaced or "

@@ -46,8 +46,29 @@ def test_preparing_a_corpus_leaves_nothing_in_the_temporary_folder(tmp_path, mon
 
 def test_tiny_shakespeare_refuses_another_file(small_text, tmp_path):
     builder = TinyShakespeare(source_path=small_text, data_dir=str(tmp_path), file_format="array_record")
-    with pytest.raises(ValueError, match=r"is not the Tiny Shakespeare corpus: sha256 .* expected 86c4e6aa"):
+    with pytest.raises(ValueError, match=r"is not the Tiny Shakespeare corpus \(sha256 .*, expected 86c4e6aa"):
         builder.download_and_prepare(file_format="array_record")
+
+
+def test_a_prepared_tiny_shakespeare_is_never_read_for_another_source_path(corpus, data_dir, small_text, tmp_path):
+    """Issue 101, item 1: once data_dir held the prepared Tiny Shakespeare, ``source_path=README.md`` (no
+    ``dataset=text_file``) trained on Shakespeare with exit 0, and a path that does not exist was accepted."""
+    load_splits("tiny_shakespeare", corpus, data_dir)  # prepared in this data_dir
+    with pytest.raises(ValueError, match=r"data.source_path='.*small.txt' is not the Tiny Shakespeare corpus .* "
+                       r"pass --config.data.dataset=text_file"):  # fmt: skip
+        load_splits("tiny_shakespeare", small_text, data_dir)
+    missing = str(tmp_path / "inputs.txt")
+    with pytest.raises(ValueError, match=r"data.source_path='.*inputs.txt' does not exist"):
+        load_splits("tiny_shakespeare", missing, data_dir)
+
+
+def test_data_json_holds_the_files_own_sha256(corpus, data_dir):
+    """data.json's digest is what ``sha256sum FILE`` prints (it framed each split before)."""
+    from qkvjax.workdir import framed_digest, splits_digest
+
+    splits = load_splits("tiny_shakespeare", corpus, data_dir)
+    assert splits_digest(splits) == TINY_SHAKESPEARE_SHA256
+    assert framed_digest(splits) != TINY_SHAKESPEARE_SHA256  # the older record, still accepted by check_data
 
 
 def test_unknown_dataset_is_named():

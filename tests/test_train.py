@@ -188,7 +188,7 @@ def no_train_step_compiled(caplog):
     [
         ("missing", r"source_path='.*nope.txt' does not exist"),
         ("empty", r"source_path='.*empty.txt' is empty"),
-        ("short", r"train split has \d+ bytes, shorter than one window of seq_len \+ 1 = 33"),
+        ("short", r"train split has \d+ tokens, shorter than one window of seq_len \+ 1 = 33"),
         ("mesh", r"mesh \(data, fsdp, tensor\) = \(3, 1, 1\) multiplies to 3, but there are 8 devices"),
         ("mesh_fill", r"fixed sizes multiply to 3, which does not divide the 8 devices"),
         ("batch", r"train.batch_size=12 is not divisible by the data-parallel size 8"),

@@ -115,14 +115,24 @@ class TinyShakespeare(_ByteTextBuilder, skip_registration=True):
                 raise ValueError(
                     f"could not download Tiny Shakespeare from {url} ({type(e).__name__}: {e}); {advice}"
                 ) from None
-        data = read_text_file(os.fspath(path))
-        digest = hashlib.sha256(data).hexdigest()
-        if digest != TINY_SHAKESPEARE_SHA256:
-            raise ValueError(
-                f"{path} is not the Tiny Shakespeare corpus: sha256 {digest}, expected {TINY_SHAKESPEARE_SHA256}; "
-                "use dataset=text_file for other text"
-            )
-        return data
+        return check_tiny_shakespeare(os.fspath(path))
+
+
+def check_tiny_shakespeare(path: str) -> bytes:
+    """The bytes of ``path`` if it is the Tiny Shakespeare corpus (by sha256), else a refusal naming both corpora.
+
+    Called whenever ``data.source_path`` is given with ``dataset='tiny_shakespeare'``, prepared copy or not: once
+    a data_dir holds the prepared corpus TFDS never reads the file again, so a wrong path (another text, a typo)
+    would otherwise train on Shakespeare while data.json named the other file."""
+    data = read_text_file(path)
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != TINY_SHAKESPEARE_SHA256:
+        raise ValueError(
+            f"data.source_path={path!r} is not the Tiny Shakespeare corpus (sha256 {digest[:16]}..., expected "
+            f"{TINY_SHAKESPEARE_SHA256[:16]}...) that data.dataset='tiny_shakespeare' reads; to train on this "
+            "file pass --config.data.dataset=text_file"
+        )
+    return data
 
 
 class TextFile(_ByteTextBuilder, skip_registration=True):
@@ -180,6 +190,8 @@ def load_splits(dataset: str, source_path: str | None, data_dir: str) -> dict[st
         raise ValueError(f"data.dataset={dataset!r} is unknown; allowed: {sorted(DATASETS)}")
     if dataset == "text_file":
         read_text_file(source_path or "")
+    elif source_path:  # checked on every start: a prepared copy in data_dir would otherwise be read instead
+        check_tiny_shakespeare(source_path)
     builder = _prepared(
         lambda: DATASETS[dataset](source_path=source_path, data_dir=data_dir, file_format="array_record"), data_dir
     )

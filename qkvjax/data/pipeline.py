@@ -11,40 +11,57 @@ if TYPE_CHECKING:
     import grain
 
 
-def check_corpus(tokens: np.ndarray, seq_len: int, split: str) -> None:
+def check_corpus(tokens, seq_len: int, split: str) -> None:
     if len(tokens) < seq_len + 1:
         raise ValueError(
-            f"the {split} split has {len(tokens)} bytes, shorter than one window of seq_len + 1 = {seq_len + 1}; "
+            f"the {split} split has {len(tokens)} tokens, shorter than one window of seq_len + 1 = {seq_len + 1}; "
             "use a longer text or a smaller --config.data.seq_len"
         )
 
 
 def train_batches(
-    tokens: np.ndarray,
+    tokens,
     seq_len: int,
     batch_size: int,
     seed: int,
     process_index: int = 0,
     process_count: int = 1,
+    sampling: str = "random",
+    workers: int = 0,
 ) -> grain.DatasetIterator:
     """An endless iterator of ``{"inputs", "targets"}`` (batch_size // process_count, seq_len) int32 batches.
 
-    Window starts are a seeded permutation of every offset, reshuffled each epoch (nanoGPT samples offsets
-    uniformly; a permutation visits each once per epoch). Each process takes every ``process_count``-th window.
-    ``get_state()`` / ``set_state()`` resume the stream exactly.
+    ``tokens``: an array, or a prepared split (:class:`qkvjax.data.shards.TokenSequence`). ``sampling``:
+
+    * ``disjoint``: windows at multiples of ``seq_len`` (every target in exactly one window), in a seeded order
+      reshuffled each epoch, so each target is trained on once per epoch (MaxText's and Levanter's packed
+      sequences);
+    * ``random``: a window at every offset, in a seeded permutation reshuffled each epoch (nanoGPT samples
+      offsets uniformly; a permutation visits each once per epoch, but the windows overlap, so targets repeat
+      within an epoch).
+
+    Each process takes every ``process_count``-th window. ``workers`` > 0 reads batches in that many grain worker
+    processes. ``get_state()`` / ``set_state()`` resume the stream exactly.
     """
+    from qkvjax.data.shards import SAMPLINGS, _Gather, window_count
+
+    if sampling not in SAMPLINGS:
+        raise ValueError(f"data.sampling={sampling!r}; allowed: {', '.join(SAMPLINGS)}")
     check_corpus(tokens, seq_len, "train")
     if batch_size % process_count:
         raise ValueError(f"train.batch_size={batch_size} is not divisible by the {process_count} processes")
-    num_windows = len(tokens) - seq_len
+    num_windows = window_count(len(tokens), seq_len, sampling)
     import grain  # loaded when training batches are made, not on import
 
     ds = grain.MapDataset.range(num_windows).shuffle(seed=seed).repeat(None)
     ds = ds[process_index::process_count]
-    ds = ds.map(lambda start: tokens[start : start + seq_len + 1])
     ds = ds.batch(batch_size // process_count, drop_remainder=True)
-    ds = ds.map(lambda w: {"inputs": w[:, :-1].astype(np.int32), "targets": w[:, 1:].astype(np.int32)})
-    return iter(ds.to_iter_dataset())
+    # One gather per batch (not a map per window): grain's per-element overhead would bound the tokens/s.
+    ds = ds.map(_Gather(tokens, seq_len, seq_len if sampling == "disjoint" else 1))
+    it = ds.to_iter_dataset()
+    if workers:
+        it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers))
+    return iter(it)
 
 
 def check_stride(stride, seq_len: int) -> int:

@@ -130,6 +130,18 @@ def load_tokenizer(name: str | None, workdir=None):
     raise ValueError(f"data.tokenizer={name!r}: no such file (looked in {candidates}); allowed: a tokenizer.json")
 
 
+def run_tokenizer(data, workdir):
+    """The tokenizer of a run whose data config is ``data``: ``data.tokenizer``; else, for a prepared corpus, the
+    copy of its tokenizer in the workdir (or the corpus' own, or bytes for a byte-level corpus); else bytes."""
+    if data.tokenizer is None and data.prepared is not None:
+        for folder in (workdir, data.prepared):
+            file = os.path.join(os.fspath(folder), "tokenizer.json")
+            if os.path.isfile(file):
+                return HFTokenizer(file)
+        return ByteTokenizer()
+    return load_tokenizer(data.tokenizer, workdir)
+
+
 def check_vocab(tokenizer, vocab_size: int) -> None:
     if tokenizer.vocab_size > vocab_size:
         raise ValueError(

@@ -26,6 +26,7 @@ RESUMABLE_CHANGES = {
     "train.skip_nonfinite",
     "train.tensorboard",
     "data.data_dir",
+    "data.workers",
     "mesh.data",
     "mesh.fsdp",
     "mesh.tensor",

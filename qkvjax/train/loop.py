@@ -28,6 +28,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from qkvjax.analyze import attention_kernels, drift_stats, weight_stats
 from qkvjax.attention import kernels
 from qkvjax.config import Config, require_decoder, to_dict, to_json
+from qkvjax.data.pipeline import check_corpus
+from qkvjax.data.shards import repeated_fraction, window_count
 from qkvjax.data.tokenizer import check_vocab, load_tokenizer, tokenize_splits
 from qkvjax.models.lm import DecoderLM, param_count, train_flops_per_token
 from qkvjax.perf import measure_peak_flops
@@ -46,6 +48,7 @@ from qkvjax.workdir import (  # noqa: F401
     drop_aside,
     export_params,
     exported_steps,
+    framed_digest,
     is_remote,
     json_safe,
     load_config,
@@ -298,8 +301,9 @@ class Prepared:
     par: _Parallel
     splits: dict
     tokens_per_byte: dict
-    digest: str
+    digest: tuple[str, ...]  # the text's sha256, then older digests of it that a data.json may hold
     aside: epath.Path | None = None
+    verification: object = None  # a prepared corpus' background sha256 check (qkvjax.data.shards)
 
 
 def prepare(config: Config, workdir: epath.Path, overwrite: bool) -> Prepared:
@@ -312,19 +316,23 @@ def prepare(config: Config, workdir: epath.Path, overwrite: bool) -> Prepared:
     par = _Parallel(config, abstract)
     check_workdir(workdir, config, overwrite)
     _sync("workdir checked")
-    splits, tokens_per_byte, digest = _load_data(config, workdir)
-    check_splits(splits, config)
+    splits, tokens_per_byte, digest, verification = _load_data(config, workdir)
+    if verification is None:
+        check_splits(splits, config)
     aside = None
     if overwrite and jax.process_index() == 0:
         aside = set_aside(workdir, keep_imported=imported(workdir))
         if aside is not None:
             _say(f"--overwrite: the previous run is in {aside} until this run's first checkpoint is committed")
     _sync("old run set aside")
-    return Prepared(config, workdir, model, tx, par, splits, tokens_per_byte, digest, aside)
+    return Prepared(config, workdir, model, tx, par, splits, tokens_per_byte, digest, aside, verification)
 
 
-def _load_data(config: Config, workdir: epath.Path) -> tuple[dict, dict, str]:
-    """The splits as token ids, their tokens per byte (1 for byte-level text) and the text's digest."""
+def _load_data(config: Config, workdir: epath.Path) -> tuple[dict, dict, tuple[str, ...], object]:
+    """The splits as token ids, their tokens per byte (1 for byte-level text), the text's digest and, for a prepared
+    corpus, the background check of its shards' sha256 (else None)."""
+    if config.data.prepared is not None:
+        return _load_prepared(config, workdir)
     from qkvjax.data.builders import load_splits  # TFDS and grain load when a run reads data, not on import
 
     data_dir = os.path.expanduser(config.data.data_dir)
@@ -337,7 +345,22 @@ def _load_data(config: Config, workdir: epath.Path) -> tuple[dict, dict, str]:
     if config.data.tokenizer is not None:  # byte-level text is checked against the vocabulary by check_splits
         check_vocab(tokenizer, config.model.vocab_size)
     tokens = tokenize_splits(text, tokenizer)
-    return tokens, {k: len(tokens[k]) / max(1, len(text[k])) for k in text}, splits_digest(text)
+    per_byte = {k: len(tokens[k]) / max(1, len(text[k])) for k in text}
+    return tokens, per_byte, (splits_digest(text), framed_digest(text)), None
+
+
+def _load_prepared(config: Config, workdir: epath.Path):
+    """A prepared corpus: its splits as memory-mapped sequences (nothing read yet), checked against the model and
+    the run's tokenizer; its tokenizer copied into the workdir for ``sample`` and ``eval``; its shards' sha256
+    checked in the background."""
+    from qkvjax.data.shards import check_prepared, open_corpus
+
+    corpus = open_corpus(config.data.prepared)
+    check_prepared(corpus, config.model.vocab_size, config.data.tokenizer, workdir)
+    splits = {s: corpus.split(s) for s in ("train", "validation")}
+    check_corpus(splits["train"], config.seq_len, "train")
+    per_byte = {s: corpus.tokens_per_byte(s) for s in splits}
+    return splits, per_byte, (corpus.sha256,), corpus.verify()
 
 
 def restore(prep: Prepared, mngr, batches, overwrite: bool):
@@ -377,7 +400,13 @@ def _record_provenance(prep: Prepared) -> None:
     """The config the run trains (config.json) and the digest of its text (data.json), on process 0."""
     if jax.process_index() == 0:
         write_text(prep.workdir / CONFIG_FILE, to_json(prep.config))
-        changed = check_data(prep.workdir, prep.digest, prep.config.data.source_path, record=True)
+        data = prep.config.data
+        source = data.source_path if data.prepared is None else str(epath.Path(data.prepared) / "manifest.json")
+        changed = check_data(prep.workdir, prep.digest[0], source, record=True, also=prep.digest[1:])
+        if data.prepared is not None:
+            from qkvjax.data.shards import copy_tokenizer
+
+            copy_tokenizer(data.prepared, prep.workdir)
         if changed:
             _say(changed)
 
@@ -405,7 +434,7 @@ def _train(config: Config, workdir: epath.Path, overwrite: bool, lock: WorkdirLo
     mngr = checkpoint.manager(workdir, config.train.max_to_keep)
     batches = train_batches(
         prep.splits["train"], config.seq_len, config.train.batch_size, config.seed, jax.process_index(),
-        jax.process_count(),
+        jax.process_count(), config.data.window_sampling, config.data.workers,
     )  # fmt: skip
     state, latest = restore(prep, mngr, batches, overwrite)
     _record_provenance(prep)
@@ -448,6 +477,8 @@ class Loop:
         self.state = par.replicate(state)
         self.step = int(par.unreplicate(self.state).step) if latest is not None else 0
         self.flops_per_token = train_flops_per_token(config.model, config.seq_len)
+        self.sampling = config.data.window_sampling
+        self.windows = window_count(len(prep.splits["train"]), config.seq_len, self.sampling)
         self.devices = 1 if jax.devices()[0].platform == "cpu" else jax.device_count()
         self.peak = self.tc.peak_flops or self._measure_peak()
         self.schedule = jax.jit(learning_rate_schedule(self.tc))  # one program, not one per eager op it makes
@@ -555,6 +586,12 @@ class Loop:
             "grad_norm": float(metrics["grad_norm"]),
             "learning_rate": float(self.schedule(step - 1)),
         }
+        # How much of the training text the run has seen: epochs of windows, and (disjoint windows, each target
+        # once per epoch) the share of the targets trained on so far that it had trained on before.
+        seen = step * tc.batch_size
+        record["epochs"] = seen / self.windows
+        if self.sampling == "disjoint":
+            record["repeated"] = repeated_fraction(seen, self.windows)
         if self.skipped:
             record["skipped_steps"] = self.skipped
         if step - self.last_step:
@@ -602,7 +639,12 @@ class Loop:
         return out
 
     def save(self, metrics=None) -> None:
-        """A checkpoint of the state and the data iterator; the first one deletes the run ``--overwrite`` replaced."""
+        """A checkpoint of the state and the data iterator; the first one deletes the run ``--overwrite`` replaced.
+        Never after a prepared corpus' shard was found corrupted (the last one waits for the check to finish)."""
+        if self.prep.verification is not None:
+            if self.step >= self.tc.num_steps:
+                self.prep.verification.wait()
+            self.prep.verification.check()
         self.progress.doing("saving checkpoint")
         checkpoint.save(
             self.mngr, self.step, self.prep.par.unreplicate(self.state), self.batches.get_state(),
