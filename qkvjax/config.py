@@ -94,6 +94,8 @@ class TrainConfig:
       b2: Adam's second-moment decay.
       grad_clip: the global gradient norm is clipped to this.
       grad_accum_steps: micro-batches per step (the batch is split; gradients averaged).
+      loss_chunk: the output layer and cross-entropy over this many positions at a time, so the float32 logits
+        (B, T, V) are never held whole (with GPT-2's vocabulary, 12 GiB at batch 64 x 1024); None: all at once.
       log_every: steps between training records in metrics.jsonl and the progress line.
       eval_every: steps between evaluations on the validation split.
       eval_batches: batches per evaluation (windows spread evenly over the split, the same each time); None
@@ -118,6 +120,7 @@ class TrainConfig:
     b2: float = 0.99
     grad_clip: float = 1.0
     grad_accum_steps: int = 1
+    loss_chunk: int | None = None
     log_every: int = 10
     eval_every: int = 250
     eval_batches: int | None = None
@@ -136,6 +139,7 @@ class TrainConfig:
         checks.integer(self, "warmup_steps", minimum=0)
         checks.integer(self, "max_to_keep", allowed="an integer >= 1 (checkpoints kept)")
         checks.integer(self, "eval_batches", none="the whole split")
+        checks.integer(self, "loss_chunk", none="the whole sequence at once")
         checks.number(self, "learning_rate", low=0, open_low=True)
         checks.number(self, "min_lr_ratio", low=0, high=1)
         checks.number(self, "weight_decay", low=0)

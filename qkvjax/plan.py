@@ -15,8 +15,9 @@ Per device, in bytes, for the mesh ``(data, fsdp, tensor)`` the config asks for 
   post-activation (2 F); in float32, N times what the layer's attention kernel keeps per query
   (:func:`kept_scores`: 2 T for the whole scores and probabilities, about half of that in causal blocks, 1 for a
   flash kernel's log-sum-exp). Heads and F are split over ``tensor``. Plus the float32 logits and their gradient
-  (2 V per position). ``remat='full'`` keeps only each block's input (D per layer) plus one block's activations;
-  ``'dots'`` drops the layer-norm and activation-function outputs (4 D + F fewer per layer).
+  (2 V per position; per position of one chunk with ``train.loss_chunk``). ``remat='full'`` keeps only each
+  block's input (D per layer) plus one block's activations; ``'dots'`` drops the layer-norm and
+  activation-function outputs (4 D + F fewer per layer).
 
 Which kernel runs depends on the backend the run will have (``--backend``; this machine's by default): a GPU
 takes cuDNN's flash kernel by default where jax accepts it, a CPU the einsum path in causal blocks, a TPU XLA's
@@ -125,7 +126,11 @@ def activation_bytes(config: Config, micro_batch: int, tensor: int, backend: str
         layers = sum(per_layer) - m.num_layers * a * (4 * d + f)
     else:
         layers = sum(per_layer)
+    # float32 logits and their gradient: for every position, or (train.loss_chunk) one chunk's at a time
     logits = 4 * 2 * m.vocab_size / tensor
+    chunk = config.train.loss_chunk
+    if chunk is not None and chunk < t:
+        return int(micro_batch * t * layers + micro_batch * chunk * logits)
     return int(micro_batch * t * (layers + logits))
 
 

@@ -281,3 +281,26 @@ def test_prepared_windows_resume_exactly_and_read_the_same_through_workers(folde
         np.testing.assert_array_equal(a, next(again)["inputs"])
     # a window across two shards reads the ids on both sides
     assert len(open_corpus(str(out)).manifest["splits"]["train"]["shards"]) > 2
+
+
+def test_beam_writes_the_same_shards_as_the_local_processes(folder, tmp_path):
+    """The Beam pipeline (Beam's local multi-process runner) and the process pool give identical folders."""
+    try:
+        import apache_beam  # noqa: F401
+    except ImportError:
+        if os.environ.get("CI") == "true":
+            pytest.fail("CI=true but apache-beam is missing: pip install -e '.[dev]' (dev holds the beam extra)")
+        pytest.skip("needs the beam extra: pip install -e '.[beam]'")
+    from qkvjax.data.beam import main as beam_main
+
+    local, beam = tmp_path / "local", tmp_path / "beam"
+    prepare([str(folder)], str(local), "bytes", val_fraction=0.3, shard_mb=0.0005, workers=2)
+    runner = ["--runner=DirectRunner", "--direct_running_mode=multi_processing", "--direct_num_workers=2"]
+    argv = [str(folder), "--out", str(beam), "--tokenizer", "bytes", "--val-fraction", "0.3", "--shard-mb", "0.0005"]
+    argv += ["--", *runner]
+    assert beam_main(argv) == 0
+    files = sorted(p.relative_to(local) for p in local.rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(beam) for p in beam.rglob("*") if p.is_file())
+    assert len(files) > 5
+    for f in files:
+        assert (local / f).read_bytes() == (beam / f).read_bytes(), f

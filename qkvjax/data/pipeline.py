@@ -60,6 +60,10 @@ def train_batches(
     ds = ds.map(_Gather(tokens, seq_len, seq_len if sampling == "disjoint" else 1))
     it = ds.to_iter_dataset()
     if workers:
+        from absl import flags
+
+        if not flags.FLAGS.is_parsed():  # grain's workers read absl flags; qkvjax's CLI parses its own arguments
+            flags.FLAGS.mark_as_parsed()
         it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers))
     return iter(it)
 

@@ -334,7 +334,8 @@ def check_call(cfg: ModelConfig, tokens: Array, positions, cache: DecodeCache | 
 
 
 class DecoderLM(nn.Module):
-    """tokens (B, T) int -> logits (B, T, V) in float32.
+    """tokens (B, T) int -> logits (B, T, V) in float32; with ``hidden=True`` the final hidden states (B, T, D) and
+    the unembedding (D, V) instead, for a loss that makes the logits a chunk at a time (``train.loss_chunk``).
 
     With ``cache`` (a :class:`DecodeCache`), row b's tokens are written at positions ``lengths[b]`` onward and
     attend to everything the row holds; returns ``(logits, cache)`` with ``lengths`` advanced by ``num_valid``
@@ -358,6 +359,7 @@ class DecoderLM(nn.Module):
         num_valid: Array | None = None,
         decode: bool = False,
         deterministic: bool = True,
+        hidden: bool = False,
     ):
         cfg, tokens = self.config, as_tokens(tokens)
         check_call(cfg, tokens, positions, cache, num_valid)
@@ -403,10 +405,13 @@ class DecoderLM(nn.Module):
         if cfg.family.final_norm:
             x = _layer_norm(cfg, "ln_final")(x)
         if cfg.tie_embeddings:
-            logits = unembed(x, embed.T, cfg)
+            w_unembed = embed.T
         else:
             init = nn.with_logical_partitioning(_dense_init(0, 1), (axes.EMBED, axes.VOCAB))
-            logits = unembed(x, self.param("w_unembed", init, (cfg.d_model, cfg.vocab_size), cfg.param_dtype), cfg)
+            w_unembed = self.param("w_unembed", init, (cfg.d_model, cfg.vocab_size), cfg.param_dtype)
+        if hidden:  # the final hidden states (B, T, D) and the unembedding (D, V): a chunked loss makes the logits
+            return x, w_unembed
+        logits = unembed(x, w_unembed, cfg)
         if cache is None:
             return logits
         return logits, cache.advanced(new_entries, tokens.shape[1] if num_valid is None else num_valid)

@@ -22,6 +22,7 @@ RESUMABLE_CHANGES = {
     "train.checkpoint_every",
     "train.max_to_keep",
     "train.peak_flops",
+    "train.loss_chunk",  # the same loss, computed a chunk of positions at a time
     "train.log_weight_similarity",
     "train.skip_nonfinite",
     "train.tensorboard",

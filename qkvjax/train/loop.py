@@ -415,7 +415,8 @@ def _compiled_steps(prep: Prepared):
     """The train and eval steps, jitted over the mesh (state donated) or pmapped over local devices; a GPU's
     default attention falls back to XLA's if cuDNN's fails to compile (:func:`kernels.falls_back_from_cudnn`)."""
     par, tc = prep.par, prep.config.train
-    step_fn = make_train_step(prep.model, prep.tx, tc.grad_accum_steps, axis_name="data" if par.mesh is None else None)
+    step_fn = make_train_step(prep.model, prep.tx, tc.grad_accum_steps, axis_name="data" if par.mesh is None else None,
+                              loss_chunk=tc.loss_chunk)  # fmt: skip
     eval_fn = make_eval_step(prep.model)
     if par.mesh is None:
         eval_step = jax.pmap(eval_fn, axis_name="data")  # per-device sums; mean_loss adds them up

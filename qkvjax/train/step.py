@@ -22,12 +22,42 @@ def cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array | No
     return jnp.sum(nll * weights), jnp.sum(weights)
 
 
+def chunked_cross_entropy(h: jax.Array, w: jax.Array, targets: jax.Array, chunk: int, cfg):
+    """``cross_entropy(unembed(h, w), targets)`` without the (B, T, V) float32 logits: the positions are taken
+    ``chunk`` at a time by a ``lax.scan`` whose body is rematerialised, so forward and backward hold one chunk's
+    (B, chunk, V) logits; the sum over chunks is the same sum (Liger kernel's and MaxText's vocabulary tiling
+    do this for the same reason: at GPT-2's V = 50,304, batch 64 x 1024, the full logits and their gradient are
+    12 GiB each). ``h``: (B, T, D) final hidden states; ``w``: (D, V); ``cfg``: the model's config (dtype,
+    soft cap). Positions past T in the last chunk are padding, weighted 0."""
+    from qkvjax.models.lm import unembed
+
+    b, t, d = h.shape
+    n = -(-t // chunk)
+    pad = n * chunk - t
+    h = jnp.pad(h, ((0, 0), (0, pad), (0, 0))).reshape(b, n, chunk, d).swapaxes(0, 1)  # (n, B, C, D)
+    targets = jnp.pad(targets, ((0, 0), (0, pad))).reshape(b, n, chunk).swapaxes(0, 1)  # (n, B, C)
+    mask = (jnp.arange(n * chunk) < t).astype(jnp.float32).reshape(n, 1, chunk)  # (n, 1, C)
+
+    @jax.checkpoint
+    def piece(h_c, t_c, m_c):
+        nll = optax.softmax_cross_entropy_with_integer_labels(unembed(h_c, w, cfg), t_c)  # BCD,DV->BCV -> BC
+        return jnp.sum(nll * m_c)
+
+    total, _ = jax.lax.scan(lambda acc, xs: (acc + piece(*xs), None), jnp.float32(0.0), (h, targets, mask))
+    return total, jnp.float32(b * t)
+
+
 def make_train_step(
-    model: nn.Module, tx: optax.GradientTransformation, grad_accum_steps: int = 1, axis_name: str | None = None
+    model: nn.Module,
+    tx: optax.GradientTransformation,
+    grad_accum_steps: int = 1,
+    axis_name: str | None = None,
+    loss_chunk: int | None = None,
 ):
     """Builds ``train_step(state, batch) -> (state, metrics)``.
 
-    ``batch`` is ``{"inputs": (B, T), "targets": (B, T)}`` int32. With ``grad_accum_steps`` > 1 the batch is
+    ``batch`` is ``{"inputs": (B, T), "targets": (B, T)}`` int32. ``loss_chunk``: the output layer and loss
+    over that many positions at a time (:func:`chunked_cross_entropy`). With ``grad_accum_steps`` > 1 the batch is
     split into that many micro-batches whose gradients are averaged by a ``lax.scan`` (one micro-batch of
     activations alive at a time). With ``axis_name`` (pmap) gradients and metrics are averaged over that axis.
     A step whose loss or gradient norm is not finite leaves params and optimizer state unchanged and reports
@@ -35,8 +65,12 @@ def make_train_step(
     """
 
     def loss_fn(params, inputs, targets, rng):
-        logits = model.apply({"params": params}, inputs, deterministic=False, rngs={"dropout": rng})
-        total, count = cross_entropy(logits, targets)
+        if loss_chunk is None:
+            logits = model.apply({"params": params}, inputs, deterministic=False, rngs={"dropout": rng})
+            total, count = cross_entropy(logits, targets)
+        else:
+            h, w = model.apply({"params": params}, inputs, deterministic=False, rngs={"dropout": rng}, hidden=True)
+            total, count = chunked_cross_entropy(h, w, targets, loss_chunk, model.config)
         return total / count
 
     grad_fn = jax.value_and_grad(loss_fn)
