@@ -113,11 +113,44 @@ BOUNDS = {"float32": 1e-3, "bfloat16": 1e-2}  # |out - ref| / |ref| a precision 
 
 
 def _versions() -> dict:
+    """Package versions, and where torch is installed its CUDA, cuDNN and scaled-dot-product backends (the
+    reference's speed depends on which SDPA kernel ran), and the driver nvidia-smi reports."""
     out = {"python": platform.python_version()}
-    for name in ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy", "torch", "triton", "transformers"):
+    names = ("jax", "jaxlib", "jax-cuda12-plugin", "jax-cuda13-plugin", "flax", "optax", "orbax-checkpoint", "numpy",
+             "torch", "triton", "transformers")  # fmt: skip
+    for name in names:
         with contextlib.suppress(importlib.metadata.PackageNotFoundError):
             out[name] = importlib.metadata.version(name)
+    if "torch" in out:
+        with contextlib.suppress(Exception):
+            import torch
+
+            out["torch_cuda"] = torch.version.cuda
+            out["torch_cudnn"] = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+            out["torch_sdpa_enabled"] = {k: getattr(torch.backends.cuda, f"{k}_sdp_enabled")()
+                                         for k in ("flash", "mem_efficient", "math", "cudnn")
+                                         if hasattr(torch.backends.cuda, f"{k}_sdp_enabled")}  # fmt: skip
+    with contextlib.suppress(Exception):
+        smi = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
+        out["driver"] = subprocess.run(smi, capture_output=True, text=True, timeout=20).stdout.strip() or None
     return out
+
+
+def run_group(cmd: list[str], limit: float, **popen) -> int | str:
+    """``cmd``'s exit code, or "timeout" after ``limit`` seconds, when its whole process group (the training
+    runs and lever processes a section starts, not only the section's own process) is killed and reaped, so
+    nothing it started keeps the GPU busy while the next section times itself."""
+    proc = subprocess.Popen(cmd, start_new_session=True, **popen)
+    try:
+        return proc.wait(timeout=limit)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        return "timeout"
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # a section that exited but left children behind
+            os.killpg(proc.pid, signal.SIGKILL)
 
 
 def _median_time(fn, repeats: int) -> float:
@@ -432,11 +465,11 @@ def section_speed(args) -> dict:
     import bench  # beside this script
     import jax
 
-    from qkvjax.models.lm import DecoderLM, param_count, train_flops_per_token
+    from qkvjax.models.lm import DecoderLM, mfu_flops_per_token, param_count, train_flops_per_token
 
-    peak = _read(args.work, "machine", "matmul", "flops_per_s")
+    peak, source = _mfu_peak(args)
     rows = {}
-    result = {"rows": rows, "peak_flops": peak}
+    result = {"rows": rows, "peak_flops": peak, "peak_source": source}
     chosen = args.rows.split(",") if args.rows else SPEED_ROWS if not args.smoke else SMOKE_SPEED_ROWS
     for row in chosen:
         row_start = time.perf_counter()
@@ -459,7 +492,7 @@ def section_speed(args) -> dict:
             _save(args, result)
             continue
         step_s = statistics.median(times)
-        flops = train_flops_per_token(cfg.model, cfg.seq_len)
+        flops, causal = mfu_flops_per_token(cfg.model, cfg.seq_len), train_flops_per_token(cfg.model, cfg.seq_len)
         tps = runner["tokens"] / step_s
         rows[row] = {
             "params": param_count(cfg.model),
@@ -469,8 +502,10 @@ def section_speed(args) -> dict:
             "step_s": step_s,
             **_quartiles(times),
             "tokens_per_s": tps,
-            "train_flops_per_token": flops,
+            "mfu_flops_per_token": flops,  # nanoGPT's and PaLM's count: MFU's numerator
+            "train_flops_per_token": causal,  # qkvjax's causal count, labelled beside it
             "mfu": tps * flops / peak if peak else None,
+            "mfu_causal": tps * causal / peak if peak else None,
             "compile_s": runner["compile_s"],
             "init_s": runner["init_s"],  # the state's init (jitted) and the warm-up step: where row_s goes
             "init_threefry_kernel": runner["init_threefry_kernel"],  # its draws lowered to jax's GPU kernel
@@ -489,6 +524,20 @@ def section_speed(args) -> dict:
     return result
 
 
+def _mfu_peak(args, dtype: str | None = None) -> tuple[float | None, str]:
+    """MFU's denominator, as the training loop's: the device's datasheet peak for the compute dtype where
+    :data:`qkvjax.perf.DATASHEET` knows it, else the matmul the machine section measured (a CPU's smoke run)."""
+    import jax
+
+    from qkvjax.perf import datasheet_peak
+
+    dtype = dtype or _speed_config(args, "separate").model.attention.dtype
+    sheet = datasheet_peak(jax.devices()[0].device_kind, dtype)
+    if sheet is not None:
+        return sheet
+    return _read(args.work, "machine", "matmul", "flops_per_s"), "the matmul measured in this call"
+
+
 def _quartiles(times: list[float]) -> dict:
     """The timed steps' first and third quartiles: the spread a ratio between two rows is read against."""
     q1, _, q3 = statistics.quantiles(times, n=4) if len(times) > 1 else (times[0],) * 3
@@ -504,10 +553,10 @@ def section_torch(args) -> dict:
     one_step = torch_reference.runner(cfg, args.batch_size, device="cuda" if cuda else "cpu", compile=cuda)
     times = [one_step() for _ in range(args.steps)]
     step_s = statistics.median(times)
-    from qkvjax.models.lm import train_flops_per_token
+    from qkvjax.models.lm import mfu_flops_per_token
 
-    peak = _read(args.work, "machine", "matmul", "flops_per_s")
-    flops = train_flops_per_token(cfg.model, cfg.seq_len)
+    peak, _ = _mfu_peak(args)
+    flops = mfu_flops_per_token(cfg.model, cfg.seq_len)
     tps = args.batch_size * cfg.seq_len / step_s
     out = {
         "torch": torch.__version__,
@@ -852,10 +901,7 @@ def drive(args) -> int:
         with open(log, "a") as f:
             f.write(f"\n===== {name} ({time.strftime('%Y-%m-%d %H:%M:%S')}) =====\n")
             f.flush()
-            try:
-                rc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=limit).returncode
-            except subprocess.TimeoutExpired:
-                rc = "timeout"
+            rc = run_group(cmd, limit, env=env, stdout=f, stderr=subprocess.STDOUT)
         status[name] = {"rc": rc, "seconds": round(time.perf_counter() - start, 1)}
         print(f"[{name}] rc {rc}, {status[name]['seconds']} s", flush=True)
         if rc != 0:
@@ -903,9 +949,11 @@ def ceiling(m: dict) -> float | None:
 
 
 def table(m: dict) -> str:
-    """The short table printed last (MFU against :func:`ceiling`)."""
+    """The short table printed last: MFU by nanoGPT's count against the speed section's peak (the datasheet's on
+    a known device), the causal count's beside it, and the measured :func:`ceiling` as a share of that peak."""
     lines = []
-    peak = ceiling(m)
+    measured = ceiling(m)
+    peak = m.get("speed", {}).get("peak_flops") or measured
     if "machine" in m:
         mc = m["machine"]
         torch_mm = mc.get("torch_matmul_flops_per_s")
@@ -942,27 +990,37 @@ def table(m: dict) -> str:
             )  # fmt: skip
     if "speed" in m:
         s = m["speed"]["rows"]
+        source = m["speed"].get("peak_source", "the measured matmul")
+        share = f"; the measured matmul ceiling is {measured / peak:.0%} of it" if measured and peak else ""
+        tflops = peak / 1e12 if peak else 0
+        lines.append(f"MFU: nanoGPT's/PaLM's FLOP count over {tflops:,.1f} TFLOP/s ({source}){share}; causal: "
+                     "qkvjax's causal count over the same peak")  # fmt: skip
         lines.append(
-            f"{'train step':<14} {'tok/s':>10} {'IQR':>6} {'x sep':>6} {'MFU':>6} {'compile s':>9} {'mem GiB':>7}"
+            f"{'train step':<14} {'tok/s':>10} {'IQR':>6} {'x sep':>6} {'MFU':>6} {'causal':>6} {'compile s':>9} "
+            f"{'mem GiB':>7}"
         )
         sep = s.get("separate", {}).get("tokens_per_s")
         lines += [f"{k:<14} ERROR {r['error']}" for k, r in s.items() if "error" in r]
         s = {k: r for k, r in s.items() if "error" not in r}
-        rows = [(k, r, r["train_flops_per_token"], r["compile_s"], r["xla_memory_bytes"]) for k, r in s.items()]
+        rows = [(k, r, r.get("mfu_flops_per_token"), r["train_flops_per_token"], r["compile_s"], r["xla_memory_bytes"])
+                for k, r in s.items()]  # fmt: skip
         if "torch" in m:
             t = m["torch"]
             label = "torch.compile" if t["compiled"] else "torch eager"
-            flops = next(iter(s.values()))["train_flops_per_token"] if s else None
-            rows.append((label, t, flops, t["warmup_and_compile_s"], t["peak_device_bytes"]))
-        for name, r, flops, compile_s, mem in rows:
+            first = next(iter(s.values())) if s else {}
+            rows.append((label, t, first.get("mfu_flops_per_token"), first.get("train_flops_per_token"),
+                         t["warmup_and_compile_s"], t["peak_device_bytes"]))  # fmt: skip
+        for name, r, flops, causal, compile_s, mem in rows:
             tps = r["tokens_per_s"]
             mfu = f"{100 * tps * flops / peak:.1f}%" if peak and flops else "n/a"
+            mfu_causal = f"{100 * tps * causal / peak:.1f}%" if peak and causal else "n/a"
             ratio = f"{tps / sep:.2f}" if sep else "n/a"
             mem = f"{mem / 2**30:.1f}" if mem else "n/a"
             # the timed steps' interquartile range as +-% of the median step: a ratio inside it is noise
             iqr = f"{50 * (r['step_s_q3'] - r['step_s_q1']) / r['step_s']:.1f}%" if "step_s_q1" in r else "n/a"
             fused = f" cuDNN x{r['cudnn_attention_calls']}" if r.get("cudnn_attention_calls") else ""
-            lines.append(f"{name:<14} {tps:>10,.0f} {iqr:>6} {ratio:>6} {mfu:>6} {compile_s:>9.1f} {mem:>7}{fused}")
+            cells = f"{tps:>10,.0f} {iqr:>6} {ratio:>6} {mfu:>6} {mfu_causal:>6} {compile_s:>9.1f} {mem:>7}"
+            lines.append(f"{name:<14} {cells}{fused}")
     if "train" in m:
         t = m["train"]
         lines.append(

@@ -69,7 +69,11 @@ def main() -> None:
     parser.add_argument("--vocab-size", type=int, default=512)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--chat", action="store_true", help="an instruct model's files: ChatML tokens and template")
+    parser.add_argument("--overwrite", action="store_true", help="write into --out even if it already holds files")
     args = parser.parse_args()
+    if os.path.isdir(args.out) and os.listdir(args.out) and not args.overwrite:  # as `qkvjax import` refuses
+        parser.exit(2, f"tiny_hf_model.py: error: --out {args.out} already holds files; pass another folder or "
+                    "--overwrite\n")  # fmt: skip
     tok = tokenizer(args.corpus, args.vocab_size, CHAT_TOKENS if args.chat else ())
     m = model(args.arch, tok.get_vocab_size(), args.seed)
     if args.chat:  # generate (and qkvjax sample) end a reply at the end-of-turn token

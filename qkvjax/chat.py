@@ -29,11 +29,11 @@ from typing import TextIO
 import numpy as np
 
 from qkvjax import checks
+from qkvjax.workdir import SPECIAL_TOKENS
 
 TEMPLATE_FILE = "chat_template.jinja"  # where transformers >= 4.43 saves a single template
 TOKENIZER_CONFIG = "tokenizer_config.json"
 SPECIAL_TOKENS_MAP = "special_tokens_map.json"  # older folders name the special tokens here
-SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 MAX_TEMPLATE_BYTES = 1 << 20  # the largest templates on the Hub (tool use, reasoning) are tens of kB
 MAX_FILE_BYTES = 64 << 20  # a tokenizer_config.json may list every added token (Llama 3's: 50 kB)
 MAX_MESSAGES_BYTES = 16 << 20  # a conversation longer than any model's context, still read at once

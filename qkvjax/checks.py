@@ -13,6 +13,7 @@ alone.
 
 from __future__ import annotations
 
+import errno
 import math
 import numbers
 import os
@@ -182,3 +183,15 @@ def device_memory(device=None) -> int:
     if stats and stats.get("bytes_limit"):
         return int(stats["bytes_limit"])
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def is_disk_full(e: BaseException) -> bool:
+    """Whether ``e`` or what caused it is ENOSPC (an OSError's errno, or the words in another library's error:
+    orbax's thread errors, array_record's RuntimeError)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if getattr(e, "errno", None) == errno.ENOSPC or "No space left on device" in str(e):
+            return True
+        e = e.__cause__ or e.__context__
+    return False

@@ -108,7 +108,9 @@ def _eval(args: argparse.Namespace) -> int:
     from qkvjax.workdir import write_text
 
     _check_outputs(("--output", args.output, False))
-    result = evaluate(args.workdir, args.step, args.split, args.source_path, args.data_dir, args.stride)
+    result = evaluate(
+        args.workdir, args.step, args.split, args.source_path, args.data_dir, args.stride, args.max_batches
+    )
     text = json.dumps(result)
     print(text)
     if args.output:
@@ -409,12 +411,12 @@ STEP = opt("--step", type=int, default=None, help="checkpoint step (None: the ne
 
 def commands() -> tuple[Command, ...]:
     """Every subcommand and its options, as data, in ``--help``'s order; :func:`build_parser` builds the parsers."""
-    run, tools = _run_commands(), _tool_commands()
+    run, tools = (*_run_commands(), *_read_commands()), _tool_commands()
     return (tools[0], *run, *tools[1:])
 
 
 def _run_commands() -> tuple[Command, ...]:
-    """Training and reading a run: train, plan, eval, sample, info."""
+    """Making a run: train, plan, prepare."""
     return (
         Command("train", _train, "train (or resume) a language model", (
             opt("--config", required=True,
@@ -460,12 +462,18 @@ def _run_commands() -> tuple[Command, ...]:
             opt("--errors", default="strict", choices=["strict", "skip"],
                 help="a document that is not UTF-8: stop (strict) or leave it out, listed in the manifest (skip)"),
             opt("--eot", default=None,
-                help="the separator after each document: a byte 0-255 for bytes (default 0), a token's text for a "
-                "tokenizer.json (default: its <|endoftext|>, </s>, ...)"),
+                help="the separator after each document: for bytes a byte 0-255 (0 when unset), for a tokenizer.json "
+                "a token's text (its <|endoftext|>, </s>, ... when unset)"),
             opt("--overwrite", action="store_true", help="replace a corpus (or an unfinished one) of other inputs"),
         ), "Writes OUT/manifest.json, OUT/tokenizer.json and OUT/{train,validation}/NNNNN.bin (raw uint16/uint32 "
            "ids; qkvjax/data/prepare.py says why and how). A killed run resumes its finished units when rerun; OUT "
            "appears only when whole. The same shards through Apache Beam: python -m qkvjax.data.beam --help."),
+    )  # fmt: skip
+
+
+def _read_commands() -> tuple[Command, ...]:
+    """Reading a run: eval, sample, info."""
+    return (
         Command("eval", _eval, "evaluate a checkpoint on a whole split; prints one JSON object", (
             WORKDIR,
             opt("--step", type=int, default=None, help="checkpoint step (None: the newest that restores)"),
@@ -477,6 +485,9 @@ def _run_commands() -> tuple[Command, ...]:
                 help="windows S tokens apart, each scoring its last S targets: every target after the first window "
                 "sees at least seq_len - S tokens (Hugging Face's sliding window perplexity), for seq_len / S times "
                 "the compute (default: seq_len, windows that do not overlap)"),
+            opt("--max-batches", type=int, default=None,
+                help="score this many batches of windows spread evenly over the split instead of all of it (a "
+                "sample, as training's evaluations take: for a large model on a large split)"),
         )),
         Command("sample", _sample, "generate text from a checkpoint with the KV cache", (
             WORKDIR,
@@ -566,7 +577,7 @@ def _tool_commands() -> tuple[Command, ...]:
         ), "Writes a new workdir holding a run's checkpoint converted to another tying scheme (--to), fewer K/V heads "
            "(--num-kv-heads) or cross-layer K/V sharing (--cla), with the approximation error of each changed "
            "projection; exact conversions (bilinear, mla at full rank) compute the same function. Uptrain the result "
-           "with `qkvjax train --workdir OUT`."),
+           "with `qkvjax train --config OUT/config.json --workdir OUT`."),
         Command("analyze", _analyze,
                 "how similar W^Q, W^K, W^V are, per layer, with random and mismatched-head controls", (
             opt("--workdir", default=None, help="a qkvjax training run"),
@@ -601,8 +612,9 @@ def _tool_commands() -> tuple[Command, ...]:
                 help="default: the first of these layouts that expresses the model"),
             STEP,
         ), "Writes config.json and model.safetensors that transformers' from_pretrained loads. Tied projections are "
-           "written out per role (the same function, without the tie's savings); schemes the layout cannot express "
-           "(bilinear, reformer_qk, mla, CLA layers, QK-norm) are refused."),
+           "written out per role (the same function, without the tie's savings). MLA exports as deepseek_v2, QK-norm "
+           "as qwen3, K = V full layers and cross-layer K/V as gemma4; what no layout expresses (bilinear, "
+           "reformer_qk, ...) is refused in one line naming the layouts tried."),
         Command("compare", _compare,
                 "several runs side by side: scheme, params, KV cache, losses, speed; validation curves as PNG", (
             opt("workdirs", nargs="+", metavar="DIR", help="workdirs of training runs"),

@@ -142,6 +142,7 @@ def evaluate(
     source_path: str | None = None,
     data_dir: str | None = None,
     stride: int | None = None,
+    max_batches: int | None = None,
 ) -> dict:
     """Loss, bits per byte and perplexity of a checkpoint over a whole split: every target once, in windows of the
     run's ``seq_len`` that do not overlap, or with ``stride`` S < seq_len in windows S apart that each score their
@@ -154,6 +155,8 @@ def evaluate(
     dataclasses.replace(saved.data, **given)  # DataConfig's own checks of the paths (UTF-8: TFDS fails on others)
     if stride is not None:
         check_stride(stride, saved.seq_len)
+    if max_batches is not None:
+        checks.integer_value("max_batches", max_batches, allowed="an integer >= 1 (batches of windows scored)")
     if saved.data.prepared is not None:
         if source_path is not None or data_dir is not None:
             raise ValueError("--source-path and --data-dir name a byte corpus; this run read the prepared corpus "
@@ -178,6 +181,7 @@ def evaluate(
         config.seq_len,
         batch_size,
         lambda b: {k: jax.make_array_from_process_local_data(sharding, v) for k, v in b.items()},
+        max_batches,
         stride=stride,
     )
     return {
@@ -185,6 +189,7 @@ def evaluate(
         "scheme": config.model.attention.scheme,
         "split": split,
         "stride": stride or config.seq_len,  # seq_len: windows that do not overlap
+        "max_batches": max_batches,  # None: the whole split
         "tokens": count,
         "loss": loss,
         "bits_per_byte": loss / math.log(2) * tokens_per_byte,

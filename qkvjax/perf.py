@@ -1,4 +1,11 @@
-"""Hardware reference numbers measured on the spot: the matmul peak that MFU is quoted against."""
+"""The peak that MFU is quoted against: a device's datasheet figure where it is known, else a matmul measured on
+the spot (:func:`measure_peak_flops`, always printed beside it as the practical ceiling).
+
+MFU (Chowdhery et al. 2022, appendix B) is model FLOPs over peak FLOPs. qkvjax quotes it the way nanoGPT's
+``estimate_mfu`` and PaLM count the model's FLOPs (:func:`qkvjax.models.lm.mfu_flops_per_token`: 6 N plus
+attention over every key, not halved for causality) against the vendor's dense peak for the compute dtype, so a
+figure compares with theirs; the causal count (what the kernels actually do) is given beside it, labelled.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +13,28 @@ import time
 
 import jax
 import jax.numpy as jnp
+
+# Dense peak FLOP/s per chip from the vendors' datasheets, by a piece of the ``device_kind`` jax reports (the first
+# that matches wins: "H100 PCIe" before "H100"). float32 is what XLA runs a float32 matmul as on these chips by
+# default (TF32 on NVIDIA's; TPUs' bfloat16 passes).
+DATASHEET: tuple[tuple[str, str, dict[str, float]], ...] = (
+    ("H100 PCIe", "NVIDIA H100 PCIe datasheet", {"bfloat16": 756e12, "float16": 756e12, "float32": 378e12}),
+    ("H100", "NVIDIA H100 SXM datasheet", {"bfloat16": 989.4e12, "float16": 989.4e12, "float32": 494.7e12}),
+    ("H200", "NVIDIA H200 SXM datasheet", {"bfloat16": 989.4e12, "float16": 989.4e12, "float32": 494.7e12}),
+    ("A100", "NVIDIA A100 datasheet", {"bfloat16": 312e12, "float16": 312e12, "float32": 156e12}),
+    ("TPU v4", "Google Cloud TPU v4", {"bfloat16": 275e12, "float32": 275e12}),
+    ("TPU v5 lite", "Google Cloud TPU v5e", {"bfloat16": 197e12, "float32": 197e12}),
+    ("TPU v5", "Google Cloud TPU v5p", {"bfloat16": 459e12, "float32": 459e12}),
+    ("TPU v6 lite", "Google Cloud TPU v6e (Trillium)", {"bfloat16": 918e12, "float32": 918e12}),
+)
+
+
+def datasheet_peak(device_kind: str, dtype: str) -> tuple[float, str] | None:
+    """``(FLOP/s, source)`` of one chip of ``device_kind`` in ``dtype`` from :data:`DATASHEET`, or None."""
+    for piece, source, peaks in DATASHEET:
+        if piece in device_kind and dtype in peaks:
+            return peaks[dtype], f"{source}, {dtype} dense"
+    return None
 
 
 def measure_peak_flops(

@@ -36,6 +36,7 @@ import uuid
 
 from etils import epath
 
+from qkvjax.checks import is_disk_full  # noqa: F401  (its callers import it from here too)
 from qkvjax.config import Config, from_dict
 
 CONFIG_FILE = "config.json"
@@ -45,6 +46,8 @@ DATA_FILE = "data.json"  # the sha256 of the text a run trains on, to notice a c
 REPLACED_PREFIX = "replaced-"  # a run --overwrite replaces, kept until the new run's first checkpoint
 TOKENIZER = "tokenizer.json"  # a run's (or an imported model's) tokenizer, in the Hugging Face format
 SPECIAL_IDS_FILE = "special_tokens.json"  # an imported model's bos/eos/pad ids, written back by export
+# the special-token names a chat template may refer to (read here and by qkvjax.chat)
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 CHAT_TEMPLATE_FILE = "chat_template.jinja"  # an imported model's chat template (qkvjax.chat), as transformers saves it
 SAMPLING_FILE = "sampling.json"  # an imported model's own sampling settings (its generation_config.json asks for them)
 IMPORTED_FILES = (TOKENIZER, SPECIAL_IDS_FILE, CHAT_TEMPLATE_FILE, SAMPLING_FILE)  # besides weights and config
@@ -85,18 +88,6 @@ def path(workdir) -> epath.Path:
 def is_remote(workdir) -> bool:
     """True for ``scheme://...`` paths (object stores), False for local files."""
     return "://" in os.fspath(workdir)
-
-
-def is_disk_full(e: BaseException) -> bool:
-    """Whether ``e`` or what caused it is ENOSPC (an OSError's errno, or the words in another library's error:
-    orbax's thread errors, array_record's RuntimeError)."""
-    seen = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if getattr(e, "errno", None) == errno.ENOSPC or "No space left on device" in str(e):
-            return True
-        e = e.__cause__ or e.__context__
-    return False
 
 
 @contextlib.contextmanager
@@ -310,7 +301,6 @@ def stop_ids(workdir) -> tuple[int, ...]:
 def chat_template(workdir) -> tuple[str, dict[str, str]] | None:
     """An imported model's chat template and the special-token strings it refers to (``bos_token``, ...); None
     when the model came without one (a base model, or a run trained here)."""
-    from qkvjax.chat import SPECIAL_TOKENS
 
     file = path(workdir) / CHAT_TEMPLATE_FILE
     if not file.exists():

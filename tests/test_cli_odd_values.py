@@ -32,6 +32,8 @@ BASE = {
     "import": ["import", "{hf}", "--workdir", "{out}"],
     "export": ["export", "{out}", "--workdir", "{run}"],
     "compare": ["compare", "{run}"],
+    "prepare": ["prepare", "{docs}", "--out", "{out}", "--tokenizer", "bytes", "--val-fraction", "0.5",
+                "--workers", "1"],
 }  # fmt: skip
 
 
@@ -65,7 +67,11 @@ def places(tmp_path_factory, small_text, data_dir):
     run, hf = root / "run", root / "hf"
     assert run_in_process(train_args(run, small_text, data_dir, **{"train.num_steps": 2})) == 0
     assert run_in_process(["export", str(hf), "--workdir", str(run)]) == 0
-    return {"run": str(run), "hf": str(hf), "text": small_text, "data": data_dir}
+    docs = root / "docs"
+    docs.mkdir()
+    for i in range(9):
+        (docs / f"d{i}.txt").write_text(f"document {i}\n" * (i + 1))
+    return {"run": str(run), "hf": str(hf), "text": small_text, "data": data_dir, "docs": str(docs)}
 
 
 @pytest.mark.parametrize("command, flag, value", list(_cases()))

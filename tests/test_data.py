@@ -208,3 +208,28 @@ def test_processes_preparing_one_new_corpus_at_once_all_read_it(tmp_path):
     assert sum(length for _, length in expected) == n
     leftovers = [p.name for p in data_dir.rglob("incomplete*")]
     assert not leftovers, leftovers  # each loser's folder is removed
+
+
+@pytest.mark.parametrize("sampling", ["random", "disjoint"])
+def test_repeated_targets_are_counted_from_the_batches_the_run_trains_on(sampling):
+    """``targets_repeated`` replays the sampler: equal to counting, batch by batch, the target positions of what
+    ``train_batches`` yields (ids that name their position), for both samplings and two processes."""
+    from qkvjax.data.pipeline import targets_repeated
+    from qkvjax.data.shards import repeated_fraction
+
+    ids = np.arange(203, dtype=np.int64)
+    seq_len, batch, steps = 7, 6, 13
+    seen, repeated = set(), 0
+    for p in range(2):
+        it = train_batches(ids, seq_len, batch, seed=5, process_index=p, process_count=2, sampling=sampling)
+        for _ in range(steps):
+            for row in next(it)["targets"]:
+                repeated += sum(int(t) in seen for t in row)
+                seen.update(int(t) for t in row)
+    assert targets_repeated(len(ids), seq_len, batch, 5, steps, sampling, process_count=2) == (
+        repeated, steps * batch * seq_len)  # fmt: skip
+    if sampling == "disjoint":  # each target once per epoch: the closed form the training log uses
+        windows = (len(ids) - 1) // seq_len
+        assert repeated == round(repeated_fraction(steps * batch, windows) * steps * batch * seq_len)
+    else:
+        assert repeated > 0  # overlapping windows repeat targets within the first epoch

@@ -173,3 +173,30 @@ def test_the_next_visits_commands_in_the_benchmarks_readme_name_only_what_the_sc
         assert set(flags) <= takes, cmd
         for flag, names in allowed.items():
             assert set(flags.get(flag, "").split(",")) - {""} <= set(names), (flag, flags.get(flag))
+
+
+def test_a_sections_timeout_kills_everything_it_started(tmp_path, monkeypatch):
+    """Issue 98: a section's timeout killed only its own process; a training run it had started kept the GPU busy
+    while later sections timed themselves. Now its whole process group goes, grandchildren included."""
+    import time
+
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    from gpu_check import run_group
+
+    pids = tmp_path / "pids"
+    script = f"sleep 300 & echo $! > {pids}; bash -c 'sleep 300 & echo $! >> {pids}; wait' & wait"
+    start = time.perf_counter()
+    assert run_group(["bash", "-c", script], 2.0) == "timeout"
+    assert time.perf_counter() - start < 30
+    time.sleep(0.5)
+
+    def running(pid: int) -> bool:  # a killed process not yet reaped by init is a zombie: not running
+        try:
+            state = open(f"/proc/{pid}/status").read().split("State:")[1].split()[0]
+        except (FileNotFoundError, IndexError):
+            return False
+        return state != "Z"
+
+    alive = [pid for pid in map(int, pids.read_text().split()) if running(pid)]
+    assert len(pids.read_text().split()) == 2 and alive == [], f"still running: {alive}"
+    assert run_group(["bash", "-c", "exit 3"], 10.0) == 3

@@ -1151,6 +1151,16 @@ def test_each_honoured_field_changes_the_import_as_it_changes_transformers(name,
         ("deepseek_v2", {"first_k_dense_replace": 1}, "first_k_dense_replace=1: layers 1..1 are mixture-of-experts"),
         ("deepseek_v2", {"attention_bias": True}, "attention_bias=True: biases on the latent down-projections"),
         ("deepseek_v2", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope_type='yarn'"),
+        # issue 101: a rope_scaling entry beside a default rope_parameters (Qwen's YaRN edit) was ignored on import
+        # while transformers applies it (logits off by 0.31 of their size for Qwen3)
+        *[
+            (
+                name,
+                {"rope_scaling": {"rope_type": kind, "factor": 4.0, "original_max_position_embeddings": 8}},
+                f"config.json rope_scaling rope_type={kind!r}, factor=4.0: rotary scaling",
+            )
+            for name, kind in (("qwen3", "yarn"), ("llama", "linear"), ("llama", "dynamic"), ("deepseek_v2", "yarn"))
+        ],
         ("gemma4", {"enable_moe_block": True}, "enable_moe_block=True: mixture-of-experts blocks"),
         ("gemma4", {"hidden_size_per_layer_input": 8}, "hidden_size_per_layer_input=8: per-layer input embeddings"),
         ("gemma4", {"use_bidirectional_attention": "all"}, "use_bidirectional_attention='all'"),
@@ -1186,3 +1196,32 @@ def test_a_model_wider_than_bytes_without_a_tokenizer_samples_bytes_only(tmp_pat
         assert run_in_process(args) == 0
         captured = capsys.readouterr()
         assert "only ids 0-255 are drawn" in captured.err and "error" not in captured.err
+
+
+def test_a_hub_cache_snapshot_imports_as_its_plain_folder_and_links_elsewhere_are_still_refused(tmp_path):
+    """Issue 101: ``huggingface-cli download`` without ``--local-dir`` gives snapshots/REV/NAME -> ../../blobs/SHA;
+    that was refused as "points outside the folder". A link out of the cache is still refused."""
+    import hashlib
+
+    plain = tmp_path / "plain"
+    _with("llama").save_pretrained(plain)
+    cache = tmp_path / "hub" / "models--org--tiny"
+    snapshot, blobs = cache / "snapshots" / "abc123", cache / "blobs"
+    snapshot.mkdir(parents=True)
+    blobs.mkdir()
+    for f in plain.iterdir():
+        data = f.read_bytes()
+        blob = blobs / hashlib.sha256(data).hexdigest()
+        blob.write_bytes(data)
+        (snapshot / f.name).symlink_to(os.path.join("..", "..", "blobs", blob.name))
+    config, params = load_pretrained(str(snapshot))
+    want_config, want = load_pretrained(str(plain))
+    assert config == want_config
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(a, b)
+    outside = tmp_path / "elsewhere.json"
+    outside.write_text((plain / "config.json").read_text())
+    (snapshot / "config.json").unlink()
+    (snapshot / "config.json").symlink_to(outside)
+    with pytest.raises(ValueError, match=r"points outside .*abc123"):
+        load_pretrained(str(snapshot))

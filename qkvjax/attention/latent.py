@@ -44,7 +44,7 @@ from qkvjax.attention import core, kernels
 from qkvjax.attention.base import Call
 from qkvjax.attention.cache import FRESH, KV, prefix
 from qkvjax.attention.config import AttentionConfig
-from qkvjax.attention.module import Attention, Positions, Stages
+from qkvjax.attention.module import Attention, Positions, Stages, register_latent_stages
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,3 +189,6 @@ def latent_projections(cfg: AttentionConfig, d: int, make) -> LatentProjections:
     return LatentProjections(
         w_q_down, q_scale, w_q, b_q, w_kv_down, w_k_up, w_v_up, w_o, kv_scale, w_q_rope, w_k_rope, b_o
     )
+
+
+register_latent_stages(lambda cfg, d, make: Latent(cfg, latent_projections(cfg, d, make)))

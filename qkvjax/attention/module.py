@@ -293,10 +293,18 @@ def stages(cfg: AttentionConfig, d: int, reads_kv: bool, make) -> Stages:
     latent scheme's (:class:`qkvjax.attention.latent.Latent`), else a partition's or the bilinear form's
     (:class:`Tied`)."""
     if cfg.tying.latent:
-        from qkvjax.attention.latent import Latent, latent_projections  # latent.py builds on this module's pipeline
-
-        return Latent(cfg, latent_projections(cfg, d, make))
+        return LATENT_STAGES[0](cfg, d, make)
     return Tied(cfg, tied_projections(cfg, d, reads_kv, make))
+
+
+# The latent scheme's stages builder, ``(cfg, d, make) -> Stages``: qkvjax.attention.latent builds on this module's
+# pipeline and registers itself here when imported (the package's __init__ imports it), so this module never
+# imports the module above it.
+LATENT_STAGES: list = []
+
+
+def register_latent_stages(build) -> None:
+    LATENT_STAGES[:] = [build]
 
 
 def tied_projections(cfg: AttentionConfig, d: int, reads_kv: bool, make) -> Projections:

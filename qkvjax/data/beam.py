@@ -56,8 +56,18 @@ def prepare_with_beam(inputs: list[str], out: str, tokenizer: str, *, beam_args:
     from apache_beam.options.pipeline_options import PipelineOptions
 
     from qkvjax.data.corpus_tokenizer import resolve
-    from qkvjax.data.prepare import MANIFEST, _finished_units, finish, hash_file, plan, sources_to_hash, start
+    from qkvjax.data.prepare import (
+        MANIFEST,
+        _finished_units,
+        check_out,
+        finish,
+        hash_file,
+        plan,
+        sources_to_hash,
+        start,
+    )
 
+    check_out(out)
     the_plan, skipped = plan(inputs, resolve(tokenizer, eot), field, val_fraction, seed, shard_mb, errors)
     started = start(the_plan, out, overwrite)
     if started is None:

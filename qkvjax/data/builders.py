@@ -17,8 +17,8 @@ import urllib.request
 import numpy as np
 import tensorflow_datasets as tfds
 
+from qkvjax.checks import is_disk_full
 from qkvjax.data import DATASET_NAMES, SPLITS
-from qkvjax.workdir import is_disk_full
 
 TINY_SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 TINY_SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"

@@ -21,7 +21,8 @@ import os
 import numpy as np
 
 KINDS = ("bytes", "gpt2", "tokenizer.json")
-GPT2_FILES = ("encoder.json", "vocab.bpe")
+GPT2_FILES = ("encoder.json", "vocab.bpe")  # OpenAI's names; Hugging Face's gpt2 calls the same two files:
+HF_GPT2_FILES = ("vocab.json", "merges.txt")
 # GPT-2's pre-tokenizer split (tiktoken's ``gpt2`` encoding uses this pattern).
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 EOT_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|im_end|>")
@@ -105,9 +106,10 @@ def _tiktoken_gpt2(encoder_json: str, vocab_bpe: str):
 
 
 def resolve(spec: str, eot: str | None = None) -> CorpusTokenizer:
-    """``--tokenizer``: 'bytes'; a folder holding GPT-2's ``encoder.json`` and ``vocab.bpe``, or either file (the
-    other beside it); or a ``tokenizer.json``. ``eot``: for bytes, the separator byte (0-255, default 0); for a
-    ``tokenizer.json``, the separator token's text (default: the first of :data:`EOT_NAMES` it has)."""
+    """``--tokenizer``: 'bytes'; a folder holding GPT-2's ``encoder.json`` and ``vocab.bpe`` (Hugging Face's
+    ``vocab.json`` and ``merges.txt``), or either file (the other beside it); or a ``tokenizer.json``. ``eot``: for
+    bytes, the separator byte (0-255, default 0); for a ``tokenizer.json``, the separator token's text (default:
+    the first of :data:`EOT_NAMES` it has)."""
     if spec == "bytes":
         byte = 0 if eot is None else _byte(eot)
         return CorpusTokenizer("bytes", (), hashlib.sha256(f"bytes:{byte}".encode()).hexdigest(), 256, byte)
@@ -117,10 +119,14 @@ def resolve(spec: str, eot: str | None = None) -> CorpusTokenizer:
             "vocab.bpe (their folder or either file)"
         )
     folder = spec if os.path.isdir(spec) else os.path.dirname(os.path.abspath(spec))
-    if os.path.isdir(spec) or os.path.basename(spec) in GPT2_FILES:
-        files = [os.path.join(folder, name) for name in GPT2_FILES]
+    if os.path.isdir(spec) or os.path.basename(spec) in GPT2_FILES + HF_GPT2_FILES:
+        names = next((n for n in (GPT2_FILES, HF_GPT2_FILES) if os.path.isfile(os.path.join(folder, n[0]))), None)
+        files = [os.path.join(folder, name) for name in names or GPT2_FILES]
         if missing := [f for f in files if not os.path.isfile(f)]:
-            raise ValueError(f"--tokenizer={spec!r}: GPT-2's BPE needs {' and '.join(GPT2_FILES)}; missing {missing}")
+            raise ValueError(
+                f"--tokenizer={spec!r}: GPT-2's BPE needs {' and '.join(GPT2_FILES)} (or Hugging Face's "
+                f"{' and '.join(HF_GPT2_FILES)}) in one folder; missing {missing}"
+            )
         vocab = _json(files[0])
         if eot not in (None, "<|endoftext|>") or "<|endoftext|>" not in vocab:
             raise ValueError(f"--tokenizer={spec!r}: GPT-2's encoder.json has no {eot or '<|endoftext|>'!r} entry")

@@ -119,3 +119,26 @@ def eval_batches(
             targets[row, :length] = tokens[start + 1 : start + 1 + length]
             weights[row, first:length] = 1.0
         yield {"inputs": inputs, "targets": targets, "weights": weights}
+
+
+def targets_repeated(num_tokens: int, seq_len: int, batch_size: int, seed: int, steps: int,
+                     sampling: str = "random", process_count: int = 1) -> tuple[int, int]:  # fmt: skip
+    """``(repeated, trained)``: of the targets a run's first ``steps`` batches trained on (``trained`` = steps x
+    batch x seq_len), how many it had trained on before. Counted by replaying :func:`train_batches`' own window
+    order (the same grain dataset, every process's share) over a bitmap of the split's targets, not estimated."""
+    import grain
+
+    from qkvjax.data.shards import window_count
+
+    stride = seq_len if sampling == "disjoint" else 1
+    seen = np.zeros(num_tokens, bool)  # seen[i]: token i has been a target
+    repeated = 0
+    base = grain.MapDataset.range(window_count(num_tokens, seq_len, sampling)).shuffle(seed=seed).repeat(None)
+    for p in range(process_count):
+        ds = base[p::process_count].batch(batch_size // process_count, drop_remainder=True)
+        for step in range(steps):
+            for i in ds[step]:
+                a = int(i) * stride + 1  # a window starting at s predicts tokens s + 1 .. s + seq_len
+                repeated += int(np.count_nonzero(seen[a : a + seq_len]))
+                seen[a : a + seq_len] = True
+    return repeated, steps * (batch_size // process_count) * process_count * seq_len

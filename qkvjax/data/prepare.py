@@ -183,8 +183,8 @@ def plan(inputs: list[str], tokenizer: CorpusTokenizer, field: str = "text", val
     """The units of work (and the files left out). Checks the options first, each in one line."""
     if not 0 < val_fraction < 1:
         raise ValueError(f"--val-fraction={val_fraction!r}; allowed: a number in (0, 1)")
-    if not shard_mb > 0:
-        raise ValueError(f"--shard-mb={shard_mb!r}; allowed: a positive number of megabytes of input per shard")
+    if not 0 < shard_mb <= 1 << 20:  # nan and inf fail too
+        raise ValueError(f"--shard-mb={shard_mb!r}; allowed: megabytes of input per shard, in (0, 1048576]")
     if errors not in ("strict", "skip"):
         raise ValueError(f"--errors={errors!r}; allowed: strict, skip")
     if not isinstance(field, str) or not field:
@@ -448,6 +448,14 @@ def sources_to_hash(plan: Plan) -> list[Source]:
 # The folder: incomplete -> finished units -> manifest -> renamed into place.
 
 
+def check_out(out: str) -> None:
+    """``--out``: a folder to create, or an existing folder (a prepared corpus, or empty)."""
+    if not isinstance(out, str) or not out.strip():
+        raise ValueError(f"--out={out!r}; allowed: a folder for the prepared corpus")
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ValueError(f"--out={out!r} exists and is not a folder; allowed: a new or empty folder")
+
+
 def incomplete_dir(out: str) -> str:
     return os.path.normpath(out) + ".incomplete"
 
@@ -618,6 +626,9 @@ def prepare(inputs: list[str], out: str, tokenizer: str, *, field: str = "text",
     """Prepares ``inputs`` into ``out`` (see the module's docstring); returns the manifest. ``log``: a callable
     taking the progress line (stderr by default)."""
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+    check_out(out)
+    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
+        raise ValueError(f"--workers={workers!r}; allowed: an integer >= 1 (default: every core)")
     the_plan, skipped = plan(inputs, resolve(tokenizer, eot), field, val_fraction, seed, shard_mb, errors)
     started = start(the_plan, out, overwrite)
     if started is None:
@@ -625,10 +636,8 @@ def prepare(inputs: list[str], out: str, tokenizer: str, *, field: str = "text",
         with open(os.path.join(out, MANIFEST)) as f:
             return json.load(f)
     work, done = started
-    workers = workers or os.cpu_count() or 1
-    if not isinstance(workers, int) or workers < 1:
-        raise ValueError(f"--workers={workers!r}; allowed: an integer >= 1")
     todo = [i for i in range(len(the_plan.units)) if i not in done]
+    workers = max(1, min(workers or os.cpu_count() or 1, len(todo)))  # no more processes than units
     total = sum(_piece_bytes(the_plan, p) for u in the_plan.units for p in u)
     progress = _Progress(total, sum(r["input_bytes"] for r in done.values()), len(the_plan.units), log)
     if done:

@@ -119,16 +119,37 @@ def unapplied_generation(folder: str) -> dict:
 MAX_TOKENIZER_BYTES = 256 << 20  # a tokenizer.json larger than this is not one (Llama 3's is 9 MB)
 
 
+def hub_blobs(folder: str) -> str | None:
+    """The ``blobs/`` folder of the Hugging Face hub cache ``folder`` is a snapshot of
+    (``models--ORG--NAME/snapshots/REV``, whose files are links to ``../../blobs/SHA``: what ``huggingface-cli
+    download`` makes without ``--local-dir``), or None."""
+    snapshots = os.path.dirname(os.path.realpath(folder))
+    blobs = os.path.join(os.path.dirname(snapshots), "blobs")
+    return blobs if os.path.basename(snapshots) == "snapshots" and os.path.isdir(blobs) else None
+
+
+def _within(path: str, root: str) -> bool:
+    return os.path.commonpath([path, root]) == root
+
+
 def inside(folder: str, name: str, what: str) -> str:
     """``folder/name``, refused in one line unless it is a regular file whose real path (links resolved) lies
-    inside ``folder``: an untrusted folder's index or links may not reach files elsewhere."""
+    inside ``folder``: an untrusted folder's index or links may not reach files elsewhere. In a hub cache's
+    snapshot, a link from the snapshot to the cache's own ``blobs/`` is the layout, not an escape."""
     file = os.path.join(folder, name)
     real, root = os.path.realpath(file), os.path.realpath(folder)
-    if os.path.isabs(name) or os.path.commonpath([real, root]) != root:
-        raise ValueError(f"{what} {name!r} points outside {folder}; allowed: files inside the folder")
-    if os.path.islink(file):
+    blobs = hub_blobs(folder)
+    in_cache = (
+        blobs is not None
+        and _within(real, os.path.realpath(blobs))
+        and _within(os.path.realpath(os.path.dirname(os.path.abspath(file))), root)
+    )
+    if os.path.isabs(name) or not (_within(real, root) or in_cache):
+        raise ValueError(f"{what} {name!r} points outside {folder}; allowed: files inside the folder (or, in a "
+                         "Hugging Face hub cache's snapshot, links to its blobs/)")  # fmt: skip
+    if os.path.islink(file) and not in_cache:
         raise ValueError(f"{what} {file} is a symbolic link; allowed: regular files only")
-    if not os.path.isfile(file):  # a folder, a pipe or a device would hang or fail the read later
+    if not os.path.isfile(real):  # a folder, a pipe or a device would hang or fail the read later
         raise ValueError(f"{what} {file} is not a regular file; allowed: regular files only")
     return file
 

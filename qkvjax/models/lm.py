@@ -456,6 +456,22 @@ def kv_cache_bytes_per_token(config: ModelConfig) -> int:
     return sum(c.kv_cache_bytes_per_token for c in stack_cost(config.layer_attention, config.d_model, 1))
 
 
+def mfu_flops_per_token(config: ModelConfig, seq_len: int | None = None) -> float:
+    """Training FLOPs per token as nanoGPT's ``estimate_mfu`` and PaLM (Chowdhery et al. 2022, appendix B) count
+    them, the count MFU is quoted with: 6 N + 6 sum over layers of N_heads (H_k + H_v) S, where N is every
+    parameter but the position table (the token embedding counts once, as the tied output layer's) and S the keys
+    a query attends to, all T of them (no halving for causality; a sliding window's width where it is smaller).
+    For GPT-2's shape (H_k = H_v = Q) this is nanoGPT's 6 N + 12 L H Q T exactly."""
+    t = config.max_len if seq_len is None else seq_len
+    n = param_count(config) - (config.max_len * config.d_model if config.learned_positions else 0)
+    attention = 0.0
+    for layer in config.layer_attention:
+        att = layer.config
+        keys = min(t, att.sliding_window) if att.sliding_window else t
+        attention += 6 * att.num_heads * (att.key_dim + att.value_dim) * keys
+    return 6.0 * n + attention
+
+
 def train_flops_per_token(config: ModelConfig, seq_len: int | None = None) -> float:
     """Model FLOPs of one training token (forward + backward = 3 x forward; no remat recompute counted).
 

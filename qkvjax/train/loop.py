@@ -31,8 +31,8 @@ from qkvjax.config import Config, require_decoder, to_dict, to_json
 from qkvjax.data.pipeline import check_corpus
 from qkvjax.data.shards import repeated_fraction, window_count
 from qkvjax.data.tokenizer import check_vocab, load_tokenizer, tokenize_splits
-from qkvjax.models.lm import DecoderLM, param_count, train_flops_per_token
-from qkvjax.perf import measure_peak_flops
+from qkvjax.models.lm import DecoderLM, mfu_flops_per_token, param_count, train_flops_per_token
+from qkvjax.perf import datasheet_peak, measure_peak_flops
 from qkvjax.train import checkpoint
 from qkvjax.train.checks import check_fits, check_resume, check_splits, check_workdir, imported
 from qkvjax.train.events import EventFile
@@ -477,11 +477,13 @@ class Loop:
         self.train_step, self.eval_step = _compiled_steps(prep)
         self.state = par.replicate(state)
         self.step = int(par.unreplicate(self.state).step) if latest is not None else 0
-        self.flops_per_token = train_flops_per_token(config.model, config.seq_len)
+        # MFU's numerator as nanoGPT and PaLM count it; the causal count (what the kernels do) logged beside it
+        self.flops_per_token = mfu_flops_per_token(config.model, config.seq_len)
+        self.causal_flops_per_token = train_flops_per_token(config.model, config.seq_len)
         self.sampling = config.data.window_sampling
         self.windows = window_count(len(prep.splits["train"]), config.seq_len, self.sampling)
         self.devices = 1 if jax.devices()[0].platform == "cpu" else jax.device_count()
-        self.peak = self.tc.peak_flops or self._measure_peak()
+        self.peak, self.peak_source = self._peak()
         self.schedule = jax.jit(learning_rate_schedule(self.tc))  # one program, not one per eager op it makes
         self.writer = MetricsWriter(prep.workdir, latest, self.tc.tensorboard)
         self._announce()
@@ -494,8 +496,20 @@ class Loop:
         self.compile_s = self.last_time = 0.0
         self.last_step, self.paused_s = self.step, 0.0
 
+    def _peak(self) -> tuple[float, str]:
+        """MFU's denominator and where it comes from: ``train.peak_flops``; else the devices' datasheet peak for
+        the compute dtype (:data:`qkvjax.perf.DATASHEET`); else (a CPU) a matmul measured at start."""
+        dtype = self.prep.config.model.attention.dtype
+        if self.tc.peak_flops:
+            return self.tc.peak_flops, "train.peak_flops"
+        sheet = datasheet_peak(jax.devices()[0].device_kind, dtype)
+        if sheet is not None:
+            return sheet[0] * self.devices, f"{sheet[1]}, x{self.devices} devices"
+        return self._measure_peak(), f"a {dtype} matmul measured at start"
+
     def _measure_peak(self) -> float:
-        """The devices' matmul FLOP/s, MFU's denominator, within :data:`PEAK_BUDGET_S`."""
+        """The devices' matmul FLOP/s, within :data:`PEAK_BUDGET_S`: a CPU's MFU denominator, and beside a
+        datasheet peak the practical ceiling."""
         return measure_peak_flops(self.prep.config.model.attention.dtype, budget_s=PEAK_BUDGET_S) * self.devices
 
     def _announce(self) -> None:
@@ -506,8 +520,17 @@ class Loop:
             f"devices={jax.device_count()} {('mesh ' + str(dict(par.mesh.shape))) if par.mesh else 'pmap'} "
             f"step {self.step}/{tc.num_steps} workdir={self.prep.workdir}"
         )
-        source = "train.peak_flops" if tc.peak_flops else f"a {dtype} matmul measured at start"
-        _say(f"MFU is model FLOPs over a peak of {self.peak / 1e9:,.1f} GFLOP/s ({source})")
+        ceiling = ""
+        if "datasheet" in self.peak_source:  # the practical ceiling beside the vendor's figure
+            measured = self._measure_peak()
+            ceiling = (
+                f"; a {dtype} matmul measured now reaches {measured / 1e12:,.1f} TFLOP/s ({measured / self.peak:.0%})"
+            )
+        _say(
+            f"MFU is model FLOPs (nanoGPT's and PaLM's count, {self.flops_per_token / 1e6:,.1f} MFLOP a token; "
+            f"causal: {self.causal_flops_per_token / 1e6:,.1f}, logged as mfu_causal) over a peak of "
+            f"{self.peak / 1e9:,.1f} GFLOP/s ({self.peak_source}){ceiling}"
+        )
         if tc.warmup_steps >= tc.num_steps:
             _say(
                 f"warning: train.warmup_steps={tc.warmup_steps} >= train.num_steps={tc.num_steps}: the learning rate "
@@ -598,13 +621,14 @@ class Loop:
         if step - self.last_step:
             tokens_per_s = (step - self.last_step) * tc.batch_size * self.prep.config.seq_len / (now - self.last_time)
             achieved = tokens_per_s * self.flops_per_token
-            if achieved > self.peak:  # the peak was measured low (a loaded machine): it cannot be under this
+            if achieved > self.peak and "datasheet" not in self.peak_source:  # measured low (a loaded machine)
                 self.peak = max(achieved, self._measure_peak())
                 self.progress.message(
                     f"the model ran at {achieved / 1e9:,.1f} GFLOP/s, above the peak MFU was read against; "
                     f"MFU is now against {self.peak / 1e9:,.1f} GFLOP/s (measured again)"
                 )
-            record.update(tokens_per_s=tokens_per_s, mfu=achieved / self.peak)
+            record.update(tokens_per_s=tokens_per_s, mfu=achieved / self.peak,
+                          mfu_causal=tokens_per_s * self.causal_flops_per_token / self.peak)  # fmt: skip
         else:
             record["compile_s"] = self.compile_s
         self.writer.write(record)

@@ -4,6 +4,7 @@ naming both."""
 
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -79,7 +80,8 @@ def test_mfu_never_reads_above_one_and_names_its_peak(tmp_path, small_text, data
     low = {**SETTINGS, "train.num_steps": 4, "train.peak_flops": 1.0}  # a peak far below what any step achieves
     assert run_in_process(train_args(w, small_text, data_dir, **low)) == 0
     out = capsys.readouterr().out
-    assert "MFU is model FLOPs over a peak of 0.0 GFLOP/s (train.peak_flops)" in out
+    assert re.search(r"MFU is model FLOPs \(nanoGPT's and PaLM's count, [\d.]+ MFLOP a token; causal: [\d.]+, logged "
+                     r"as mfu_causal\) over a peak of 0.0 GFLOP/s \(train.peak_flops\)", out), out  # fmt: skip
     assert out.count("above the peak MFU was read against") == 1  # measured again once, then it holds
     mfus = [r["mfu"] for r in metrics(w) if "mfu" in r]
     assert mfus and all(0 < m <= 1 for m in mfus), mfus

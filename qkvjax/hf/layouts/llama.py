@@ -35,11 +35,23 @@ BIASES = {"llama": None, "mistral": None, "qwen2": (True, False), "qwen3": None}
 
 
 def rope_base(hf: dict) -> float:
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind != "default":
-        raise ValueError(f"config.json rope_type={kind!r}: rotary scaling is not modelled; allowed: ['default']")
-    return float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    """The rotary base, after refusing any rotary scaling. Both ``rope_parameters`` and ``rope_scaling`` are read:
+    transformers applies a ``rope_scaling`` entry written beside a default ``rope_parameters`` (the YaRN edit
+    Qwen's model cards ask for), so taking the first alone imported another model, silently."""
+    theta = hf.get("rope_theta", 10000.0)
+    for key in ("rope_parameters", "rope_scaling"):
+        rope = hf.get(key) or {}
+        if not isinstance(rope, dict):
+            raise ValueError(f"config.json {key}={rope!r}; allowed: an object (or null)")
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind != "default" or rope.get("factor", 1.0) != 1.0:
+            raise ValueError(
+                f"config.json {key} rope_type={kind!r}, factor={rope.get('factor', 1.0)}: rotary scaling (linear, "
+                "dynamic, YaRN, Llama 3) is not modelled, and importing without it would give another model; "
+                "allowed: rope_type 'default' (remove the scaling entry to import the unscaled model)"
+            )
+        theta = rope.get("rope_theta", theta)
+    return float(theta)
 
 
 def windows(hf: dict) -> tuple[int | None, str]:

@@ -1,0 +1,247 @@
+"""The real-corpus data path, measured: tokenizing (qkvjax prepare against tiktoken and the tokenizers library),
+the loader's ready batches, and the time and host memory to the first training step as the corpus grows.
+
+    python benchmarks/data_path.py tokenize --corpus DIR --gpt2 ../shared/data/gpt2 [--sample-mb 100] [--rounds 3]
+    python benchmarks/data_path.py loader --prepared DIR [--seconds 20]
+    python benchmarks/data_path.py first-step --prepared SMALL --prepared LARGE [--rounds 2]
+
+Each prints a table with ratios and writes JSON (``--json``). ``tokenize`` takes a sample of the corpus' files (in
+the order of the sha256 of their path, up to ``--sample-mb``), and times, in alternating rounds on every core:
+``qkvjax prepare`` of that sample from the files (reading, splitting, encoding, writing and hashing shards;
+process start-up included), tiktoken's ``encode_ordinary_batch`` over the documents already in memory in a warm
+pool of one process per core (OpenAI's fast BPE, loaded from the same ``encoder.json`` / ``vocab.bpe``; nothing
+but encoding timed), and ``tokenizers``' ``encode_batch`` (its own threads on every core). Every document's ids
+from tiktoken are checked equal to the ``tokenizers`` library's and the prepared shards' token count to theirs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as futures
+import hashlib
+import json
+import multiprocessing
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def _machine() -> dict:
+    return {"cores": os.cpu_count(), "machine": platform.machine(), "python": platform.python_version(),
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}  # fmt: skip
+
+
+def sample_files(corpus: Path, megabytes: float) -> list[Path]:
+    """Files of ``corpus`` that are UTF-8 text, in the order of their relative path's sha256, up to the budget."""
+    files = [p for p in corpus.rglob("*") if p.is_file() and not p.is_symlink()]
+    files.sort(key=lambda p: hashlib.sha256(str(p.relative_to(corpus)).encode()).hexdigest())
+    out, total = [], 0
+    for p in files:
+        data = p.read_bytes()
+        if not data:
+            continue
+        try:
+            data.decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+        out.append(p)
+        total += len(data)
+        if total >= megabytes * 1e6:
+            break
+    return out
+
+
+_ENC = {}
+
+
+def _tiktoken_init(encoder_json: str, vocab_bpe: str) -> None:
+    from qkvjax.data.corpus_tokenizer import _tiktoken_gpt2
+
+    _ENC["enc"] = _tiktoken_gpt2(encoder_json, vocab_bpe)
+
+
+def _tiktoken_encode(texts: list[str]) -> int:
+    return sum(len(ids) for ids in _ENC["enc"].encode_ordinary_batch(texts, num_threads=1))
+
+
+def _tiktoken_ids(texts: list[str]) -> list[list[int]]:
+    return _ENC["enc"].encode_ordinary_batch(texts, num_threads=1)
+
+
+def tokenize(args) -> dict:
+    from qkvjax.data.corpus_tokenizer import resolve
+
+    corpus, gpt2 = Path(args.corpus), Path(args.gpt2)
+    files = sample_files(corpus, args.sample_mb)
+    work = Path(tempfile.mkdtemp(prefix="qkvjax-bench-"))
+    sample = work / "sample"
+    for p in files:
+        target = sample / p.relative_to(corpus)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(p, target)
+    texts = [p.read_text(encoding="utf-8") for p in files]
+    mb = sum(len(t.encode()) for t in texts) / 1e6
+    cores = os.cpu_count() or 1
+    tok = resolve(str(gpt2))
+    hf = tok.hf_tokenizer()
+    os.environ["TOKENIZERS_PARALLELISM"] = "true"
+    parts = [texts[i::cores] for i in range(cores)]
+    ctx = multiprocessing.get_context("spawn")
+    pool = futures.ProcessPoolExecutor(cores, mp_context=ctx, initializer=_tiktoken_init,
+                                       initargs=(tok.files[0], tok.files[1]))  # fmt: skip
+    list(pool.map(_tiktoken_encode, [["warm"]] * cores))  # started and loaded before any timing
+    # equality on every document of the sample: tiktoken against tokenizers
+    tik_ids = [ids for part in pool.map(_tiktoken_ids, parts) for ids in part]
+    hf_ids = [e.ids for part in parts for e in hf.encode_batch(part, add_special_tokens=False)]
+    mismatched = sum(a != b for a, b in zip(tik_ids, hf_ids, strict=True))
+    tokens = sum(len(ids) for ids in tik_ids)
+    times: dict[str, list[float]] = {"qkvjax prepare": [], "tiktoken": [], "tokenizers": []}
+    prepared_tokens = None
+    for _ in range(args.rounds):
+        out = work / "out"
+        shutil.rmtree(out, ignore_errors=True)
+        start = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "qkvjax.cli", "prepare", str(sample), "--out", str(out), "--tokenizer",
+                        str(gpt2), "--workers", str(cores)], check=True, capture_output=True)  # fmt: skip
+        times["qkvjax prepare"].append(time.perf_counter() - start)
+        m = json.loads((out / "manifest.json").read_text())
+        prepared_tokens = sum(m["splits"][s]["tokens"] - m["splits"][s]["documents"] for s in m["splits"])
+        start = time.perf_counter()
+        assert sum(pool.map(_tiktoken_encode, parts)) == tokens
+        times["tiktoken"].append(time.perf_counter() - start)
+        start = time.perf_counter()
+        hf.encode_batch(texts, add_special_tokens=False)
+        times["tokenizers"].append(time.perf_counter() - start)
+    pool.shutdown()
+    shutil.rmtree(work)
+    rows = {k: {"median_s": statistics.median(v), "mb_per_s": mb / statistics.median(v), "rounds_s": v}
+            for k, v in times.items()}  # fmt: skip
+    base = rows["tiktoken"]["mb_per_s"]
+    print(f"tokenizing {mb:,.1f} MB ({len(texts):,} files of {corpus}) with GPT-2's BPE on {cores} cores, "
+          f"{args.rounds} alternating rounds, median:")  # fmt: skip
+    print(f"  {'engine':<16} {'MB/s':>8} {'x tiktoken':>11}")
+    for k, r in rows.items():
+        print(f"  {k:<16} {r['mb_per_s']:8.2f} {r['mb_per_s'] / base:11.2f}")
+    print(f"  ids: tiktoken and tokenizers differ on {mismatched} of {len(texts):,} documents; the shards hold "
+          f"{prepared_tokens:,} tokens besides separators, tiktoken {tokens:,}")  # fmt: skip
+    return {"machine": _machine(), "corpus": str(corpus), "sample_mb": mb, "documents": len(texts), "tokens": tokens,
+            "prepared_tokens": prepared_tokens, "documents_differing": int(mismatched), "rows": rows}  # fmt: skip
+
+
+def loader(args) -> dict:
+    """Ready batches per second from ``train_batches`` at gpt2_124m's shapes (T = 1024), per host."""
+    from qkvjax.data.pipeline import train_batches
+    from qkvjax.data.shards import open_corpus
+
+    seq = open_corpus(args.prepared).split("train")
+    rows = {}
+    for workers in (0, os.cpu_count() or 1):
+        for batch in (12, 96):
+            it = train_batches(seq, 1024, batch, seed=0, sampling="disjoint", workers=workers)
+            next(it)  # workers started
+            n, start = 0, time.perf_counter()
+            while time.perf_counter() - start < args.seconds:
+                b = next(it)
+                n += 1
+            elapsed = time.perf_counter() - start
+            assert b["inputs"].shape == (batch, 1024)
+            rows[f"workers={workers} batch={batch}"] = {"tokens_per_s": n * batch * 1024 / elapsed, "batches": n}
+            del it
+    target = 10 * 750_000
+    print(f"loader: {args.prepared} ({len(seq):,} training tokens), batches of 1,024-token windows, "
+          f"{args.seconds:g} s each")  # fmt: skip
+    print(f"  {'reader':<22} {'tokens/s':>14} {'x target':>9}  (target: 10 x one H100's 750k tokens/s)")
+    for k, r in rows.items():
+        print(f"  {k:<22} {r['tokens_per_s']:14,.0f} {r['tokens_per_s'] / target:9.2f}")
+    return {"machine": _machine(), "prepared": args.prepared, "tokens": len(seq), "rows": rows,
+            "target_tokens_per_s": target}  # fmt: skip
+
+
+def first_step(args) -> dict:
+    """Seconds from the process start to the first step's end, and its peak RSS, training the tiny model with
+    GPT-2's vocabulary on each prepared corpus (the data path is what could grow with the corpus)."""
+    rows = {}
+    for _ in range(args.rounds):
+        for folder in args.prepared:
+            work = Path(tempfile.mkdtemp(prefix="qkvjax-first-"))
+            cmd = [sys.executable, "-c", _FIRST_STEP, str(REPO / "experiments" / "configs" / "tiny.py"),
+                   str(work / "run"), folder]  # fmt: skip
+            out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, check=True).stdout
+            seconds, rss = (float(x) for x in out.strip().splitlines()[-1].split())
+            rows.setdefault(folder, []).append({"seconds": seconds, "peak_rss_mib": rss / 1024})
+            shutil.rmtree(work)
+    sizes = {f: sum(s["tokens"] for s in json.loads((Path(f) / "manifest.json").read_text())["splits"].values())
+             for f in args.prepared}  # fmt: skip
+    print("time to the first step's end and peak host memory (tiny model, GPT-2's vocabulary, batch 8 x 32), median:")
+    base = None
+    for f, rs in rows.items():
+        s, m = statistics.median(x["seconds"] for x in rs), statistics.median(x["peak_rss_mib"] for x in rs)
+        base = base or (s, m)
+        print(f"  {f:<40} {sizes[f]:>14,} tokens {s:7.1f} s (x{s / base[0]:.2f}) {m:8,.0f} MiB (x{m / base[1]:.2f})")
+    return {"machine": _machine(), "rows": rows, "tokens": sizes}
+
+
+_FIRST_STEP = """
+import resource, sys, time
+start = time.perf_counter()
+from qkvjax.cli import main
+import qkvjax.train.loop as loop
+seen = []
+original = loop.Loop.run
+def run(self):
+    orig_step = self.train_step
+    def step(*a):
+        out = orig_step(*a)
+        if not seen:
+            import jax
+            jax.block_until_ready(out)
+            seen.append(time.perf_counter() - start)
+        return out
+    self.train_step = step
+    return original(self)
+loop.Loop.run = run
+config, workdir, prepared = sys.argv[1:4]
+args = ["train", "--config", config, "--workdir", workdir, "--config.data.prepared=" + prepared,
+        "--config.model.vocab_size=50304", "--config.train.num_steps=1", "--config.train.peak_flops=1e11",
+        "--config.train.eval_batches=1", "--config.train.tensorboard=false"]
+assert main(args) == 0
+print(seen[0], resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+"""
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="what", required=True)
+    t = sub.add_parser("tokenize")
+    t.add_argument("--corpus", required=True)
+    t.add_argument("--gpt2", required=True)
+    t.add_argument("--sample-mb", type=float, default=100)
+    t.add_argument("--rounds", type=int, default=3)
+    t.add_argument("--json", default=None)
+    lo = sub.add_parser("loader")
+    lo.add_argument("--prepared", required=True)
+    lo.add_argument("--seconds", type=float, default=20)
+    lo.add_argument("--json", default=None)
+    f = sub.add_parser("first-step")
+    f.add_argument("--prepared", action="append", required=True)
+    f.add_argument("--rounds", type=int, default=2)
+    f.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    result = {"tokenize": tokenize, "loader": loader, "first-step": first_step}[args.what](args)
+    result["command"] = "python benchmarks/data_path.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
