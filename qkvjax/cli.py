@@ -682,32 +682,41 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser(_help_preset(rest, overrides)).parse_args(rest)
     if overrides and not getattr(args, "takes_overrides", False):
         raise SystemExit(f"qkvjax {args.command}: --config.* overrides are not taken here")
-    _compilation_cache(args.compilation_cache)
-    from jax.errors import JaxRuntimeError
-
-    from qkvjax.train.loop import Interrupted
-
+    light = args.command in LIGHT_COMMANDS
+    if not light:
+        _compilation_cache(args.compilation_cache)
     try:
-        with contextlib.nullcontext() if args.verbose else _quiet_dependencies():
+        with contextlib.nullcontext() if args.verbose or light else _quiet_dependencies():
             if getattr(args, "takes_overrides", False):
                 return args.func(args, overrides)
             return args.func(args)
-    except Interrupted as e:  # saved and stopped: not a success, so a scheduler or a script reruns it
+    except Exception as e:  # noqa: BLE001  (sorted out below; anything else is raised again)
+        return _failed(args, e)
+
+
+# Commands that need neither JAX nor TFDS: they start without importing them (prepare's own start-up is its cost).
+LIGHT_COMMANDS = ("prepare",)
+
+
+def _failed(args: argparse.Namespace, e: Exception) -> int:
+    """The exit code for ``e``, said in one line; an error of no known kind is raised again (a traceback)."""
+    if type(e).__name__ == "Interrupted" and type(e).__module__ == "qkvjax.train.loop":
+        # saved and stopped: not a success, so a scheduler or a script reruns it
         print(f"qkvjax {args.command}: {e}", file=sys.stderr)
         return e.exit_code
-    except (ValueError, OSError) as e:  # bad input, a damaged or full disk: one line (--verbose: the traceback)
+    if isinstance(e, (ValueError, OSError)):  # bad input, a damaged or full disk: one line (--verbose: the traceback)
         if args.verbose:
             e.__suppress_context__ = False  # an error raised "from None" still shows what caused it
-            raise
+            raise e
         print(f"qkvjax {args.command}: error: {e}", file=sys.stderr)
         return 2
-    except JaxRuntimeError as e:  # out of device memory: XLA's first line (its report of buffers: --verbose)
-        if args.verbose or "RESOURCE_EXHAUSTED" not in str(e):
-            raise
+    if type(e).__name__ == "JaxRuntimeError" and "RESOURCE_EXHAUSTED" in str(e) and not args.verbose:
+        # out of device memory: XLA's first line (its report of buffers: --verbose)
         first = str(e).strip().splitlines()[0]
         print(f"qkvjax {args.command}: error: out of device memory ({first}); `qkvjax plan` estimates a training "
               "config's memory per device", file=sys.stderr)  # fmt: skip
         return 2
+    raise e
 
 
 if __name__ == "__main__":

@@ -249,9 +249,7 @@ def generate_batch(
     ``cached_tokens``: the tokens row b's cache holds (``lengths[b]`` of them, needed with the penalty), as
     transformers' ``generate`` penalises every id of ``input_ids``.
     The tokens are made in one program whose layers pick the key prefix they read at run time (a ``lax.switch`` per
-    layer and token; programs with the prefix fixed per stretch of steps, no branch, were measured slower,
-    x0.89-0.94, on this project's CPU and on an H200, and were removed: benchmarks/README.md, "GPU: the third
-    visit").
+    layer and token; why not fixed prefixes: benchmarks/README.md, "GPU: the third visit").
     ``scan_unroll``: decode steps per iteration of the on-device loop (``lax.scan``'s ``unroll``): fewer loop
     iterations for a longer compile (the loop with stop ids takes one); measured slower so far: 8 on an H200 was
     x0.36 the tokens/s of 1 at batch 1 (benchmarks/README.md, "GPU: the fourth visit"), so the default is 1.
@@ -280,29 +278,65 @@ def generate_batch(
     Returns the new tokens (B, num_tokens) and statistics.
     """
     prompts = [as_ids(p, "the prompt" if len(prompts) == 1 else f"prompt {i}") for i, p in enumerate(prompts)]
-    held = None if cache is None else np.asarray(cache.lengths)  # the tokens each row's cache holds already
+    sampling = Sampling(temperature, top_k, top_p, min_p, vocab_limit, repetition_penalty)
+    held = _check_generate(model, prompts, num_tokens, cache, cached_tokens, scan_unroll, prompt_bucket, seed,
+                           on_token, share_prefix)  # fmt: skip
+    seen = _seen(model, prompts, held, cached_tokens) if repetition_penalty is not None else None
+    stops = _stop_set(stop_ids)
+    shared, lengths, padded = _prefill_layout(model, prompts, held, share_prefix, prompt_bucket)
+    programs = _programs(model, sampling, scan_unroll)
+    base = jax.random.PRNGKey(seed)
+    start = time.perf_counter()
+    given = cache is not None
+    token, seen, cache = _prefill(model, programs[0], params, prompts, cache, shared, lengths, padded, base, seen,
+                                  prompt_bucket)  # fmt: skip
+    tokens, cache, made, first, end = _decode(programs, params, cache, token, seen, base, num_tokens, stops, on_token)
+    tokens, ends = _cut_at_stops(tokens, stops)
+    b = len(prompts)
+    stats = {
+        "prompt_tokens": [len(p) for p in prompts],
+        "shared_prefix": shared,
+        "new_tokens": num_tokens,
+        "lengths": ends,  # each row's new tokens before its stop id (num_tokens: none drawn)
+        "decode_steps": made,  # tokens per row made: fewer than new_tokens once every row has stopped
+        "prefill_and_compile_s": first - start,  # the prompts' forward pass and the compiles
+        "tokens_per_s": b * (made - 1) / (end - first) if made > 1 else float("nan"),
+        "cache_bytes": cache.nbytes,
+    }
+    if given:
+        stats["cache"] = cache
+    return tokens, stats
+
+
+def _check_generate(model, prompts, num_tokens, cache, cached_tokens, scan_unroll, prompt_bucket, seed, on_token,
+                    share_prefix) -> np.ndarray | None:  # fmt: skip
+    """:func:`generate_batch`'s refusals, before anything compiles; returns the tokens each row's ``cache`` holds
+    already (None without one)."""
+    held = None if cache is None else np.asarray(cache.lengths)
     if held is not None:
         want = jax.eval_shape(lambda: DecodeCache.empty(model.config, len(prompts)))
         if jax.tree.map(lambda x: (x.shape, x.dtype), cache) != jax.tree.map(lambda x: (x.shape, x.dtype), want):
             shapes = f"{len(held)} rows" if len(held) != len(prompts) else "other shapes"
             raise ValueError(f"the cache has {shapes}; allowed: DecodeCache.empty(model.config, {len(prompts)}) or "
                              "a cache a call with as many prompts returned")  # fmt: skip
-    sampling = Sampling(temperature, top_k, top_p, min_p, vocab_limit, repetition_penalty)
     check_request(model, prompts, num_tokens, held)
     _check_cached(model, held, cached_tokens)
-    seen = _seen(model, prompts, held, cached_tokens) if repetition_penalty is not None else None
     for name, value, unit in (("scan_unroll", scan_unroll, "decode steps per loop iteration"),
                               ("prompt_bucket", prompt_bucket, "the prefill's width a multiple of it")):  # fmt: skip
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r}; allowed: an int >= 1 ({unit})")
     checks.seed("seed", seed)
-    stops = _stop_set(stop_ids)
     if on_token is not None and len(prompts) > 1:
         raise ValueError("on_token streams one prompt; pass one prompt, or no on_token for several")
     if share_prefix and held is not None:
         raise ValueError("share_prefix reads the prompts' common start into a fresh cache; allowed: without cache")
-    b = len(prompts)
-    full = [len(p) for p in prompts]
+    return held
+
+
+def _prefill_layout(model, prompts, held, share_prefix: bool, prompt_bucket: int):
+    """``(shared, lengths, padded)``: the tokens every prompt begins with that are read once (0 without
+    ``share_prefix``), each row's length after them, and those rows right-padded to the bucketed width (each row's
+    length is passed: the padding is never read)."""
     shared = _common_prefix(prompts) if share_prefix else 0
     rest = [p[shared:] for p in prompts]  # what the batched prefill reads after the shared start
     lengths = np.array([len(p) for p in rest], np.int32)
@@ -312,16 +346,17 @@ def generate_batch(
         raise ValueError(f"the longest prompt has {lengths.max()} tokens and a cache holds {held_max}: together "
                          f"over max_len={model.config.max_len}; allowed: those rows in separate calls")  # fmt: skip
     width = min(room, -(-int(lengths.max()) // prompt_bucket) * prompt_bucket)
-    padded = np.zeros((b, width), np.int32)  # right-padded, each row's length passed: the padding is never read
+    padded = np.zeros((len(prompts), width), np.int32)
     for i, p in enumerate(rest):
         padded[i, : len(p)] = p
-    prefill, step, decode_all, decode_until_stop = _programs(model, sampling, scan_unroll)
+    return shared, lengths, padded
 
-    base = jax.random.PRNGKey(seed)
-    keys = jax.vmap(lambda i: jax.random.fold_in(base, i))(jnp.arange(1, num_tokens)) if num_tokens > 1 else None
-    start = time.perf_counter()
-    given = cache is not None
-    if shared:  # the common start once, its cache copied to every row (the token it draws is not used)
+
+def _prefill(model, prefill, params, prompts, cache, shared, lengths, padded, base, seen, prompt_bucket):
+    """The shared start once (its cache copied to every row; the token it draws is not used), then the batched
+    prefill; returns the first new token of each row, the penalty's seen ids and the cache."""
+    b = len(prompts)
+    if shared:
         start_width = min(model.config.max_len, -(-shared // prompt_bucket) * prompt_bucket)  # bucketed as below
         head = np.zeros((1, start_width), np.int32)
         head[0, :shared] = prompts[0][:shared]
@@ -329,8 +364,15 @@ def generate_batch(
                             None)  # fmt: skip
         cache = one.select([0] * b)
     cache = cache if cache is not None else DecodeCache.empty(model.config, b)
-    token, seen, cache = prefill(params, cache, jnp.asarray(padded), jnp.asarray(lengths), jax.random.fold_in(base, 0),
-                                 seen)  # fmt: skip
+    return prefill(params, cache, jnp.asarray(padded), jnp.asarray(lengths), jax.random.fold_in(base, 0), seen)
+
+
+def _decode(programs, params, cache, token, seen, base, num_tokens: int, stops: set, on_token):
+    """The tokens after the first: streamed one jitted call per token (``on_token``), else all on the device in one
+    call (a scan, or a while loop that ends once every row drew a stop id). Returns ``(tokens (B, num_tokens),
+    cache, tokens made per row, the clock after compiling, the clock at the end)``."""
+    _, step, decode_all, decode_until_stop = programs
+    keys = jax.vmap(lambda i: jax.random.fold_in(base, i))(jnp.arange(1, num_tokens)) if num_tokens > 1 else None
     out = [np.asarray(token)]
     run = None  # compiled before the clock starts (the scan's length is static)
     stop = (jnp.asarray(sorted(stops), jnp.int32),) if stops else ()
@@ -348,33 +390,26 @@ def generate_batch(
                 break
             on_token(int(out[-1][0]))
         tokens = np.stack(out + [out[-1]] * (num_tokens - len(out)), axis=1)  # after a stop: the stop id
+        made = len(out)
     elif run is not None:
         rest, cache, steps = run(params, cache, token, keys, seen, *stop)
         tokens = np.concatenate([out[0][:, None], np.asarray(rest)], axis=1)
+        made = 1 + int(steps)  # the prefill's token too
     else:
-        tokens = out[0][:, None]
-    end = time.perf_counter()
-    made = len(out) if on_token or run is None else 1 + int(steps)  # tokens per row made (the prefill's first too)
-    ends = [num_tokens] * b
+        tokens, made = out[0][:, None], 1
+    return tokens, cache, made, first, time.perf_counter()
+
+
+def _cut_at_stops(tokens: np.ndarray, stops: set) -> tuple[np.ndarray, list[int]]:
+    """Each row's places from its first stop id on hold that id; and each row's tokens before it."""
     tokens = np.array(tokens, np.int32)  # a writable copy
-    for r in range(b):
+    ends = [tokens.shape[1]] * len(tokens)
+    for r in range(len(tokens)):
         hits = np.flatnonzero(np.isin(tokens[r], list(stops)))
         if hits.size:
             ends[r] = int(hits[0])
             tokens[r, ends[r] :] = tokens[r, ends[r]]
-    stats = {
-        "prompt_tokens": full,
-        "shared_prefix": shared,
-        "new_tokens": num_tokens,
-        "lengths": ends,  # each row's new tokens before its stop id (num_tokens: none drawn)
-        "decode_steps": made,  # tokens per row made: fewer than new_tokens once every row has stopped
-        "prefill_and_compile_s": first - start,  # the prompts' forward pass and the compiles
-        "tokens_per_s": b * (made - 1) / (end - first) if made > 1 else float("nan"),
-        "cache_bytes": cache.nbytes,
-    }
-    if given:
-        stats["cache"] = cache
-    return tokens, stats
+    return tokens, ends
 
 
 def _check_cached(model: DecoderLM, held, cached_tokens) -> None:

@@ -97,3 +97,15 @@ def test_the_checker_sees_an_upward_import_and_a_circle(tmp_path, monkeypatch):
     edges = _edges(modules)
     assert edges == {"qkvjax.axes": {"qkvjax.cli"}, "qkvjax.cli": {"qkvjax.axes"}}
     assert _layer("qkvjax.cli") > _layer("qkvjax.axes")
+
+
+def test_no_function_in_the_package_is_over_90_lines():
+    """Functions that read in one sitting (issue 100): the longest in qkvjax/ is at most 90 lines, docstring in."""
+    long = []
+    for file in sorted((REPO / "qkvjax").rglob("*.py")):
+        for node in ast.walk(ast.parse(file.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > 90:
+                    long.append(f"{file.relative_to(REPO)}:{node.lineno} {node.name}: {lines} lines")
+    assert long == [], "\n".join(long)

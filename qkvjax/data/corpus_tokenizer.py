@@ -70,9 +70,8 @@ class CorpusTokenizer:
         if self.kind == "gpt2":
             try:
                 enc = _tiktoken_gpt2(*self.files)
-                return lambda texts: [
-                    np.asarray(ids, np.uint32) for ids in enc.encode_ordinary_batch(texts, num_threads=1)
-                ]
+                one = enc.encode_ordinary  # per text: encode_ordinary_batch hands each batch to a thread pool
+                return lambda texts: [np.array(one(t), np.uint32) for t in texts]
             except ImportError:
                 pass
         tok = self.hf_tokenizer()
