@@ -230,13 +230,26 @@ def _pieces(i: int, src: Source, target: int) -> list[Piece]:
     return [Piece(i, a, b, len(cuts) == 2) for a, b in zip(cuts, cuts[1:], strict=False)]
 
 
+# Bytes that may be part of a whitespace run (ASCII whitespace, the separators \x1c-\x1f, and every byte of a
+# multi-byte character, which may be a Unicode space such as U+00A0)
+_NOT_PLAIN = frozenset(b" \t\r\n\x0b\x0c\x1c\x1d\x1e\x1f") | frozenset(range(0x80, 0x100))
+
+
+def _cuttable(data: bytes, j: int) -> bool:
+    """Whether a text may be cut after the newline at ``j``: GPT-2's pre-tokenizer then splits the two sides as it
+    splits the whole. It does when the newline is a whitespace run of its own, between two plain ASCII characters
+    that are not whitespace: a longer run before a non-space ("\n\n#") is split differently at the end of a piece
+    ("\n\n" as one token) than inside the text ("\n", "\n"), and a Unicode space after it could join it."""
+    return 0 < j < len(data) - 1 and data[j - 1] not in _NOT_PLAIN and data[j + 1] not in _NOT_PLAIN
+
+
 def _safe_cuts(data: bytes, size: int) -> list[int]:
-    """Offsets cutting ``data`` into parts of about ``size`` bytes at line starts that are not whitespace (as
-    :func:`_next_cut`); a part runs on to the next such line start, or to the end."""
+    """Offsets cutting ``data`` into parts of about ``size`` bytes, each cut after a newline where
+    :func:`_cuttable` allows it; a part runs on to the next such newline, or to the end."""
     cuts = [0]
     while len(data) - cuts[-1] > size:
         at = cuts[-1] + size
-        while (j := data.find(b"\n", at, len(data) - 1)) != -1 and data[j + 1] in b" \t\r\n\x0b\x0c":
+        while (j := data.find(b"\n", at)) != -1 and not _cuttable(data, j):
             at = j + 1
         if j == -1:
             break
@@ -245,19 +258,19 @@ def _safe_cuts(data: bytes, size: int) -> list[int]:
 
 
 def _next_cut(f, at: int, text: bool) -> int | None:
-    """The first line start at or after byte ``at``. For a text document also one whose first byte is not
-    whitespace: GPT-2's pre-tokenizer never joins such a line to the whitespace before it, so its pieces encode as
-    the whole file does (tested); a jsonl file's lines are records, cut anywhere between them."""
-    f.seek(at)
-    pos = at
+    """The first line start at or after byte ``at`` where a file may be cut: for a text document where
+    :func:`_cuttable` allows it (tested: its pieces encode as the whole file does); a jsonl file's lines are
+    records, cut at any line start."""
+    f.seek(max(0, at - 1))
+    pos = max(0, at - 1)
     while True:
         block = f.read(1 << 16)
-        if not block:
+        if len(block) < 3:
             return None
-        for j in range(len(block) - 1):
-            if block[j] == 0x0A and (not text or block[j + 1] not in b" \t\r\n\x0b\x0c"):
+        for j in range(1, len(block) - 1):
+            if block[j] == 0x0A and pos + j >= at - 1 and (not text or _cuttable(block, j)):
                 return pos + j + 1
-        pos += len(block) - 1
+        pos += len(block) - 2
         f.seek(pos)
 
 
