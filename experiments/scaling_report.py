@@ -197,6 +197,48 @@ def generalisation(cells: dict, train: dict[str, float]) -> list[dict]:
     return out
 
 
+def repetition(cells: dict, train_tokens: dict[str, int], batch: int, context: int) -> list[dict]:
+    """Per (corpus, size): the share of the targets a run trained on that it had trained on before, counted by
+    replaying the run's own window order (:func:`qkvjax.data.pipeline.targets_repeated`, the random offsets every
+    run of these folders drew), mean and range over the seeds of the cell's runs. ``train_tokens``: each corpus'
+    training split length (a corpus whose file is not here is left out)."""
+    from qkvjax.data.pipeline import targets_repeated
+
+    seeds = collections.defaultdict(set)
+    steps = {}
+    for (corpus, size, _), runs in cells.items():
+        for seed, r in runs.items():
+            seeds[corpus, size].add(seed)
+            steps[corpus, size] = int(r["steps"])
+    out = []
+    for (corpus, size), chosen in sorted(seeds.items()):
+        if corpus not in train_tokens:
+            continue
+        shares = []
+        for seed in sorted(chosen):
+            repeated, trained = targets_repeated(train_tokens[corpus], context, batch, seed, steps[corpus, size])
+            shares.append(repeated / trained)
+        out.append({"corpus": corpus, "size": size, "seeds": len(shares), "steps": steps[corpus, size],
+                    "repeated": statistics.fmean(shares), "low": min(shares), "high": max(shares)})  # fmt: skip
+    return out
+
+
+def corpus_train_tokens(protocol: dict) -> dict[str, int]:
+    """Each corpus' training split length in bytes (its 90% cut, as ``qkvjax.data.builders.split_text`` makes it),
+    for the corpora whose file is here with the protocol's sha256: at the protocol's path, or
+    ``experiments/corpora/NAME.txt``."""
+    from experiments.build_corpus import sha256_file
+
+    here = Path(__file__).resolve().parent
+    out = {}
+    for name, info in protocol.get("corpora", {}).items():
+        for path in (Path(info.get("path", "")), here / "corpora" / f"{name}.txt"):
+            if path.is_file() and sha256_file(path) == info.get("sha256"):
+                out[name] = int(path.stat().st_size * 0.9)
+                break
+    return out
+
+
 def train_delta(cells: dict, train: dict[str, float], corpus: str, size: int, variant: str) -> float | None:
     """The tail training loss's difference to separate, paired by seed and averaged: what the tie costs in
     fitting the training data, beside what it costs on held-out text."""
@@ -650,6 +692,18 @@ def write_report(out: Path | str, speed: Path | None = SPEED, beside: Path | str
             raise ValueError(f"--beside {beside}: no finished runs in its runs.csv; allowed: a scaling.py results "
                              "folder")  # fmt: skip
         text += "\n" + "\n".join(beside_markdown(rows, other, out.name, Path(beside).name))
+    full = json.loads(protocol.read_text()) if protocol.exists() else {}
+    reps = repetition(finals(rows), corpus_train_tokens(full), settings.get("batch", 16), settings.get("context", 128))
+    if reps:
+        text += "\n" + "\n".join([
+            "## How much of the training text repeats", "",
+            "The share of each run's training targets that it had already trained on, counted by replaying its own "
+            "window order (random offsets, reshuffled each epoch: windows overlap, so targets repeat within an "
+            "epoch too), mean and range over the seeds of the size's runs:", "",
+            "| corpus | d | steps | seeds | repeated | range |", "|---|---|---|---|---|---|",
+            *[f"| {r['corpus']} | {r['size']} | {r['steps']:,} | {r['seeds']} | {100 * r['repeated']:.1f}% | "
+              f"{100 * r['low']:.1f}-{100 * r['high']:.1f}% |" for r in reps],
+        ]) + "\n"  # fmt: skip
     if speed is not None and speed.exists():
         text += "\n" + speed_markdown(speed)
     (out / "summary.md").write_text(text)

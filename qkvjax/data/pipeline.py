@@ -58,7 +58,9 @@ def train_batches(
     ds = ds.batch(batch_size // process_count, drop_remainder=True)
     # One gather per batch (not a map per window): grain's per-element overhead would bound the tokens/s.
     ds = ds.map(_Gather(tokens, seq_len, seq_len if sampling == "disjoint" else 1))
-    it = ds.to_iter_dataset()
+    # grain's default read-ahead holds 500 batches: 2 GB of host memory at gpt2_124m's 480 x 1025 tokens; 16 keep
+    # the step fed (benchmarks/README.md, "The data path")
+    it = ds.to_iter_dataset(grain.ReadOptions(num_threads=16, prefetch_buffer_size=16))
     if workers:
         from absl import flags
 

@@ -444,10 +444,11 @@ def _piece_bytes(plan: Plan, piece: Piece) -> int:
 
 
 def hash_file(path: str) -> str:
-    h = hashlib.sha256()
+    h, buffer = hashlib.sha256(), bytearray(1 << 22)  # one buffer refilled: new 4 MiB objects grow the heap
+    view = memoryview(buffer)
     with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
+        while n := f.readinto(buffer):
+            h.update(view[:n])
     return h.hexdigest()
 
 
