@@ -5,13 +5,13 @@ the loader's ready batches, and the time and host memory to the first training s
     python benchmarks/data_path.py loader --prepared DIR [--seconds 20]
     python benchmarks/data_path.py first-step --prepared SMALL --prepared LARGE [--rounds 2]
 
-Each prints a table with ratios and writes JSON (``--json``). ``tokenize`` takes a sample of the corpus' files (in
-the order of the sha256 of their path, up to ``--sample-mb``), and times, in alternating rounds on every core:
-``qkvjax prepare`` of that sample from the files (reading, splitting, encoding, writing and hashing shards;
-process start-up included), tiktoken's ``encode_ordinary_batch`` over the documents already in memory in a warm
-pool of one process per core (OpenAI's fast BPE, loaded from the same ``encoder.json`` / ``vocab.bpe``; nothing
-but encoding timed), and ``tokenizers``' ``encode_batch`` (its own threads on every core). Every document's ids
-from tiktoken are checked equal to the ``tokenizers`` library's and the prepared shards' token count to theirs.
+Each prints a table with ratios and writes JSON (``--json``). ``tokenize`` times, in alternating rounds on every core,
+``qkvjax prepare`` of the whole corpus folder (reading, splitting, encoding, writing and hashing shards; process
+start-up included) against tiktoken's ``encode_ordinary`` over the same documents already in memory, in a warm pool
+of one process per core (OpenAI's fast BPE, loaded from the same ``encoder.json`` / ``vocab.bpe``; nothing but
+encoding timed); then, on a sample of the files (in the order of the sha256 of their path, up to ``--sample-mb``),
+``tokenizers``' ``encode_batch`` (its own threads on every core) against tiktoken, and every document's ids from the
+two compared.
 """
 
 from __future__ import annotations

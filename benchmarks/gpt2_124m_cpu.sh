@@ -16,7 +16,12 @@ $q train "${common[@]}" --workdir "$out/straight" --config.train.num_steps=4
 echo "== resumed: 4 steps, killed (SIGKILL) once step 2's checkpoint is committed, then rerun"
 $q train "${common[@]}" --workdir "$out/resumed" --config.train.num_steps=4 > "$out/killed.log" 2>&1 &
 pid=$!
-until [ -d "$out/resumed/checkpoints/2" ] && ! ls "$out/resumed/checkpoints/" | grep -q tmp; do sleep 1; done
+committed() {  # step 2's folder there and no orbax temporary folder beside it
+  [ -d "$out/resumed/checkpoints/2" ] || return 1
+  for f in "$out/resumed/checkpoints/"*tmp*; do [ -e "$f" ] && return 1; done
+  return 0
+}
+until committed; do sleep 1; done
 kill -9 $pid; wait $pid || true
 tail -n 3 "$out/killed.log"
 $q train "${common[@]}" --workdir "$out/resumed" --config.train.num_steps=4

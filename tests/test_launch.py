@@ -14,7 +14,8 @@ import pytest
 from tests.helpers import REPO
 
 LAUNCH = REPO / "launch"
-SCRIPTS = [LAUNCH / "local.sh", LAUNCH / "tpu_vm.sh", LAUNCH / "slurm.sbatch", REPO / ".ci" / "run"]
+SCRIPTS = [LAUNCH / "local.sh", LAUNCH / "tpu_vm.sh", LAUNCH / "slurm.sbatch", REPO / ".ci" / "run",
+           *sorted((REPO / "benchmarks").glob("*.sh"))]  # fmt: skip
 TRAIN = ["--config=experiments/configs/gpt2_small.py", "--workdir=gs://bucket/run1", "--config.model.attention.scheme=shared_kv"]  # fmt: skip
 
 
