@@ -208,8 +208,9 @@ def repetition(cells: dict, train_tokens: dict[str, int], batch: int, context: i
     steps = {}
     for (corpus, size, _), runs in cells.items():
         for seed, r in runs.items():
-            seeds[corpus, size].add(seed)
-            steps[corpus, size] = int(r["steps"])
+            if r.get("steps"):  # rows written before the column existed say nothing here
+                seeds[corpus, size].add(seed)
+                steps[corpus, size] = int(r["steps"])
     out = []
     for (corpus, size), chosen in sorted(seeds.items()):
         if corpus not in train_tokens:

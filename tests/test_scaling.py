@@ -891,3 +891,23 @@ def test_a_results_folder_refuses_a_sweep_under_other_positions(tmp_path, small_
     copy.write_text(copy.read_text() + "one line more\n")
     with pytest.raises(ValueError, match=r"is not the \S+ text .* was swept on \(sha256 [0-9a-f]{12}\.\.\.\)"):
         scaling.check_protocol(scaling.Sweep(scaling.build_parser().parse_args(argv)))
+
+
+def test_the_report_counts_each_sizes_repeated_targets_by_replaying_the_windows(tmp_path):
+    """Issue 99, item 1: the share of a run's targets it had trained on before, from the sampler itself."""
+    from experiments import scaling_report
+    from experiments.build_corpus import sha256_file
+    from qkvjax.data.pipeline import targets_repeated
+
+    corpus = tmp_path / "tiny.txt"
+    corpus.write_text("".join(f"line {i} of a small corpus\n" for i in range(300)))
+    row = {"stage": "final", "corpus": "tiny", "size": "48", "variant": "separate", "learning_rate": "0.004",
+           "steps": "9", "final_val_loss": "1.0"}  # fmt: skip
+    rows = [row | {"seed": str(s), "run": f"r{s}"} for s in (0, 1)]
+    protocol = {"corpora": {"tiny": {"path": str(corpus), "sha256": sha256_file(corpus)}}}
+    train = scaling_report.corpus_train_tokens(protocol)
+    assert train == {"tiny": int(corpus.stat().st_size * 0.9)}
+    (rep,) = scaling_report.repetition(scaling_report.finals(rows), train, batch=16, context=128)
+    want = [r / t for r, t in (targets_repeated(train["tiny"], 128, 16, s, 9) for s in (0, 1))]
+    assert rep["repeated"] == sum(want) / 2 and rep["seeds"] == 2 and 0 < rep["low"] <= rep["high"] < 1
+    assert scaling_report.corpus_train_tokens({"corpora": {"tiny": {"path": str(corpus), "sha256": "0" * 64}}}) == {}
