@@ -267,7 +267,14 @@ def load_config(workdir) -> Config:
     file = path(workdir) / CONFIG_FILE
     if not file.exists():
         raise ValueError(f"workdir {path(workdir)} holds no run (no {CONFIG_FILE})")
-    return from_dict(Config, json.loads(file.read_text()))
+    try:
+        data = json.loads(file.read_text())
+    except (ValueError, UnicodeDecodeError) as e:  # empty, cut short or edited by hand: name the file
+        raise ValueError(f"{file} is not JSON ({str(e).splitlines()[0]}); it is the run's config, written by "
+                         "train, import and convert") from None  # fmt: skip
+    if not isinstance(data, dict):
+        raise ValueError(f"{file} holds a JSON {type(data).__name__}; allowed: a run's config (an object)")
+    return from_dict(Config, data)
 
 
 def special_tokens(workdir) -> dict:

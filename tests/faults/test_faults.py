@@ -584,3 +584,16 @@ def test_a_nan_entering_through_one_batch_is_caught_at_that_step_and_the_update_
         np.testing.assert_array_equal(np.asarray(old), np.asarray(new))
     after, metrics = step(after, {"inputs": clean, "targets": clean})
     assert int(metrics["nonfinite"]) == 0 and np.isfinite(float(metrics["loss"]))
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("", r"config.json is not JSON \(Expecting value: line 1 column 1 \(char 0\)\); it is the run's config"),
+    ("[1]", r"config.json holds a JSON list; allowed: a run's config \(an object\)"),
+])  # fmt: skip
+def test_an_empty_or_damaged_run_config_is_named_in_one_line(tmp_path, capsys, text, message):
+    """Issue 101: an empty config.json gave json's bare "Expecting value: line 1 column 1" with no file named."""
+    (tmp_path / "config.json").write_text(text)
+    for command in (["eval", f"--workdir={tmp_path}"], ["sample", f"--workdir={tmp_path}", "--prompt", "a"]):
+        assert run_in_process(command) == 2
+        err = capsys.readouterr().err
+        assert re.search(message, err) and str(tmp_path) in err and len(err.strip().splitlines()) == 1, err
