@@ -34,8 +34,15 @@ from qkvjax import SCHEMES, stack_cost
 from qkvjax.attention import Attention, AttentionConfig
 from qkvjax.attention.layers import example_layouts
 from qkvjax.config import Config, apply_overrides, load_config_file
-from qkvjax.models.lm import DecodeCache, DecoderLM, kv_cache_bytes_per_token, param_count, train_flops_per_token
-from qkvjax.perf import measure_peak_flops
+from qkvjax.models.lm import (
+    DecodeCache,
+    DecoderLM,
+    kv_cache_bytes_per_token,
+    mfu_flops_per_token,
+    param_count,
+    train_flops_per_token,
+)
+from qkvjax.perf import datasheet_peak, measure_peak_flops
 from qkvjax.train.state import create_state, make_optimizer, uses_threefry_kernel
 from qkvjax.train.step import make_train_step
 
@@ -395,6 +402,7 @@ def main(argv=None) -> int:
         r = {"tokens_per_s": runner["tokens"] / step_s, "compile_s": runner["compile_s"]}
         r["xla_memory_bytes"] = runner["xla_memory_bytes"]
         flops = train_flops_per_token(cfg.model, cfg.seq_len)
+        mfu_flops = mfu_flops_per_token(cfg.model, cfg.seq_len)  # MFU's count, as the training loop's
         params = create_state(model, cfg, make_optimizer(cfg.train), None).params
         att = sum(c.projection_flops for c in stack_cost(cfg.model.layer_attention, cfg.model.d_model, cfg.seq_len))
         sep_model = dataclasses.replace(
@@ -407,7 +415,9 @@ def main(argv=None) -> int:
             "tokens_per_s": r["tokens_per_s"],
             "baseline_tokens_per_s": flax_runner["tokens"] / base_s,  # timed alternately with this scheme
             "ratio": base_s / step_s,
-            "mfu": r["tokens_per_s"] * flops / peak,
+            "mfu": r["tokens_per_s"] * mfu_flops / peak,  # nanoGPT's/PaLM's count
+            "mfu_causal": r["tokens_per_s"] * flops / peak,  # qkvjax's causal count
+            "mfu_flops_per_token": mfu_flops,
             "train_flops_per_token": flops,
             "projection_flop_ratio": att / sep,
             "compile_s": r["compile_s"],
@@ -435,8 +445,15 @@ def main(argv=None) -> int:
         )
 
     peak = max(peak, measure_peak_flops(dtype))  # measured again at the end: the better of the two
-    for r in results:
-        r["mfu"] = r["tokens_per_s"] * r["train_flops_per_token"] / peak
+    sheet = datasheet_peak(jax.devices()[0].device_kind, dtype)
+    print("MFU: nanoGPT's/PaLM's FLOP count over "
+          + (f"{sheet[0] / 1e12:,.1f} TFLOP/s ({sheet[1]}); the measured matmul reached {peak / sheet[0]:.0%} of it"
+             if sheet else f"the measured {dtype} matmul, {peak / 1e9:,.1f} GFLOP/s (no datasheet entry for this "
+             "device)") + "; MFU causal: qkvjax's causal count")  # fmt: skip
+    peak = sheet[0] if sheet else peak
+    for r in results:  # against the device's datasheet peak where perf.DATASHEET knows it, else the measured matmul
+        r["mfu"] = r["tokens_per_s"] * r["mfu_flops_per_token"] / peak
+        r["mfu_causal"] = r["tokens_per_s"] * r["train_flops_per_token"] / peak
     mem_key, mem_value = peak_memory()
     sep_row = next((r for r in results if r["scheme"] == "separate"), results[0])
     header = (
