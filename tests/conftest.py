@@ -33,7 +33,7 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 
 import pytest  # noqa: E402
 
-from tests.helpers import SHARED_CORPUS, write_varied_text  # noqa: E402
+from tests.helpers import GPT2_FILES, SHARED_CORPUS, write_varied_text  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -74,3 +74,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("slow") and not item.get_closest_marker("timeout"):
             item.add_marker(pytest.mark.timeout(SLOW_TIMEOUT_S))
+
+
+@pytest.fixture(scope="session")
+def gpt2_dir() -> str:
+    """GPT-2's BPE files beside the repo (../shared/data/gpt2); absent: fail under CI, skip elsewhere."""
+    if (GPT2_FILES / "encoder.json").is_file():
+        return str(GPT2_FILES)
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"CI=true but GPT-2's BPE files are missing in {GPT2_FILES}")
+    pytest.skip(f"needs GPT-2's encoder.json and vocab.bpe in {GPT2_FILES} (absent in a plain clone)")

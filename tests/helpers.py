@@ -13,6 +13,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "experiments" / "configs" / "tiny.py")
 SHARED_CORPUS = REPO.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
+GPT2_FILES = REPO.parent / "shared" / "data" / "gpt2"  # GPT-2's encoder.json and vocab.bpe
 
 
 def write_varied_text(path, lines: int = 300) -> str:

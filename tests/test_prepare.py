@@ -19,18 +19,7 @@ from qkvjax.data.prepare import in_validation, plan, prepare
 from qkvjax.data.shards import check_prepared, open_corpus
 from tests.helpers import REPO
 
-GPT2 = REPO.parent / "shared" / "data" / "gpt2"
 WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "é", "ß", "<|endoftext|>", "\n", "  "]
-
-
-@pytest.fixture(scope="session")
-def gpt2_dir() -> str:
-    """GPT-2's BPE files beside the repo; absent: fail under CI, skip elsewhere (as the Tiny Shakespeare corpus)."""
-    if (GPT2 / "encoder.json").is_file():
-        return str(GPT2)
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"CI=true but GPT-2's BPE files are missing in {GPT2}")
-    pytest.skip(f"needs GPT-2's encoder.json and vocab.bpe in {GPT2} (absent in a plain clone)")
 
 
 def _docs(n: int, seed: int = 0, words: int = 40) -> list[str]:
@@ -121,7 +110,7 @@ def test_a_large_file_is_cut_where_gpt2_encodes_it_as_a_whole(gpt2_dir, tmp_path
 
 
 def test_jsonl_gz_and_parquet_records_are_documents(tmp_path):
-    pa = pytest.importorskip("pyarrow")
+    import pyarrow as pa  # a dependency of qkvjax (Parquet inputs)
     import pyarrow.parquet as pq
 
     docs = _docs(30, seed=4)

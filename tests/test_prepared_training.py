@@ -2,30 +2,25 @@
 resume in a new process, grain workers giving the same batches, the loss chunked, eval and sample on the run."""
 
 import json
-import os
 
 import numpy as np
 import pytest
 
 from tests.helpers import REPO, TINY, exported_params, flat, metrics, run_in_new_process, run_in_process
-from tests.test_prepare import GPT2, _docs
+from tests.test_prepare import _docs
 
 pytestmark = pytest.mark.xdist_group("prepared_training")
 STRICT_DTYPE_PROMOTION = False  # optax's Adam bias correction (as in test_train.py)
 
 
 @pytest.fixture(scope="module")
-def gpt2_corpus(tmp_path_factory) -> str:
-    if not (GPT2 / "encoder.json").is_file():
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"CI=true but GPT-2's BPE files are missing in {GPT2}")
-        pytest.skip(f"needs GPT-2's encoder.json and vocab.bpe in {GPT2} (absent in a plain clone)")
+def gpt2_corpus(tmp_path_factory, gpt2_dir) -> str:
     from qkvjax.data.prepare import prepare
 
     root = tmp_path_factory.mktemp("prep")
     lines = root / "docs.jsonl"
     lines.write_text("".join(json.dumps({"text": d}) + "\n" for d in _docs(400, seed=5, words=120)))
-    prepare([str(lines)], str(root / "out"), str(GPT2), val_fraction=0.1, workers=2)
+    prepare([str(lines)], str(root / "out"), gpt2_dir, val_fraction=0.1, workers=2)
     return str(root / "out")
 
 

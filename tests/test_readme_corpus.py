@@ -9,11 +9,8 @@ import re
 import sys
 from pathlib import Path
 
-import pytest
-
 from benchmarks.first_hour import fresh_clone, run_commands
 from tests.helpers import REPO, xla_flags
-from tests.test_prepare import GPT2
 
 README = (REPO / "README.md").read_text()
 
@@ -24,11 +21,7 @@ def _block() -> list[str]:
     return [line for line in m.group(1).splitlines() if line.strip()]
 
 
-def test_the_real_corpus_block_prepares_trains_evaluates_and_samples(tmp_path, corpus):
-    if not (GPT2 / "encoder.json").is_file():
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"CI=true but GPT-2's BPE files are missing in {GPT2}")
-        pytest.skip(f"needs GPT-2's encoder.json and vocab.bpe in {GPT2}")
+def test_the_real_corpus_block_prepares_trains_evaluates_and_samples(tmp_path, corpus, gpt2_dir):
     lines = _block()
     assert lines[0].startswith("huggingface-cli download gpt2 vocab.json merges.txt --local-dir gpt2_tokenizer")
     clone = fresh_clone(tmp_path, Path(sys.prefix), Path(corpus).parents[2])

@@ -630,10 +630,6 @@ def _run_unit(index: int, work: str) -> dict:
     return record
 
 
-def _hash_source(path: str) -> str:
-    return hash_file(path)
-
-
 def prepare(inputs: list[str], out: str, tokenizer: str, *, field: str = "text", val_fraction: float = 0.005,
             seed: int = 0, shard_mb: float = 32, workers: int | None = None, errors: str = "strict",
             eot: str | None = None, overwrite: bool = False, log=None) -> dict:  # fmt: skip
@@ -659,7 +655,7 @@ def prepare(inputs: list[str], out: str, tokenizer: str, *, field: str = "text",
     records = dict(done)
     ctx = multiprocessing.get_context("spawn")  # no fork of a process that may hold JAX's or the tokenizer's threads
     with futures.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker, initargs=(the_plan,)) as pool:
-        hashing = {pool.submit(_hash_source, s.path): s.name for s in sources_to_hash(the_plan)}
+        hashing = {pool.submit(hash_file, s.path): s.name for s in sources_to_hash(the_plan)}
         pending = {pool.submit(_run_unit, i, work) for i in todo}
         try:
             while pending:
