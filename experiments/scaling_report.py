@@ -152,6 +152,42 @@ def trend(points: list[tuple[float, float]]) -> dict | None:
             "n": len(xs), "sizes": len(sizes), "sxx": sxx, "s2": s2}  # fmt: skip
 
 
+def trend_by_size(points: list[tuple[float, float]]) -> dict | None:
+    """The trend with the size as the unit (experiments/preregistered/trend_by_size.md): per size the mean paired Δ
+    m_i and its standard error s_i (sizes with one seed are left out), weighted least squares of m_i on
+    x_i = log10(params) with w_i = 1 / s_i^2; slope b = Σ c_i m_i, c_i = w_i (x_i - x̄) / Σ w_j (x_j - x̄)^2, its
+    variance V = Σ c_i^2 s_i^2 and 95% interval b ± t(ν) sqrt(V) with ν Welch-Satterthwaite's degrees of freedom
+    V^2 / Σ (c_i^2 s_i^2)^2 / (n_i - 1). Beside it: the residual χ² on k - 2 df and its p-value (k >= 3), and the
+    unweighted line through the k means (``ols``: slope, 95% t interval on k - 2 df; k >= 3). None below two
+    sizes with two seeds each."""
+    from scipy import stats
+
+    by_size = collections.defaultdict(list)
+    for p, d in points:
+        by_size[p].append(d)
+    sizes = [(math.log10(p), statistics.fmean(ds), statistics.stdev(ds) / math.sqrt(len(ds)), len(ds))
+             for p, ds in sorted(by_size.items()) if len(ds) > 1]  # fmt: skip
+    if len(sizes) < 2 or any(s == 0 for _, _, s, _ in sizes):
+        return None
+    w = [1 / s**2 for _, _, s, _ in sizes]
+    xbar = sum(wi * x for wi, (x, *_) in zip(w, sizes, strict=True)) / sum(w)
+    mbar = sum(wi * m for wi, (_, m, *_) in zip(w, sizes, strict=True)) / sum(w)
+    sxx = sum(wi * (x - xbar) ** 2 for wi, (x, *_) in zip(w, sizes, strict=True))
+    c = [wi * (x - xbar) / sxx for wi, (x, *_) in zip(w, sizes, strict=True)]
+    slope = sum(ci * m for ci, (_, m, *_) in zip(c, sizes, strict=True))
+    parts = [ci**2 * s**2 for ci, (_, _, s, _) in zip(c, sizes, strict=True)]
+    var = sum(parts)
+    nu = var**2 / sum(q**2 / (n - 1) for q, (*_, n) in zip(parts, sizes, strict=True))
+    half = float(stats.t.ppf(0.975, nu)) * math.sqrt(var)
+    out = {"slope": slope, "se": math.sqrt(var), "ci": (slope - half, slope + half), "df": nu, "sizes": len(sizes),
+           "seeds": [n for *_, n in sizes]}  # fmt: skip
+    if len(sizes) > 2:
+        chi2 = sum(wi * (m - mbar - slope * (x - xbar)) ** 2 for wi, (x, m, *_) in zip(w, sizes, strict=True))
+        out["chi2"], out["chi2_p"] = chi2, float(stats.chi2.sf(chi2, len(sizes) - 2))
+        out["ols"] = trend([(10**x, m) for x, m, *_ in sizes])  # one point per size: the unweighted line
+    return out
+
+
 def trend_band(fit: dict, log10_params: float) -> tuple[float, float, float]:
     """The fitted line at log10(params) and its 95% confidence band: t * s * sqrt(1/n + (x - mean x)^2 / Sxx)."""
     x = log10_params - fit["mx"]
@@ -378,29 +414,54 @@ def time_spent(rows: list[dict]) -> list[str]:
 
 
 def _trends(points: dict[tuple[str, str], list[tuple[float, float]]]) -> list[str]:
-    """Per corpus, each variant's slope of Δ against log10(parameters); where a corpus has three sizes or more,
-    also the slope without its largest size (whose runs may have seen the text many times over)."""
+    """Per corpus, each variant's trend of Δ against log10(parameters) with the size as the unit (the verdict:
+    :func:`trend_by_size`), the per-seed line beside it, and where three sizes or more are in, the same without the
+    largest size (whose runs may have seen the text many times over)."""
     lines = []
     for corpus in sorted({c for c, _ in points}):
         fits = []
         for v in VARIANT_ORDER:
             pts = points.get((corpus, v), [])
             largest = max((p for p, _ in pts), default=None)
-            fits.append((v, trend(pts), trend([(p, d) for p, d in pts if p != largest])))
-        if not any(full for _, full, _ in fits):
+            cut = [(p, d) for p, d in pts if p != largest]
+            fits.append((v, pts, cut if len({p for p, _ in pts}) > 2 else None))
+        if not any(trend(pts) for _, pts, _ in fits):
             continue
         lines += ["", f"## Trend of Δ with size ({CORPUS_TITLES.get(corpus, corpus)})", "",
-                  "Least squares of every seed's paired Δ against log10(parameters): the slope per 10x parameters, "
-                  "± its standard error, [95% t interval]. Negative: the penalty shrinks with size. Where three "
-                  "sizes or more were run, the same line without the largest size follows.", ""]  # fmt: skip
-        for v, full, cut in fits:
-            for label, t in (("", full), ("; without the largest size", cut if full and full["sizes"] > 2 else None)):
-                if t is None:
+                  "Slope of Δ per 10x parameters (negative: the penalty shrinks with size). **By size** (the "
+                  "verdict; experiments/preregistered/trend_by_size.md): weighted least squares of each size's mean "
+                  "Δ, weights 1 / its squared standard error, ± the slope's standard error [95% t interval, "
+                  "Welch-Satterthwaite df]; with three sizes or more, the residual χ² (k - 2 df; a small p: no "
+                  "straight line in log parameters) and the unweighted line through the means. **Per seed**: least "
+                  "squares through every seed's Δ, as each earlier report fitted it. Where three sizes or more "
+                  "were run, the same without the largest size follows.", ""]  # fmt: skip
+        for v, pts, cut in fits:
+            for label, group in (("", pts), ("; without the largest size", cut)):
+                if group is None or (per_seed := trend(group)) is None:
                     continue
-                lo, hi = t["ci"]
-                verdict = "shrinks" if hi < 0 else "grows" if lo > 0 else "no trend told apart from zero"
-                lines.append(f"- {v}{label}: {_trend_text(t)}: {verdict}")
+                lines.append(f"- {v}{label}: {_by_size_text(trend_by_size(group))}; per seed {_trend_text(per_seed)}")
     return lines
+
+
+def trend_verdict(fit: dict | None) -> str:
+    """The words a trend sentence uses, from the by-size fit's 95% interval."""
+    if fit is None:
+        return "no by-size fit (fewer than two sizes with two seeds)"
+    lo, hi = fit["ci"]
+    return "shrinks" if hi < 0 else "grows" if lo > 0 else "not told apart from zero"
+
+
+def _by_size_text(fit: dict | None) -> str:
+    if fit is None:
+        return "by size: " + trend_verdict(fit)
+    lo, hi = fit["ci"]
+    text = (f"by size {fit['slope']:+.3f} ± {fit['se']:.3f} [{lo:+.3f}, {hi:+.3f}] (df {fit['df']:.1f}, "
+            f"{fit['sizes']} sizes of {'/'.join(map(str, fit['seeds']))} seeds): **{trend_verdict(fit)}**")  # fmt: skip
+    if "chi2" in fit:
+        ols = fit["ols"]
+        text += (f"; χ² {fit['chi2']:.2f} (p {fit['chi2_p']:.2f}); unweighted {ols['slope']:+.3f} "
+                 f"[{ols['ci'][0]:+.3f}, {ols['ci'][1]:+.3f}]")  # fmt: skip
+    return text
 
 
 def _trend_text(t: dict) -> str:
@@ -488,7 +549,8 @@ def _head_to_head(cells: dict, by_size: list[tuple]) -> list[str]:
                   "| corpus | d | Δ [95%] d | paired seeds |", "|---|---|---|---|", *rows]  # fmt: skip
         for corpus, pts in sorted(points.items()):
             if t := trend(pts):
-                lines += ["", f"Trend ({CORPUS_TITLES.get(corpus, corpus)}): {_trend_text(t)}."]
+                lines += ["", f"Trend ({CORPUS_TITLES.get(corpus, corpus)}): {_by_size_text(trend_by_size(pts))}; "
+                          f"per seed {_trend_text(t)}."]  # fmt: skip
         lines.append("")
     return lines
 

@@ -438,9 +438,13 @@ def test_the_report_pairs_seeds_and_fits_the_trend_through_every_seed(tmp_path):
     at = np.polyval([slope, intercept], 6.5)
     np.testing.assert_allclose(scaling_report.trend_band(fit, 6.5), [at, at - half, at + half], rtol=1e-9)
     summary = scaling_report.summary_markdown(rows)
-    assert f"- shared_kv: {slope:+.3f} ± {se:.3f}" in summary and "(9 paired runs at 3 sizes): shrinks" in summary
+    assert f"per seed {slope:+.3f} ± {se:.3f}" in summary and "(9 paired runs at 3 sizes)" in summary
+    by_size = scaling_report.trend_by_size([(10**lp, d) for lp, d in truth])
+    assert f"- shared_kv: by size {by_size['slope']:+.3f} ± {by_size['se']:.3f}" in summary
+    assert "3 sizes of 3/3/3 seeds): **shrinks**" in summary
     cut = scaling_report.trend([(10**lp, d) for lp, d in zip(x, y, strict=True) if lp < max(x)])  # largest left out
-    assert f"- shared_kv; without the largest size: {cut['slope']:+.3f} ± {cut['se']:.3f}" in summary
+    assert "- shared_kv; without the largest size: by size " in summary
+    assert f"per seed {cut['slope']:+.3f} ± {cut['se']:.3f}" in summary
     assert "(6 paired runs at 2 sizes)" in summary and "## Trend of Δ with size (Tiny Shakespeare)" in summary
     docs = [r | {"corpus": "python_docs"} for r in rows]  # each corpus its own trend, under its own heading
     docs_summary = scaling_report.summary_markdown(docs)
@@ -911,3 +915,36 @@ def test_the_report_counts_each_sizes_repeated_targets_by_replaying_the_windows(
     want = [r / t for r, t in (targets_repeated(train["tiny"], 128, 16, s, 9) for s in (0, 1))]
     assert rep["repeated"] == sum(want) / 2 and rep["seeds"] == 2 and 0 < rep["low"] <= rep["high"] < 1
     assert scaling_report.corpus_train_tokens({"corpora": {"tiny": {"path": str(corpus), "sha256": "0" * 64}}}) == {}
+
+
+def test_the_trend_by_size_is_weighted_least_squares_of_the_means_with_welch_satterthwaite_df():
+    """trend_by_size (experiments/preregistered/trend_by_size.md) against numpy's weighted polyfit in float64: the
+    slope and its standard error from the sizes' own variances, the Welch-Satterthwaite df computed by hand, the
+    residual χ², the unweighted line through the means; a size with one seed left out; None below two sizes."""
+    import numpy as np
+    from scipy import stats
+
+    from experiments import scaling_report
+
+    rng = np.random.default_rng(7)
+    params, spread, seeds = (129_456, 480_096, 1_291_680, 4_000_000), (0.05, 0.01, 0.003, 0.02), (3, 5, 7, 1)
+    points = [(p, 0.3 - 0.05 * np.log10(p) + s * rng.standard_normal())
+              for p, s, n in zip(params, spread, seeds, strict=True) for _ in range(n)]  # fmt: skip
+    fit = scaling_report.trend_by_size(points)
+    groups = [[d for q, d in points if q == p] for p in params[:3]]  # the one-seed size is left out
+    x = np.log10(params[:3])
+    m = np.array([np.mean(g) for g in groups])
+    se = np.array([np.std(g, ddof=1) / np.sqrt(len(g)) for g in groups])
+    (slope, intercept), cov = np.polyfit(x, m, 1, w=1 / se, cov="unscaled")
+    np.testing.assert_allclose([fit["slope"], fit["se"]], [slope, np.sqrt(cov[0, 0])], rtol=1e-9)
+    w = 1 / se**2
+    c = w * (x - np.average(x, weights=w)) / np.sum(w * (x - np.average(x, weights=w)) ** 2)
+    nu = np.sum(c**2 * se**2) ** 2 / np.sum((c**2 * se**2) ** 2 / (np.array(seeds[:3]) - 1))
+    half = stats.t.ppf(0.975, nu) * np.sqrt(cov[0, 0])
+    np.testing.assert_allclose([fit["df"], *fit["ci"]], [nu, slope - half, slope + half], rtol=1e-9)
+    chi2 = np.sum(w * (m - np.polyval([slope, intercept], x)) ** 2)
+    np.testing.assert_allclose([fit["chi2"], fit["chi2_p"]], [chi2, stats.chi2.sf(chi2, 1)], rtol=1e-9)
+    np.testing.assert_allclose(fit["ols"]["slope"], np.polyfit(x, m, 1)[0], rtol=1e-9)
+    assert fit["sizes"] == 3 and fit["seeds"] == [3, 5, 7]
+    assert scaling_report.trend_verdict(fit) == ("shrinks" if fit["ci"][1] < 0 else "not told apart from zero")
+    assert scaling_report.trend_by_size([(p, d) for p, d in points if p in params[2:]]) is None  # 7 seeds and 1
