@@ -756,7 +756,12 @@ def write_report(out: Path | str, speed: Path | None = SPEED, beside: Path | str
                              "folder")  # fmt: skip
         text += "\n" + "\n".join(beside_markdown(rows, other, out.name, Path(beside).name))
     full = json.loads(protocol.read_text()) if protocol.exists() else {}
-    reps = repetition(finals(rows), corpus_train_tokens(full), settings.get("batch", 16), settings.get("context", 128))
+    lengths = corpus_train_tokens(full)
+    reps = repetition(finals(rows), lengths, settings.get("batch", 16), settings.get("context", 128))
+    for name in sorted(set(full.get("corpora", {})) - set(lengths)):  # its repetition cannot be counted here
+        print(f"scaling_report: warning: corpus {name!r} is not here with the protocol's sha256 (at its recorded "
+              f"path or experiments/corpora/{name}.txt; experiments/build_corpus.py builds it): its repetition is "
+              "left out of summary.md", file=sys.stderr)  # fmt: skip
     if reps:
         text += "\n" + "\n".join([
             "## How much of the training text repeats", "",
