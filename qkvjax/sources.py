@@ -85,7 +85,11 @@ def load_safetensors(path: str, fmt: str, num_heads: int | None = None, num_kv_h
         raise ValueError(f"{path}: no config.json beside it gives the number of heads; pass --num-heads")
     if n < 1 or k < 1 or n % k:
         raise ValueError(f"num_heads={n}, num_kv_heads={k}; allowed: integers >= 1 with K dividing N")
-    tensors = load_file(path)
+    try:
+        tensors = load_file(path)
+    except Exception as e:  # safetensors' own error types: a header that does not parse, offsets past the end
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ValueError(f"--safetensors={path!r} is not a readable safetensors file: {first}") from None
     found: dict[int, dict[str, tuple[str, np.ndarray]]] = {}
     for name, value in tensors.items():
         if match := re.match(where.pattern, name):

@@ -216,6 +216,12 @@ def test_analyze_cli_errors(tmp_path, capsys):
     assert "--label, --num-heads go(es) with --safetensors only" in capsys.readouterr().err
     assert run_in_process(["analyze", "--safetensors", str(tmp_path / "x"), "--format", "gpt2", "--step", "5"]) == 2
     assert "--step=5 goes with --workdir only" in capsys.readouterr().err
+    not_safetensors = tmp_path / "model.safetensors"  # a file of another kind under the name (a pickle, a text)
+    not_safetensors.write_text("this is not a safetensors file\n")
+    args = ["analyze", "--safetensors", str(not_safetensors), "--format", "gpt2", "--num-heads", "3"]
+    assert run_in_process(args) == 2
+    err = capsys.readouterr().err
+    assert "is not a readable safetensors file" in err and "Traceback" not in err and err.count("\n") == 1, err
     # 10^12 draws of the random control ran for good (found giving every option odd values, 2026-11-30)
     assert run_in_process(["analyze", "--workdir", str(tmp_path), "--random-seeds", str(10**12)]) == 2
     assert "--random-seeds=1000000000000; allowed: an integer in [1, 1000]" in capsys.readouterr().err

@@ -537,15 +537,15 @@ def test_a_folders_json_files_are_read_as_untrusted_input_and_refused_in_one_lin
 @pytest.mark.parametrize(
     ("name", "field", "value", "message"),
     [
-        ("gpt2", "n_embd", "12", "config.json n_embd='12'; allowed: an integer >= 1"),  # was a TypeError
-        ("gpt2", "n_head", 0, "config.json n_head=0; allowed: an integer >= 1"),  # was a ZeroDivisionError
+        ("gpt2", "n_embd", "12", "config.json n_embd='12'; allowed: an integer in [1, 2147483647]"),  # was a TypeError
+        ("gpt2", "n_head", 0, "config.json n_head=0; allowed: an integer in [1, 2147483647]"),  # a ZeroDivisionError
         ("gpt2", "n_layer", 10**9, "num_layers=1000000000; allowed: an integer in [1, 65536]"),  # was a MemoryError
         ("gpt2", "model_type", ["gpt2"], "config.json model_type=['gpt2'] is not supported"),
         ("llama_gqa", "tie_word_embeddings", "false", "tie_word_embeddings='false'; allowed: null or true or false"),
         ("llama_gqa", "rms_norm_eps", -1e-6, "config.json rms_norm_eps=-1e-06; allowed: a finite number > 0"),
         ("llama_gqa", "rope_parameters", "default", "rope_parameters='default'; allowed: null or an object"),
         ("qwen3_qk_norm", "layer_types", 3, "config.json layer_types=3; allowed: null or a list of strings"),
-        ("deepseek_v2", "kv_lora_rank", 2.5, "config.json kv_lora_rank=2.5; allowed: an integer >= 1"),
+        ("deepseek_v2", "kv_lora_rank", 2.5, "config.json kv_lora_rank=2.5; allowed: an integer in [1, 2147483647]"),
     ],
 )
 def test_a_config_field_of_the_wrong_kind_is_refused_before_any_arithmetic(
@@ -562,6 +562,44 @@ def test_a_config_field_of_the_wrong_kind_is_refused_before_any_arithmetic(
     (folder / "config.json").write_text(json.dumps({**config, field: value}))
     with pytest.raises(ValueError, match="^[^\n]*" + re.escape(message) + "[^\n]*$"):
         load_pretrained(str(folder))
+
+
+@pytest.mark.parametrize(
+    ("name", "field"),
+    [("deepseek_v2", "kv_lora_rank"), ("deepseek_v2", "qk_rope_head_dim"), ("gemma4", "layer_types"),
+     ("gemma4", "head_dim")],
+)  # fmt: skip
+def test_a_config_missing_a_field_its_layout_needs_is_refused_in_one_line(folders, tmp_path, name, field):
+    """Each of these was a KeyError traceback (round 4's probes): the file and the field are named."""
+    import shutil
+
+    folder = tmp_path / "m"
+    shutil.copytree(folders[name][0], folder)
+    config = json.loads((folder / "config.json").read_text())
+    holder = config.get("text_config", config) if field not in config else config  # Gemma 4 nests its text model
+    assert field in holder, sorted(holder)
+    del holder[field]
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError) as e:
+        load_pretrained(str(folder))
+    assert "\n" not in str(e.value) and field in str(e.value) and "config.json" in str(e.value), str(e.value)
+
+
+def test_a_nested_field_of_the_wrong_kind_is_refused_in_one_line(folders, tmp_path):
+    """Gemma 4's nested head_dim and partial_rotary_factor as strings, and a sliding window of 10^12, were a
+    TypeError and an OverflowError traceback."""
+    import shutil
+
+    for field, value in (("head_dim", "32"), ("sliding_window", 10**12)):
+        folder = tmp_path / f"m_{field}"
+        shutil.copytree(folders["gemma4"][0], folder)
+        config = json.loads((folder / "config.json").read_text())
+        holder = config.get("text_config", config)
+        holder[field] = value
+        (folder / "config.json").write_text(json.dumps(config))
+        with pytest.raises(ValueError) as e:
+            load_pretrained(str(folder))
+        assert "\n" not in str(e.value) and "config.json" in str(e.value), str(e.value)
 
 
 def test_a_missing_shard_is_named(folders, tmp_path):

@@ -96,7 +96,7 @@ def load_pretrained(folder: str, max_len: int | None = None):
     sets a rotary model's context (default: ``max_position_embeddings``)."""
     hf = read_config(folder)
     layout = layout_of(hf)
-    config = layout.config(hf, max_len)
+    config = _layout_config(folder, layout, hf, max_len)
     check_runnable(config)
     raw = read_tensors(folder, max_elements=expected_params(config))
     prefix = next((p for p in layout.prefixes if any(k.startswith(p) for k in raw)), "")
@@ -105,6 +105,22 @@ def load_pretrained(folder: str, max_len: int | None = None):
     tensors.check_all_taken(layout.ignore)
     check_tree(params, config)
     return config, params
+
+
+def _layout_config(folder: str, layout, hf: dict, max_len: int | None):
+    """The layout's model config of ``hf``; a field the layout needs and the file lacks (``KeyError``), or a nested
+    one of the wrong kind or size (``TypeError``, ``OverflowError``: the layouts check top-level fields first),
+    refused in one line naming the file."""
+    file = os.path.join(folder, "config.json")
+    try:
+        return layout.config(hf, max_len)
+    except KeyError as e:
+        raise ValueError(f"{file} has no {e.args[0]!r}, which a model_type={hf.get('model_type')!r} config needs; "
+                         "allowed: the config.json transformers writes for that model") from None  # fmt: skip
+    except (TypeError, OverflowError) as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ValueError(f"{file}: a field of the wrong kind or size ({type(e).__name__}: {first}); allowed: the "
+                         "config.json transformers writes for that model") from None  # fmt: skip
 
 
 def import_folder(folder: str, workdir: str, max_len: int | None = None):
@@ -142,15 +158,16 @@ def export_workdir(workdir: str, folder: str, fmt: str | None = None, step: int 
     from qkvjax.evaluate import restore_params
     from qkvjax.workdir import (
         chat_template,
-        load_config,
         path,
         require_empty,
+        run_config,
         sampling_defaults,
         special_tokens,
         whole_or_absent,
     )
 
-    model = load_config(workdir).model  # every refusal before anything is restored (resume keeps the model)
+    # every refusal before anything is restored, on the model the checkpoint holds (not a hand-edited config.json)
+    model = run_config(workdir).model
     fmt = fmt or infer_format(model)
     check_exportable(model, fmt)
     require_empty(folder)

@@ -75,6 +75,22 @@ def test_compare_reads_the_checkpoints_config_not_a_hand_edited_config_json(tmp_
     assert "separate" in out
 
 
+def test_export_reads_the_checkpoints_config_not_a_hand_edited_config_json(tmp_path, small_text, data_dir, capsys):
+    """An exportable ``separate`` checkpoint whose config.json was edited to a scheme export refuses (``bilinear``)
+    exports all the same, with the warning compare, info and sample give."""
+    import json
+
+    w = tmp_path / "w"
+    assert run_in_process(train_args(w, small_text, data_dir, **{**SETTINGS, "train.num_steps": 2})) == 0
+    config = json.loads((w / "config.json").read_text())
+    config["model"]["attention"]["scheme"] = "bilinear"  # edited by hand after the run; not exportable
+    (w / "config.json").write_text(json.dumps(config))
+    capsys.readouterr()
+    assert run_in_process(["export", "--workdir", str(w), str(tmp_path / "hf")]) == 0
+    assert "differs from the config saved with checkpoint step 2" in capsys.readouterr().out
+    assert (tmp_path / "hf" / "config.json").exists()
+
+
 def test_mfu_never_reads_above_one_and_names_its_peak(tmp_path, small_text, data_dir, capsys):
     w = tmp_path / "w"
     low = {**SETTINGS, "train.num_steps": 4, "train.peak_flops": 1.0}  # a peak far below what any step achieves

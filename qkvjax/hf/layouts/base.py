@@ -147,12 +147,15 @@ NULLABLE = frozenset({
 }) | SWITCHES  # fmt: skip
 
 
+INT32_MAX = 2**31 - 1
+
+
 def _kind(key: str) -> tuple[str, Callable] | None:
     """(what is allowed, its test) for a config.json field, or None where a layout checks it itself."""
-    if key in SIZES:
-        return "an integer >= 1", lambda v: checks.is_integer(v) and v >= 1
+    if key in SIZES:  # bounded: a size or window past int32 overflows the first jitted computation that reads it
+        return f"an integer in [1, {INT32_MAX}]", lambda v: checks.is_integer(v) and 1 <= v <= INT32_MAX
     if key in COUNTS:
-        return "an integer >= 0", lambda v: checks.is_integer(v) and v >= 0
+        return f"an integer in [0, {INT32_MAX}]", lambda v: checks.is_integer(v) and 0 <= v <= INT32_MAX
     if key in EPSILONS:
         return (
             "a finite number > 0",
