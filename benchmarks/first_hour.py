@@ -34,7 +34,7 @@ def readme_blocks(text: str) -> dict[str, list[str]]:
         if m is None:
             raise ValueError(f"README.md has no ```bash block after a <!-- {name}: ... --> marker")
         blocks[name.replace("-", "_")] = [line for line in m.group(1).splitlines() if line.strip()]
-    m = re.search(r"## Fresh machine.*?```bash\n(.*?)\n```", text, re.S)
+    m = re.search(r"## (?:Install and the two commands|Fresh machine).*?```bash\n(.*?)\n```", text, re.S)
     if m is None:
         raise ValueError("README.md has no fresh-machine run command")
     blocks["run"] = [m.group(1).split(" && ")[-1]]  # after `python3 -m venv .venv && .venv/bin/pip install ...`

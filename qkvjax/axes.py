@@ -11,7 +11,7 @@ T     query position                                                 ``length``
 S     key position (a cache's slot)                                  ``length``
 Q     folded query rows, T * G (the G heads of a K/V head, t-major)  (activations only)
 D     model width                                                    ``embed``
-E     a second model-width axis: a bilinear form's key side, W_QK     (``embed``)
+E     a second model-width axis: a bilinear form's key side, W_QK    (``embed``)
       (N, D, E), or the output side of a (D, E) map
 N     query heads                                                    ``heads``
 K     key/value heads                                                ``kv_heads``
@@ -21,7 +21,7 @@ U     head width of values (``v_head_dim``; "Hv" in prose)           ``head_dim`
 J     a second head-width axis: a map between two heads' features,   (converted weights only)
       (K, J, H)
 P     a latent scheme's decoupled rotary width ("H_r" in prose)      ``head_dim``
-R     latent rank (MLA's K/V latent; "Rq" in prose for the queries') ``latent``
+R     latent rank (MLA's K/V latent; "Rq" in prose for queries')     ``latent``
 M     the largest relative offset of a relative bias: (N, 2 M + 1)   (none)
 F     MLP hidden width                                               ``mlp``
 V     vocabulary                                                     ``vocab``

@@ -171,6 +171,8 @@ def _convert(args: argparse.Namespace) -> int:
     what = (
         f"rank {args.rank} keeps [W^K, W^V] to a relative error |W - W_R|_F / |W|_F"
         if args.rank is not None
+        else "W^Q = W^K keeps the score matrices W^Q (W^K)^T to a relative error"
+        if args.to is not None and args.to.startswith("shared_qk")
         else "K = V keeps the value-output maps W^V W^O to a relative error"
     )
     for layer, error in (e for e in errors if isinstance(e, LayerError)):
@@ -557,11 +559,12 @@ def _tool_commands() -> tuple[Command, ...]:
             opt("--layers", action="append", default=[], metavar="NAME=PATTERN",
                 help="a layer pattern to add to the stack table (repeatable; see qkvjax.attention.layers)"),
         )),
-        Command("convert", _convert, "convert a checkpoint: another scheme (bilinear, shared_kv, mla), GQA, CLA", (
+        Command("convert", _convert, "convert a checkpoint: another scheme (see --to), GQA, CLA", (
             opt("--workdir", required=True, help="the run to convert"),
             opt("--out", required=True, help="a new (or empty) folder for the converted workdir"),
             opt("--to", default=None, choices=TARGETS,
-                help="target scheme (bilinear: exact; mla: truncated SVD, needs --rank)"),
+                help="target scheme (bilinear: exact; shared_kv, shared_qk: least squares; mla: truncated SVD, needs "
+                "--rank)"),
             opt("--rank", type=int, default=None,
                 help="latent rank R of --to mla (full rank min(D, K(H+Hv)) is exact)"),
             opt("--rope-dim", type=int, default=None,

@@ -40,6 +40,10 @@ class DataConfig:
         epoch) or 'random' (a window at every offset, shuffled); None: disjoint for a prepared corpus, random for
         the byte corpora (as before).
       workers: grain worker processes reading training batches (0: in the training process).
+      start_batch: batches of the seeded window order to skip before the first step, so that a run trained on from
+        another's weights (an uptraining after ``qkvjax convert``) reads the text that run had not reached:
+        ``start_batch`` = that run's steps at the same seed and batch size. Epochs and repeated targets are counted
+        from the order's start. 0: from the start.
     """
 
     dataset: str = "tiny_shakespeare"
@@ -50,6 +54,7 @@ class DataConfig:
     prepared: str | None = None
     sampling: str | None = None
     workers: int = 0
+    start_batch: int = 0
 
     LABEL: ClassVar[str] = "data"
 
@@ -62,6 +67,7 @@ class DataConfig:
         checks.text(self, "prepared", none="the byte corpus data.dataset names")
         checks.choice(self, "sampling", SAMPLINGS, none="disjoint for a prepared corpus, random for a byte corpus")
         checks.integer(self, "workers", minimum=0, allowed="an integer >= 0 (grain worker processes)")
+        checks.integer(self, "start_batch", minimum=0, allowed="an integer >= 0 (batches of the window order skipped)")
         if self.prepared is not None and self.source_path is not None:
             raise ValueError(
                 f"data.prepared={self.prepared!r} and data.source_path={self.source_path!r} are both given; a "
@@ -103,7 +109,7 @@ class TrainConfig:
       checkpoint_every: steps between checkpoints (one is also saved at the end and on SIGTERM/Ctrl-C).
       max_to_keep: checkpoints kept (the oldest are deleted).
       peak_flops: FLOP/s that MFU is measured against; None measures a matmul at start.
-      log_weight_similarity: add W^Q (W^K)^T statistics and each attention kernel's drift |W - W_0| / |W_0| per
+      log_weight_similarity: add W^Q (W^K)^T statistics and each attention kernel's drift ||W - W_0|| / ||W_0|| per
         layer to every evaluation record.
       skip_nonfinite: skip a batch whose loss or gradient is not finite instead of stopping.
       tensorboard: also write TensorBoard events under ``WORKDIR/tensorboard`` (tensorboardX is imported only

@@ -26,6 +26,16 @@
   The reported relative error is ``sqrt(sum_n |(W^K C - W^V) W^O_n|_F^2 / sum_n |W^V W^O_n|_F^2)``. A value bias
   ``b_v`` becomes ``b_k C`` plus a constant that attention weights (summing to 1) pass to the output bias.
 
+* ``to_shared_qk`` (least squares, exact when every head's score matrix is symmetric positive semi-definite): one
+  tensor per head plays query and key (W^Q = W^K). Head n's scores are ``x_t^T A_n x_s`` with ``A_n = W^Q_n
+  (W^K_n)^T`` (D x D, rank <= H); a shared head can only give ``W_n W_n^T``, symmetric PSD of rank <= H. The nearest
+  such matrix in Frobenius norm is the symmetric part ``S_n = (A_n + A_n^T) / 2`` (the antisymmetric part is
+  orthogonal to every symmetric matrix) truncated to its H largest positive eigenvalues: ``W_n = V_H Λ_H^(1/2)``.
+  ``S_n`` has rank <= 2H, so it is taken in the span of ``[W^Q_n, W^K_n]`` (a QR of that (D, 2H) block and a 2H x 2H
+  eigenproblem, not a D x D one). Values and the output projection are kept. The reported relative error is
+  ``sqrt(sum_n |A_n - W_n W_n^T|_F^2 / sum_n |A_n|_F^2)``. Plain q.k scores only: rotary positions, key or query
+  norms, biases, a relative bias or grouped heads are refused.
+
 * ``cross_layer`` (least squares, under the assumption that adjacent layers see similar inputs): Cross-Layer
   Attention (Brandon et al. 2024) in groups of G layers, the first of each group keeping its K/V and the others
   reading them. A reader's keys become ``k_d B`` with ``B = argmin |W^K_d B - W^K_i|_F`` (per kv head), absorbed
@@ -312,10 +322,48 @@ def latent_config(cfg: AttentionConfig, rank: int, rope_dim: int | None = None, 
     )
 
 
+def shared_qk_attention_params(att: dict, cfg: AttentionConfig) -> tuple[dict, float]:
+    """One layer's parameters as ``shared_qk``'s (per head the nearest PSD rank-H form of its score matrix, module
+    docstring) and the relative error of the score matrices."""
+    scheme = cfg.tying
+    if scheme.group_of("q") != "q" or scheme.group_of("k") != "k" or scheme.bilinear:
+        raise ValueError(f"scheme {cfg.scheme!r} has no separate W^Q and W^K to tie; convert a separate run")
+    refused = {"rope=True": cfg.rope, "qk_norm=True": cfg.qk_norm, "use_bias=True": cfg.use_bias,
+               f"relative_bias={cfg.relative_bias}": cfg.relative_bias, "learned_temperature=True":
+               cfg.learned_temperature, f"num_kv_heads={cfg.kv_heads} < num_heads={cfg.num_heads}":
+               cfg.kv_heads != cfg.num_heads}  # fmt: skip
+    if reason := next((k for k, v in refused.items() if v), None):
+        raise ValueError(f"{reason}: --to shared_qk ties plain q.k scores of one query head per key head; allowed: "
+                         "a separate run without rotary positions, norms, biases, a relative bias or grouped "
+                         "heads")  # fmt: skip
+    w_q = np.asarray(att["w_q"], np.float64)  # (D, N, H)
+    w_k = np.asarray(att["w_k"], np.float64)  # (D, N, H): K = N here
+    h = w_q.shape[2]
+    shared, residual, total = np.zeros_like(w_q), 0.0, 0.0
+    for n in range(w_q.shape[1]):
+        q, k = w_q[:, n], w_k[:, n]  # (D, H)
+        basis, r = np.linalg.qr(np.concatenate([q, k], axis=1))  # (D, 2H), (2H, 2H): [q, k] = basis r
+        rq, rk = r[:, :h], r[:, h:]
+        small = (rq @ rk.T + rk @ rq.T) / 2  # S_n in the basis: S_n = basis small basis^T
+        values, vectors = np.linalg.eigh(small)  # ascending
+        keep = np.clip(values[::-1][:h], 0, None)  # the H largest, negative ones dropped (PSD)
+        w = basis @ vectors[:, ::-1][:, :h] * np.sqrt(keep)  # (D, H): W_n = V_H Λ_H^(1/2)
+        shared[:, n] = w
+        a = q @ k.T
+        residual += float(np.sum((a - w @ w.T) ** 2))
+        total += float(np.sum(a**2))
+    out = {"w_qk": jnp.asarray(shared, att["w_q"].dtype), "w_v": att["w_v"], "w_o": att["w_o"]}
+    if "b_o" in att:
+        out["b_o"] = att["b_o"]
+    return out, float(np.sqrt(residual / total))
+
+
 def convertible(scheme) -> bool:
     """Whether a plain scheme's weights can be converted to ``scheme``: a bilinear form (exact), a latent scheme
-    (truncated SVD) or the partition {q}{k,v} (K = V by least squares). Read off the scheme's data."""
-    return scheme.bilinear or scheme.latent or scheme.groups == ("q", "kv")
+    (truncated SVD), the partition {q}{k,v} (K = V by least squares) or plain {q,k}{v} (shared QK, the nearest
+    PSD form). Read off the scheme's data."""
+    plain_qk = scheme.groups == ("qk", "v") and not (scheme.normalize_keys or scheme.mask_self)
+    return scheme.bilinear or scheme.latent or scheme.groups == ("q", "kv") or plain_qk
 
 
 def __getattr__(name: str):
@@ -372,8 +420,8 @@ def convert(
         if not convertible(target):
             raise ValueError(
                 f"no conversion from {att_cfg.scheme!r} to {to!r}: tying cannot be undone or imposed exactly; "
-                "supported: --to bilinear (exact), --to shared_kv (least squares), --to mla --rank R (truncated "
-                "SVD) and --num-kv-heads K (mean-pooled kv heads)"
+                "supported: --to bilinear (exact), --to shared_kv and --to shared_qk (least squares), --to mla "
+                "--rank R (truncated SVD) and --num-kv-heads K (mean-pooled kv heads)"
             )
         for layer in _attention_layers(params):
             block = dict(new[layer])
@@ -385,6 +433,8 @@ def convert(
                 )
             elif target.bilinear:
                 block["attention"] = bilinear_attention_params(block["attention"], att_cfg)
+            elif target.groups == ("qk", "v"):
+                block["attention"], error = shared_qk_attention_params(block["attention"], att_cfg)
             else:
                 block["attention"], error = shared_kv_attention_params(block["attention"], att_cfg)
             if errors is not None and error is not None:

@@ -45,10 +45,18 @@ def parameter_breakdown(params) -> dict[str, int]:
     return counts
 
 
+def _has_checkpoint(workdir) -> bool:
+    """Whether ``checkpoints/`` holds a committed step (a folder named by its step number)."""
+    folder = path(workdir) / "checkpoints"
+    return folder.is_dir() and any(p.name.isdigit() for p in folder.iterdir())
+
+
 def describe(workdir: str) -> dict:
     """A JSON-able summary of a training run's workdir."""
     if params_only(workdir):  # imported, not trained here yet
         config, folders = load_config(workdir), [path(workdir) / "params" / str(s) for s in exported_steps(workdir)]
+    elif not _has_checkpoint(workdir):  # a run before its first save: its config, plan and progress exist already
+        config, folders = load_config(workdir), []
     else:
         config, mngr, _ = resolve_step(workdir, None)
         folders = [epath.Path(mngr.directory) / str(step) for step in sorted(mngr.all_steps())]
@@ -104,6 +112,8 @@ def format_description(info: dict) -> str:
     lines = [f"workdir {info['workdir']}  {info['model']}  scheme {info['scheme']}", "checkpoints:"]
     for c in info["checkpoints"]:
         lines.append(f"  step {c['step']:>8}  {c['time']}  {c['bytes'] / 2**20:10.2f} MiB")
+    if not info["checkpoints"]:
+        lines[-1] += " none yet (the first is saved at train.checkpoint_every, and when the run ends or is stopped)"
     pattern = f"  layers {info['layers']!r}" if info["layers"] else ""
     lines[0] += pattern
     row = info.get("kv_cache_bytes_per_row")

@@ -38,6 +38,8 @@ from qkvjax.models.family import MLPS, Family, dense_init
 from qkvjax.models.lm import DecodeCache, ModelConfig, as_tokens, check_call, rows_of, unembed
 from qkvjax.models.norm import layer_norm, rms_norm
 
+__all__ = ["Attention", "Block", "DecoderLM", "Mlp", "Norm", "load_params", "params"]
+
 
 class _Maker:
     """``make_param``/``make_kernel`` for an NNX module: with ``rngs`` (construction) each parameter is drawn and

@@ -539,6 +539,20 @@ def set_aside(workdir, keep_imported: bool) -> epath.Path | None:
     return aside
 
 
+def replaced_runs(workdir) -> list[epath.Path]:
+    """The runs ``--overwrite`` moved aside that are still here (:func:`set_aside`), oldest first: a replacing run
+    stopped before its first checkpoint leaves one."""
+    workdir = path(workdir)
+    if not workdir.is_dir():
+        return []
+    return sorted(p for p in workdir.iterdir() if p.name.startswith(REPLACED_PREFIX) and p.is_dir())
+
+
+def restore_hint(aside) -> str:
+    """How to keep a replaced run: its folder is a whole workdir of its own (config, checkpoints, metrics)."""
+    return f"to keep it, stop this run and move that folder out: it is a workdir itself (mv {aside} runs/old)"
+
+
 def drop_aside(aside: epath.Path) -> None:
     """Deletes a replaced run (:func:`set_aside`) once the run replacing it has a committed checkpoint."""
     if aside.exists():

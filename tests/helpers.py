@@ -87,3 +87,14 @@ def flat(tree) -> dict[str, np.ndarray]:
 
     leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
     return {jax.tree_util.keystr(p): np.asarray(v) for p, v in leaves}
+
+
+def doc_pages() -> list[Path]:
+    """README.md and every page of the documentation site (docs/), README first."""
+    return [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+
+
+def docs_text() -> str:
+    """The text of :func:`doc_pages`, one after another: a test finds a marked block wherever it lives (a marker
+    names one block; tests/test_docs_site.py checks that every copy of it is the same)."""
+    return "\n".join(page.read_text() for page in doc_pages())

@@ -121,7 +121,7 @@ def test_help_says_what_each_command_is_for_and_convert_lists_its_targets(capsys
             main(argv)
         out = capsys.readouterr().out
         assert "parses arguments and calls the library" not in out
-    assert "{shared_kv,bilinear,mla}" in out and "converted to another tying" in out
+    assert "{shared_qk,shared_kv,bilinear,mla}" in out and "converted to another tying" in out
 
 
 def test_running_out_of_device_memory_is_one_line_naming_the_allocation(monkeypatch, capsys):

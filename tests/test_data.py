@@ -96,6 +96,23 @@ def test_train_batches_are_windows_of_the_text_and_resume_exactly():
     assert not np.array_equal(other_seed["inputs"], first[0]["inputs"])
 
 
+@pytest.mark.parametrize("sampling", ["disjoint", "random"])
+def test_start_batch_continues_the_same_order_where_another_run_stopped(sampling):
+    """An uptraining run with data.start_batch=S at the same seed reads batch S, S + 1, ... of the order the first
+    run read from 0 (past the first epoch too), and resumes exactly from a saved state."""
+    tokens = np.arange(503, dtype=np.int64).astype(np.uint8)
+    whole = train_batches(tokens, seq_len=7, batch_size=5, seed=3, sampling=sampling)
+    order = [next(whole)["inputs"] for _ in range(40)]  # 72 disjoint windows: past the first epoch
+    later = train_batches(tokens, seq_len=7, batch_size=5, seed=3, sampling=sampling, start_batch=13)
+    for expected in order[13:20]:
+        np.testing.assert_array_equal(next(later)["inputs"], expected)
+    state = later.get_state()
+    again = train_batches(tokens, seq_len=7, batch_size=5, seed=3, sampling=sampling, start_batch=13)
+    again.set_state(state)
+    for expected in order[20:40]:
+        np.testing.assert_array_equal(next(again)["inputs"], expected)
+
+
 def test_train_batches_split_across_processes_without_overlap():
     tokens = (np.arange(2000) % 251).astype(np.uint8)
     shards = [next(train_batches(tokens, 5, 8, seed=1, process_index=p, process_count=2)) for p in (0, 1)]

@@ -187,7 +187,6 @@ def test_cross_layer_sharing_halves_the_cache_on_top_of_gqa_and_kv_tying():
 
 
 def test_the_readme_table_is_what_qkvjax_schemes_prints(capsys):
-    from pathlib import Path
 
     from qkvjax.cli import main
 
@@ -196,7 +195,9 @@ def test_the_readme_table_is_what_qkvjax_schemes_prints(capsys):
     stacks = printed[printed.index("attention stacks") :].strip()
     for name in ("separate", "shared_kv", "GQA-6 ", "GQA-6 + shared_kv", "CLA2 ", "CLA2 + shared_kv", "Gemma-4-like"):
         assert f"\n{name}" in stacks, name
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    from tests.helpers import docs_text
+
+    readme = docs_text()
     assert stacks in readme
 
 
@@ -239,9 +240,9 @@ def test_the_readme_patterns_fit_the_presets_the_first_hour_trains():
     import re
 
     from qkvjax.config import load_config_file
-    from tests.helpers import REPO, TINY
+    from tests.helpers import REPO, TINY, docs_text
 
-    text = (REPO / "README.md").read_text()
+    text = docs_text()
     block = text.split("<!-- patterns:")[1].split("```bash")[1].split("```")[0]
     patterns = re.findall(r'--config\.model\.layers="([^"]+)"', block)
     assert len(patterns) == 5

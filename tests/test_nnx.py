@@ -154,9 +154,10 @@ def test_a_tree_of_another_shape_is_refused_in_one_line():
 
 def test_the_readmes_nnx_block_runs_as_written():
     import re
-    from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    from tests.helpers import docs_text
+
+    readme = docs_text()
     block = re.search(r"<!-- nnx-usage:[^>]*-->\n```python\n(.*?)```", readme, re.S).group(1)
     scope: dict = {}
     exec(compile(block, "README.md (nnx-usage)", "exec"), scope)

@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 
 from benchmarks.first_hour import apply, fresh_clone, readme_blocks, run_commands
-from tests.helpers import REPO, xla_flags
+from tests.helpers import docs_text, xla_flags
 
 pytestmark = pytest.mark.xdist_group("readme")  # one worker builds the module's fixture once
 
-README = (REPO / "README.md").read_text()
+README = docs_text()  # README.md, then the docs pages
 TINY = [("experiments/configs/shakespeare_char.py", "experiments/configs/tiny.py --config.model.max_len=128")]
 
 

@@ -10,9 +10,9 @@ import sys
 from pathlib import Path
 
 from benchmarks.first_hour import fresh_clone, run_commands
-from tests.helpers import REPO, xla_flags
+from tests.helpers import docs_text, xla_flags
 
-README = (REPO / "README.md").read_text()
+README = docs_text()  # README.md, then the docs pages
 
 
 def _block() -> list[str]:

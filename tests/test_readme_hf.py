@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 
 from benchmarks.first_hour import fresh_clone, run_commands
-from tests.helpers import REPO, xla_flags
+from tests.helpers import REPO, docs_text, xla_flags
 
 pytestmark = pytest.mark.xdist_group("readme_hf")  # its own worker: the first-hour module holds another
 
-README = (REPO / "README.md").read_text()
+README = docs_text()  # README.md, then the docs pages
 
 
 def block(marker: str) -> list[str]:

@@ -633,18 +633,6 @@ def test_corrupted_checkpoint_names_the_step_and_the_file(run, tmp_path):
         evaluate(str(copy), step=2)
 
 
-def test_readme_python_blocks_run():
-    """The README's examples (a user module with shared_kv, the NNX bridge) run as written."""
-    text = (REPO / "README.md").read_text()
-    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
-    assert len(blocks) >= 2
-    namespace: dict = {}
-    with jax.numpy_dtype_promotion("standard"):
-        for block in blocks:
-            exec(compile(block, "README.md", "exec"), namespace)  # noqa: S102
-    assert namespace["y"].shape == namespace["x"].shape
-
-
 def test_compare_puts_runs_side_by_side(run, tmp_path, small_text, data_dir, capsys):
     other = tmp_path / "gqa"
     overrides = {"train.num_steps": 2, "model.attention.scheme": "shared_kv", "model.attention.num_kv_heads": 2}

@@ -161,3 +161,62 @@ def test_cross_layer_under_rotary_positions_fits_maps_that_commute_with_every_ro
     assert 0.05 < key_error and abs(measured - key_error) < 1e-4
     with pytest.raises(ValueError, match="query/key biases under rotary positions: the least-squares cross-layer"):
         cross_layer_attention_params(reader, donor, dataclasses.replace(att_cfg, use_bias=True))
+
+
+def test_shared_qk_is_exact_when_every_heads_score_matrix_is_psd():
+    """W^K_n = W^Q_n M_n with M_n symmetric positive definite (H x H): A_n = W^Q M W^Q^T is PSD of rank H, so
+    the shared head W_n W_n^T equals it and the converted model computes the same logits."""
+    config = _model(None, use_bias=False)
+    params = _params(config)
+    rng = np.random.default_rng(11)
+    h = config.attention.head_dim
+    for i in range(config.num_layers):
+        att = params[f"block_{i}"]["attention"]
+        b = rng.standard_normal((config.attention.num_heads, h, h))
+        m = (np.einsum("NHE,NFE->NHF", b, b) + np.eye(h)).astype(np.float32)  # SPD per head
+        att["w_k"] = np.einsum("DNH,NHE->DNE", att["w_q"], m)
+    errors = []
+    new_config, new_params = convert(config, params, to="shared_qk", errors=errors)
+    assert new_config.attention.scheme == "shared_qk" and max(e.error for e in errors) < 1e-5
+    assert set(new_params["block_0"]["attention"]) == {"w_qk", "w_v", "w_o"}
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, 23, (2, 11)))
+    before = DecoderLM(config).apply({"params": params}, tokens)
+    after = DecoderLM(new_config).apply({"params": new_params}, tokens)
+    np.testing.assert_allclose(after, before, atol=2e-4 * float(jnp.abs(before).max()))
+
+
+def test_shared_qk_is_the_nearest_psd_rank_h_form_in_float64():
+    """Against a direct float64 reference: the symmetric part of each head's D x D score matrix, its H largest
+    positive eigenpairs; the reported error is |A - W W^T| / |A| over heads, and a perturbed W is worse."""
+    from qkvjax.convert import shared_qk_attention_params
+
+    config = _model(None, use_bias=False)
+    att = _params(config)["block_0"]["attention"]
+    new, error = shared_qk_attention_params(att, config.attention)
+    w_q, w_k = (np.asarray(att[k], np.float64) for k in ("w_q", "w_k"))
+    h, num, den = w_q.shape[2], 0.0, 0.0
+    for n in range(w_q.shape[1]):
+        a = w_q[:, n] @ w_k[:, n].T
+        values, vectors = np.linalg.eigh((a + a.T) / 2)  # D x D, ascending
+        top = np.clip(values[-h:], 0, None)
+        best = (vectors[:, -h:] * top) @ vectors[:, -h:].T
+        w = np.asarray(new["w_qk"], np.float64)[:, n]
+        np.testing.assert_allclose(w @ w.T, best, atol=1e-5 * np.abs(best).max())
+        num, den = num + np.sum((a - best) ** 2), den + np.sum(a**2)
+    assert error == pytest.approx(np.sqrt(num / den), rel=1e-5) and 0.3 < error < 1.2  # random: far from tied
+    worse = np.asarray(new["w_qk"], np.float64) + 0.05 * np.random.default_rng(4).standard_normal(w_q.shape)
+    worse_num = sum(np.sum((w_q[:, n] @ w_k[:, n].T - worse[:, n] @ worse[:, n].T) ** 2) for n in range(w_q.shape[1]))
+    assert np.sqrt(worse_num / den) > error
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [({"rope": True, "head_dim": 6}, "rope=True"), ({"num_kv_heads": 1}, "num_kv_heads=1 < num_heads=3"),
+     ({"use_bias": True}, "use_bias=True"), ({"qk_norm": True}, "qk_norm=True")],
+)  # fmt: skip
+def test_shared_qk_refuses_what_a_psd_form_cannot_carry(overrides, message):
+    base = _model(None, use_bias=False)
+    att = dataclasses.replace(base.attention, **overrides)
+    config = dataclasses.replace(base, attention=att, learned_positions=not att.rope)
+    with pytest.raises(ValueError, match=f"^{message.replace('(', '.').replace(')', '.')}: --to shared_qk"):
+        convert(config, _params(config), to="shared_qk")

@@ -64,7 +64,7 @@ class AttentionConfig:
       qk_norm: RMS-normalise queries and keys over the head dim, each with a learned (H,) scale, before rotary
         (Dehghani et al. 2023, arXiv:2302.05442; Gemma 3 and 4).
       learned_temperature: a learned per-head scale on the scores, ``score_n * exp(tau_n)`` with ``tau: (N,)``
-        initialised to 0 (applied to the queries). Reformer's unit-length keys cap every score at |q| / sqrt(H);
+        initialised to 0 (applied to the queries). Reformer's unit-length keys cap every score at ||q|| / sqrt(H);
         this frees the temperature from the query norm (which weight decay pulls down).
       v_norm: RMS-normalise values over the head dim without a scale (Gemma 4, whose global layers tie K = V
         and normalise the one tensor as keys and as values separately).

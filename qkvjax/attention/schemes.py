@@ -123,10 +123,13 @@ class Scheme:
         return num_heads if "q" in group else num_kv_heads
 
 
+#: Every registered :class:`Scheme` by name: the one table the modules, costs and converters read.
 SCHEMES: dict[str, Scheme] = {}
 
 
 def register_scheme(scheme: Scheme) -> Scheme:
+    """Adds ``scheme`` to :data:`SCHEMES` under its name (a name already taken is refused) and returns it, so that
+    ``AttentionConfig(scheme=name)`` builds it: a new tying scheme is a new partition, no new module code."""
     if not isinstance(scheme, Scheme):
         raise ValueError(f"register_scheme({scheme!r}); allowed: a qkvjax.Scheme")
     if scheme.name in SCHEMES:
@@ -136,6 +139,7 @@ def register_scheme(scheme: Scheme) -> Scheme:
 
 
 def get_scheme(name: str) -> Scheme:
+    """The registered :class:`Scheme` called ``name``; an unknown name is refused, listing the known ones."""
     if not isinstance(name, str) or name not in SCHEMES:  # a list would be unhashable: a TypeError, not this line
         raise ValueError(f"unknown attention scheme {name!r}; allowed: {sorted(SCHEMES)}")
     return SCHEMES[name]

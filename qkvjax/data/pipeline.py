@@ -28,6 +28,7 @@ def train_batches(
     process_count: int = 1,
     sampling: str = "random",
     workers: int = 0,
+    start_batch: int = 0,
 ) -> grain.DatasetIterator:
     """An endless iterator of ``{"inputs", "targets"}`` (batch_size // process_count, seq_len) int32 batches.
 
@@ -41,7 +42,8 @@ def train_batches(
       within an epoch).
 
     Each process takes every ``process_count``-th window. ``workers`` > 0 reads batches in that many grain worker
-    processes. ``get_state()`` / ``set_state()`` resume the stream exactly.
+    processes. ``start_batch``: the first batches of the order are skipped (an uptraining run continuing another's
+    order). ``get_state()`` / ``set_state()`` resume the stream exactly.
     """
     from qkvjax.data.shards import SAMPLINGS, _Gather, window_count
 
@@ -56,6 +58,7 @@ def train_batches(
     ds = grain.MapDataset.range(num_windows).shuffle(seed=seed).repeat(None)
     ds = ds[process_index::process_count]
     ds = ds.batch(batch_size // process_count, drop_remainder=True)
+    ds = ds[start_batch:] if start_batch else ds  # the order continued where another run stopped
     # One gather per batch (not a map per window): grain's per-element overhead would bound the tokens/s.
     ds = ds.map(_Gather(tokens, seq_len, seq_len if sampling == "disjoint" else 1))
     # grain's default read-ahead holds 500 batches: 2 GB of host memory at gpt2_124m's 480 x 1025 tokens; 16 keep

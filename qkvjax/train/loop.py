@@ -53,7 +53,9 @@ from qkvjax.workdir import (  # noqa: F401
     json_safe,
     load_config,
     metric_lines,
+    replaced_runs,
     restore_exported,
+    restore_hint,
     set_aside,
     splits_digest,
     write_text,
@@ -291,8 +293,8 @@ class NonFiniteError(ValueError):
 class Prepared:
     """What :func:`prepare` checked and loaded before anything compiles: the model and optimizer, the layout
     (:class:`_Parallel`), the token ids of each split with its tokens per byte (bits per byte from a loss per
-    token), the text's digest, and ``aside``: the run ``--overwrite`` moved aside, until this run's first
-    checkpoint is committed."""
+    token), the text's digest, and ``aside``: the runs ``--overwrite`` moved aside (now, or by an earlier attempt
+    that stopped before its first checkpoint), until this run's first checkpoint is committed."""
 
     config: Config
     workdir: epath.Path
@@ -302,7 +304,7 @@ class Prepared:
     splits: dict
     tokens_per_byte: dict
     digest: tuple[str, ...]  # the text's sha256, then older digests of it that a data.json may hold
-    aside: epath.Path | None = None
+    aside: tuple[epath.Path, ...] = ()
     verification: object = None  # a prepared corpus' background sha256 check (qkvjax.data.shards)
 
 
@@ -319,11 +321,16 @@ def prepare(config: Config, workdir: epath.Path, overwrite: bool) -> Prepared:
     splits, tokens_per_byte, digest, verification = _load_data(config, workdir)
     if verification is None:
         check_splits(splits, config)
-    aside = None
-    if overwrite and jax.process_index() == 0:
-        aside = set_aside(workdir, keep_imported=imported(workdir))
-        if aside is not None:
-            _say(f"--overwrite: the previous run is in {aside} until this run's first checkpoint is committed")
+    aside = ()
+    if jax.process_index() == 0:
+        for left in replaced_runs(workdir):  # an earlier replacing attempt stopped before its first checkpoint
+            _say(f"a run --overwrite replaced is still in {left} (the run replacing it stopped before its first "
+                 f"checkpoint); it is deleted once this run commits one; {restore_hint(left)}")  # fmt: skip
+            aside += (left,)
+    if overwrite and jax.process_index() == 0 and (moved := set_aside(workdir, keep_imported=imported(workdir))):
+        _say(f"--overwrite: the previous run is in {moved} until this run's first checkpoint is committed; "
+             + restore_hint(moved))  # fmt: skip
+        aside += (moved,)
     _sync("old run set aside")
     return Prepared(config, workdir, model, tx, par, splits, tokens_per_byte, digest, aside, verification)
 
@@ -435,7 +442,7 @@ def _train(config: Config, workdir: epath.Path, overwrite: bool, lock: WorkdirLo
     mngr = checkpoint.manager(workdir, config.train.max_to_keep)
     batches = train_batches(
         prep.splits["train"], config.seq_len, config.train.batch_size, config.seed, jax.process_index(),
-        jax.process_count(), config.data.window_sampling, config.data.workers,
+        jax.process_count(), config.data.window_sampling, config.data.workers, config.data.start_batch,
     )  # fmt: skip
     state, latest = restore(prep, mngr, batches, overwrite)
     _record_provenance(prep)
@@ -612,7 +619,7 @@ class Loop:
         }
         # How much of the training text the run has seen: epochs of windows, and (disjoint windows, each target
         # once per epoch) the share of the targets trained on so far that it had trained on before.
-        seen = step * tc.batch_size
+        seen = (self.prep.config.data.start_batch + step) * tc.batch_size  # from the window order's start
         record["epochs"] = seen / self.windows
         if self.sampling == "disjoint":
             record["repeated"] = repeated_fraction(seen, self.windows)
@@ -675,12 +682,12 @@ class Loop:
             self.mngr, self.step, self.prep.par.unreplicate(self.state), self.batches.get_state(),
             to_dict(self.prep.config),
         )  # fmt: skip
-        aside = self.prep.aside
-        if aside is not None:  # the replaced run goes once this run has a checkpoint of its own
+        if self.prep.aside:  # the replaced runs go once this run has a checkpoint of its own
             checkpoint.finish(self.mngr)
-            drop_aside(aside)
-            _say(f"deleted the replaced run {aside} (checkpoint step {self.step} is committed)")
-            self.prep.aside = None
+            for aside in self.prep.aside:
+                drop_aside(aside)
+                _say(f"deleted the replaced run {aside} (checkpoint step {self.step} is committed)")
+            self.prep.aside = ()
         self.writer.flush()
         self.progress.doing("training")
 

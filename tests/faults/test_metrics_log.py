@@ -75,6 +75,21 @@ def test_compare_reads_the_checkpoints_config_not_a_hand_edited_config_json(tmp_
     assert "separate" in out
 
 
+def test_info_describes_a_run_before_its_first_checkpoint(tmp_path, small_text, data_dir, capsys):
+    """A run killed before its first save has its config, data record and metrics: info shows them (it said only
+    "no checkpoint yet" before), with no checkpoint listed."""
+    import shutil
+
+    w = tmp_path / "w"
+    assert run_in_process(train_args(w, small_text, data_dir, **{**SETTINGS, "train.num_steps": 2})) == 0
+    for saved in ("checkpoints", "params"):  # as if killed before the first save
+        shutil.rmtree(w / saved, ignore_errors=True)
+    capsys.readouterr()
+    assert run_in_process(["info", "--workdir", str(w)]) == 0
+    out = capsys.readouterr().out
+    assert "checkpoints: none yet" in out and "parameters:" in out and "last train metrics" in out.lower(), out
+
+
 def test_export_reads_the_checkpoints_config_not_a_hand_edited_config_json(tmp_path, small_text, data_dir, capsys):
     """An exportable ``separate`` checkpoint whose config.json was edited to a scheme export refuses (``bilinear``)
     exports all the same, with the warning compare, info and sample give."""

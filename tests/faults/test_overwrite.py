@@ -40,9 +40,63 @@ def test_overwrite_keeps_the_old_run_aside_until_the_first_new_checkpoint(tmp_pa
     new = {**SETTINGS, "model.d_model": 48}
     assert run_in_process(train_args(w, small_text, data_dir, **new) + ["--overwrite"]) == 0
     out = capsys.readouterr().out
+    # the start names the run the failed attempt left aside, and how to keep it (its folder is a workdir itself)
+    assert f"a run --overwrite replaced is still in {aside}" in out and f"mv {aside} runs/old" in out
     assert "deleted the replaced run" in out and "checkpoint step 2 is committed" in out
-    assert [n for n in os.listdir(w) if n.startswith("replaced-")] == [aside.name]  # the failed attempt's stays
+    assert out.count("deleted the replaced run") == 2  # the failed attempt's aside and this start's, both announced
+    assert not [n for n in os.listdir(w) if n.startswith("replaced-")]
     assert sorted(os.listdir(w / "checkpoints")) == ["2", "4"] and '"d_model": 48' in (w / "config.json").read_text()
+
+
+def test_a_replaced_run_left_by_a_killed_attempt_is_named_at_the_next_start(tmp_path, small_text, data_dir, capsys):
+    """A replacing run killed (SIGKILL) before its first checkpoint leaves the replaced run whole; the same command
+    again says where it is and how to keep it, and deletes it once the new run has a checkpoint."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    w = tmp_path / "w"
+    assert run_in_process(train_args(w, small_text, data_dir, **SETTINGS)) == 0
+    long = {**SETTINGS, "train.num_steps": 10**6, "train.checkpoint_every": 10**6, "train.log_every": 1}
+    args = train_args(w, small_text, data_dir, **long, **{"model.d_model": 48}) + ["--overwrite"]
+    proc = subprocess.Popen([sys.executable, "-m", "qkvjax.cli", *args], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        deadline = time.time() + 300
+
+        def training():  # the old run is aside and the new one has logged a step: no new checkpoint yet
+            aside = [n for n in os.listdir(w) if n.startswith("replaced-")]
+            return aside and (w / "metrics.jsonl").exists() and (w / "metrics.jsonl").stat().st_size
+
+        while not training() and time.time() < deadline:
+            time.sleep(0.2)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    (aside,) = [w / n for n in os.listdir(w) if n.startswith("replaced-")]
+    assert sorted(os.listdir(aside / "checkpoints")) == ["2", "4"]
+    capsys.readouterr()
+    again = {**long, "train.num_steps": 2, "train.checkpoint_every": 2}  # the same run, told to stop sooner
+    assert run_in_process(train_args(w, small_text, data_dir, **again, **{"model.d_model": 48}) + ["--overwrite"]) == 0
+    out = capsys.readouterr().out
+    assert f"a run --overwrite replaced is still in {aside}" in out and f"mv {aside} runs/old" in out
+    assert f"deleted the replaced run {aside}" in out and not aside.exists()
+    assert not [n for n in os.listdir(w) if n.startswith("replaced-")]
+
+
+def test_a_users_own_checkpoints_folder_is_never_touched(tmp_path, small_text, data_dir, capsys):
+    """A folder holding no run (no config.json) but a checkpoints/ folder of the user's own: refused with and
+    without --overwrite (--overwrite moved it aside and deleted it), the folder kept byte for byte."""
+    w = tmp_path / "w"
+    (w / "checkpoints").mkdir(parents=True)
+    (w / "checkpoints" / "mine.pt").write_bytes(b"a user's weights")
+    for extra in ([], ["--overwrite"]):
+        assert run_in_process(train_args(w, small_text, data_dir, **SETTINGS) + extra) != 0
+        err = capsys.readouterr().err
+        assert "holds a checkpoints/ folder but no run" in err and err.count("\n") == 1, err
+        assert (w / "checkpoints" / "mine.pt").read_bytes() == b"a user's weights"
+        assert sorted(os.listdir(w)) == ["checkpoints"]
 
 
 def test_overwrite_of_an_imported_model_starts_from_its_weights(tmp_path, small_text, data_dir, capsys):
