@@ -199,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {r.name}: {r.tokens:,} tokens")
     if args.plan_only:
         return 0
+    args.out.mkdir(parents=True, exist_ok=True)
     base_steps = _base_config(data, 0, n).train.num_steps
     started = time.monotonic()
     for run in runs:
