@@ -24,6 +24,13 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="qkvjax-tests-jax-cache-")
     atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+# The tests never write into the user's home: TFDS's default data_dir (~/tensorflow_datasets), ~/.cache and the like
+# go to a folder of this session, inherited by the subprocesses and removed at the end (QKVJAX_TESTS_KEEP_HOME=1
+# keeps the real home, e.g. to reuse a prepared dataset).
+if "QKVJAX_TESTS_HOME" not in os.environ and os.environ.get("QKVJAX_TESTS_KEEP_HOME") != "1":
+    os.environ["QKVJAX_TESTS_HOME"] = tempfile.mkdtemp(prefix="qkvjax-tests-home-")
+    atexit.register(shutil.rmtree, os.environ["QKVJAX_TESTS_HOME"], ignore_errors=True)
+    os.environ["HOME"] = os.environ["QKVJAX_TESTS_HOME"]
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 

@@ -135,3 +135,14 @@ def test_the_readme_is_a_front_page():
     assert readme.count("\n") < 250
     assert not re.search(r"\b20\d\d-\d\d-\d\d\b", readme), re.search(r"\b20\d\d-\d\d-\d\d\b", readme)
     assert not re.search(r"\b(at|in|commit) [0-9a-f]{7,40}\b", readme)
+
+
+def test_the_tests_write_nothing_into_the_users_home():
+    """conftest.py points HOME at a folder of the session: ~/tensorflow_datasets and ~/.cache land there."""
+    if os.environ.get("QKVJAX_TESTS_KEEP_HOME") == "1":
+        pytest.skip("QKVJAX_TESTS_KEEP_HOME=1 asked for the real home")
+    home = os.path.expanduser("~")
+    assert home == os.environ["QKVJAX_TESTS_HOME"] and os.path.basename(home).startswith("qkvjax-tests-home-")
+    probe = subprocess.run([sys.executable, "-c", "import os; print(os.path.expanduser('~'))"], capture_output=True,
+                           text=True, check=True)  # fmt: skip
+    assert probe.stdout.strip() == home  # the CLI subprocesses the tests start inherit it

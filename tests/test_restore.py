@@ -401,8 +401,8 @@ def test_convert_to_bilinear_is_exact_and_to_gqa_pools_heads(run, tmp_path):
                 block["attention"][key] = np.repeat(w.mean(axis=1, keepdims=True), n, axis=1)
     np.testing.assert_allclose(logits, model.apply({"params": pooled}, tokens), rtol=2e-5, atol=2e-5)
     assert not np.allclose(logits, before, atol=1e-3)  # pooling four trained heads into one changes the model
-    with pytest.raises(ValueError, match=r"no conversion from 'separate' to 'shared_qk'"):
-        convert(config.model, params, to="shared_qk")
+    with pytest.raises(ValueError, match=r"no conversion from 'separate' to 'reformer_qk'"):
+        convert(config.model, params, to="reformer_qk")  # unit keys and a self-mask: no least-squares form
 
 
 def test_convert_to_mla_reports_errors_and_uptrains_from_its_config_json(run, tmp_path, capsys):

@@ -61,12 +61,15 @@ def check_workdir(workdir, config: Config, overwrite: bool) -> None:
     An imported model's ``params/0`` survives ``overwrite`` (the new run starts from it), so a model config other
     than the one imported is refused either way."""
     workdir = path(workdir)
-    if not (workdir / CONFIG_FILE).exists() and (workdir / "checkpoints").exists():
-        # checkpoints/ with no run's config.json beside it is not a qkvjax run's (train writes config.json first):
-        # a user's own folder, which a run would write into and --overwrite would move aside and delete
+    folder = workdir / "checkpoints"
+    foreign = sorted(p.name for p in folder.iterdir() if not (p.name.isdigit() or "orbax-checkpoint-tmp" in p.name)
+                     ) if folder.is_dir() else []  # fmt: skip
+    if not (workdir / CONFIG_FILE).exists() and foreign:
+        # checkpoints/ holding what no qkvjax run writes (its steps are numbered folders) and no config.json beside
+        # it: a user's own folder, which a run would write into and --overwrite would move aside and delete
         raise ValueError(
-            f"workdir {workdir} holds a checkpoints/ folder but no run (no {CONFIG_FILE}): it is not a qkvjax "
-            "run's, and neither resuming nor --overwrite may touch it; use another --workdir or move it"
+            f"workdir {workdir} holds a checkpoints/ folder but no run (no {CONFIG_FILE}; it holds {foreign[0]!r}): it "
+            "is not a qkvjax run's, and neither resuming nor --overwrite may touch it; use another --workdir or move it"
         )
     old = {}
     if (workdir / CONFIG_FILE).exists():
