@@ -153,7 +153,7 @@ def _batch():
 
 
 def _reference(model, tokens, mask, encoder: bool) -> np.ndarray:
-    # output_hidden_states: transformers 5.23's Gemma 4 fails in its K/V-sharing shortcut without it (the
+    # output_hidden_states: transformers 5.23's Gemma 4 failed in its K/V-sharing shortcut without it (the
     # shortcut slices per-layer inputs a model without them lacks); other models only return more
     with torch.no_grad():
         out = model(torch.tensor(tokens), attention_mask=torch.tensor(mask.astype(np.int64)), output_hidden_states=True)
@@ -317,6 +317,13 @@ def test_import_then_export_loads_in_transformers_with_the_same_logits(folders, 
     _close(_reference(back, tokens, mask, False), _reference(ref_model, tokens, mask, False), mask)
     for key in ("bos_token_id", "eos_token_id"):  # generate() stops where the original did
         assert getattr(back.config, key) == getattr(ref_model.config, key) is not None, key
+    # transformers' own greedy generate on the exported folder, with no output_hidden_states to route around its
+    # code paths (transformers 5.23's Gemma 4 failed here): the reference model's tokens
+    prompt = torch.tensor(tokens[:1, :5])
+    settings = {"max_new_tokens": 6, "do_sample": False, "eos_token_id": None, "pad_token_id": 0}
+    with torch.no_grad():
+        ours, theirs = back.generate(prompt, **settings), ref_model.generate(prompt, **settings)
+    assert ours.tolist() == theirs.tolist()
 
 
 def _perturbed(config, seed=3):
