@@ -185,6 +185,26 @@ def device_memory(device=None) -> int:
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def available_memory(device=None) -> int:
+    """Bytes ``device`` can still allocate: an accelerator's limit less what is in use, else this machine's
+    available memory (Linux's MemAvailable: free pages and those the kernel can reclaim), not its total, which
+    other processes and this one's own arrays already share."""
+    import jax
+
+    device = jax.local_devices()[0] if device is None else device
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if stats and stats.get("bytes_limit"):
+        return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 def is_disk_full(e: BaseException) -> bool:
     """Whether ``e`` or what caused it is ENOSPC (an OSError's errno, or the words in another library's error:
     orbax's thread errors, array_record's RuntimeError)."""

@@ -96,21 +96,31 @@ def test_ids_outside_the_vocabulary_or_positions_outside_the_context_give_nan_ro
         model.apply(params, "ROMEO:")
 
 
-def test_a_cache_larger_than_the_devices_memory_is_refused_before_it_is_allocated():
+def test_a_cache_larger_than_the_available_memory_is_refused_before_it_is_allocated(monkeypatch):
     """Its bytes are the product of its shapes, so they are known before anything is allocated: on a CPU a cache
     that cannot fit was a RESOURCE_EXHAUSTED traceback, or, where the allocation was granted, a process the
-    operating system killed without a message once the zeros were written."""
-    from qkvjax.checks import device_memory
+    operating system killed without a message once the zeros were written. It is checked against the memory still
+    available, with decoding's working copy (round 4: a cache under the machine's total but over what was free
+    passed, and the process grew to 1.7x the cache and was killed)."""
+    from qkvjax import checks
+    from qkvjax.models.lm import DECODE_MEMORY_FACTOR
 
     cfg = lm()
     row = DecodeCache.empty(cfg, 1).nbytes  # the K/V of one row
-    rows = device_memory() // row + 1
+    assert 0 < checks.available_memory() <= checks.device_memory()
+    rows = checks.available_memory() // (DECODE_MEMORY_FACTOR * row) + 1
     match = (
-        rf"^a decode cache of {rows:,} rows x 7 positions needs .* GiB \({row:,} bytes a row\); the device holds .* "
-        rf"GiB; allowed: fewer rows \(the cache alone fills it at {rows - 1:,}\) or a shorter context$"
+        rf"^a decode cache of {rows:,} rows x 7 positions needs .* GiB \({row:,} bytes a row\) and decoding about "
+        rf"{DECODE_MEMORY_FACTOR}x that; the device has .* GiB available; allowed: fewer rows \(at most "
+        rf"{rows - 1:,}\) or a shorter context$"
     )
     with pytest.raises(ValueError, match=match):
         DecodeCache.empty(cfg, rows)
+    # what counts is what is free, not the total: 50 rows fit a machine's total, not 3 rows' worth of free memory
+    monkeypatch.setattr(checks, "available_memory", lambda device=None: 3 * DECODE_MEMORY_FACTOR * row)
+    DecodeCache.empty(cfg, 3)
+    with pytest.raises(ValueError, match=r"allowed: fewer rows \(at most 3\)"):
+        DecodeCache.empty(cfg, 50)
 
 
 @pytest.mark.parametrize(

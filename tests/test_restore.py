@@ -469,7 +469,7 @@ def test_convert_to_mla_reports_errors_and_uptrains_from_its_config_json(run, tm
         (
             ["sample", "--workdir={run}", "--prompt=hi", "--prompt=ho", "--num-samples=1000000000000"],
             r"--num-samples 1000000000000 x 2 prompt\(s\): a decode cache of 2,000,000,000,000 rows x 32 positions "
-            r"needs [\d,.]+ GiB .*; the device holds [\d,.]+ GiB; allowed: fewer rows",
+            r"needs [\d,.]+ GiB .*; the device has [\d,.]+ GiB available; allowed: fewer rows",
         ),
         (["compare", "{run}", "--plot={empty}/curves"], r"--plot=.*/curves' names no image format; allowed: .*png"),
         (["compare", "{run}", "--plot={empty}"], r"--plot=.* is a folder; allowed: a file's path in it"),
