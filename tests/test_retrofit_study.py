@@ -38,3 +38,44 @@ def test_the_study_runs_at_a_toy_size_and_resumes(tmp_path, small_text, data_dir
     assert dataclasses.asdict(config.data)["sampling"] == "disjoint"
     assert retrofit.main(args) == 0  # everything done: nothing runs again
     assert "0 runs left (5 done)" in capsys.readouterr().out and len(read_csv(out / "runs.csv")) == 5
+
+
+def test_the_report_pairs_each_budget_with_its_from_scratch_length_and_answers(tmp_path):
+    """retrofit_report on constructed rows: 1% and 3% against scratch on N, 10% against 1.1 N, 30% against 1.3 N,
+    the gap paired by seed with its t interval (numpy/scipy in float64), the answer the first budget whose upper
+    bound is below the pre-registered d; a target with a budget short of seeds is open."""
+    from scipy import stats
+
+    from experiments import retrofit_report
+    from experiments.rows import append_rows
+
+    rows = []
+    for seed in range(3):
+        rows.append({"stage": "base", "target": "separate", "budget": 1.0, "seed": seed, "final_val_loss": 1.7,
+                     "tokens": 1000})  # fmt: skip
+        for scale, loss in ((1.0, 1.80), (1.1, 1.78), (1.3, 1.75)):
+            rows.append({"stage": "scratch", "target": "mqa", "budget": scale, "seed": seed,
+                         "final_val_loss": loss + 0.001 * seed, "tokens": 1000})  # fmt: skip
+        for budget, gap in ((0.01, 0.30), (0.03, 0.10), (0.1, -0.01), (0.3, -0.02)):
+            ref = {0.01: 1.80, 0.03: 1.80, 0.1: 1.78, 0.3: 1.75}[budget]
+            loss = ref + 0.001 * seed + gap + 0.003 * (seed - 1) ** 2
+            rows.append({"stage": "uptrain", "target": "mqa", "budget": budget, "seed": seed,
+                         "final_val_loss": loss, "tokens": 1000})  # fmt: skip
+    rows.append({"stage": "uptrain", "target": "gqa2", "budget": 0.01, "seed": 0, "final_val_loss": 2.0,
+                 "tokens": 1000})  # fmt: skip
+    entries = retrofit_report.gaps(retrofit_report.losses([{k: str(v) for k, v in r.items()} for r in rows]))
+    ten = next(e for e in entries if e["target"] == "mqa" and e["budget"] == 0.1)
+    diffs = np.array([-0.01 + 0.003 * (s - 1) ** 2 for s in range(3)])
+    half = stats.t.ppf(0.975, 2) * diffs.std(ddof=1) / np.sqrt(3)
+    want = [diffs.mean(), diffs.mean() - half, diffs.mean() + half, half]
+    np.testing.assert_allclose([ten["gap"], *ten["ci"], ten["d"]], want, rtol=1e-9)
+    assert ten["ref"] == np.mean([1.78, 1.781, 1.782])  # 10% is read against 1.1 N
+    answers = retrofit_report.answer(entries)
+    assert answers["mqa"] == "10% of the base's tokens" and answers["gqa2"].startswith("open")
+    out = tmp_path / "r"
+    out.mkdir()
+    append_rows(out / "runs.csv", tuple(rows[0]), rows)
+    assert retrofit_report.main([str(out)]) == 0
+    text = (out / "summary.md").read_text()
+    assert "- mqa: 10% of the base's tokens" in text
+    assert (out / "loss_vs_uptrain_tokens.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
