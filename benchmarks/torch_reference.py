@@ -123,61 +123,103 @@ def make_optimizer(model: TorchLM, tc: TrainConfig) -> torch.optim.Optimizer:
     return torch.optim.AdamW(groups, lr=tc.learning_rate, betas=(tc.b1, tc.b2), eps=1e-8, fused=fused)
 
 
-def train_step_fn(model: TorchLM, opt: torch.optim.Optimizer, tc: TrainConfig, dtype: str = "float32", forward=None):
+COMPILES = ("off", "model", "step")  # nothing compiled; the model only (nanoGPT's); the whole step (below)
+MODES = ("default", "reduce-overhead", "max-autotune")  # torch.compile's modes (the last two use CUDA graphs on a GPU)
+SDPA_BACKENDS = ("auto", "flash", "efficient", "cudnn", "math")  # "auto": torch's own pick, recorded as such
+
+
+def train_step_fn(model: TorchLM, opt: torch.optim.Optimizer, tc: TrainConfig, dtype: str = "float32", forward=None,
+                  compile: str = "off", mode: str = "default"):  # fmt: skip
     """One AdamW step. ``dtype`` 'bfloat16' runs the forward under autocast (float32 parameters, bfloat16
     matmuls and attention: what qkvjax's ``dtype='bfloat16'`` computes); ``forward`` is the model or its
-    ``torch.compile``d form."""
+    ``torch.compile``d form. ``compile='step'`` compiles the whole step as the strongest fair reference does: the
+    forward and the loss in one graph (AOTAutograd compiles its backward with it), and the gradient clipping with
+    the AdamW update in another (PyTorch's "compiling the optimizer" recipe), both in ``mode``; only the
+    ``.backward()`` call and the loss's ``.item()`` (the host sync qkvjax's loop makes when it logs) stay in Python."""
     device_type = next(model.parameters()).device.type
     autocast = dtype != "float32"
     forward = model if forward is None else forward  # a compiled module refuses bool()
 
-    def step(inputs: torch.Tensor, targets: torch.Tensor) -> float:
+    def loss_of(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         with torch.autocast(device_type, dtype=getattr(torch, dtype), enabled=autocast):
             logits = forward(inputs)
-        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+    def update() -> None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
         opt.step()
+
+    if compile == "step":
+        loss_of, update = torch.compile(loss_of, mode=mode), torch.compile(update, mode=mode)
+
+    def step(inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        loss = loss_of(inputs, targets)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        update()
         return loss.item()  # a host sync, as qkvjax's loop does when it logs
 
     return step
 
 
-def runner(config: Config, batch_size: int, seed: int = 0, device: str = "cpu", compile: bool = False):
+def _sdpa(backend: str):
+    """The context that forces ``backend`` for ``scaled_dot_product_attention`` ("auto": none)."""
+    import contextlib
+
+    if backend == "auto":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    names = {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "cudnn": "CUDNN_ATTENTION",
+             "math": "MATH"}  # fmt: skip
+    return sdpa_kernel(getattr(SDPBackend, names[backend]))
+
+
+def runner(config: Config, batch_size: int, seed: int = 0, device: str = "cpu", compile: bool | str = False,
+           mode: str = "default", sdpa: str = "auto"):  # fmt: skip
     """A zero-argument function that runs one timed train step on random bytes and returns its seconds (after
     two warm-up steps, whose seconds, compiling included, are its ``warmup_s``), for ``benchmarks/bench.py`` to
     interleave with the qkvjax step. On a GPU the config's compute dtype runs under autocast, attention is
-    ``scaled_dot_product_attention`` (flash attention where it applies), AdamW is fused; ``compile`` wraps the
-    model in ``torch.compile``."""
+    ``scaled_dot_product_attention`` (``sdpa``: a backend forced, or torch's pick), AdamW is fused; ``compile``:
+    True or 'model' wraps the model in ``torch.compile``, 'step' compiles the whole step (:func:`train_step_fn`),
+    each in ``mode``."""
+    compile = {True: "model", False: "off"}.get(compile, compile)
+    if compile not in COMPILES or mode not in MODES or sdpa not in SDPA_BACKENDS:
+        raise ValueError(f"compile={compile!r}, mode={mode!r}, sdpa={sdpa!r}; allowed: {COMPILES}, {MODES}, "
+                         f"{SDPA_BACKENDS}")  # fmt: skip
     torch.manual_seed(seed)
     if device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True  # as JAX's default precision on a GPU
         torch.backends.cudnn.allow_tf32 = True
     model = TorchLM(config.model).to(device)
-    forward = torch.compile(model) if compile else model
+    forward = torch.compile(model, mode=mode) if compile == "model" else model
     dtype = config.model.attention.dtype
-    step = train_step_fn(model, make_optimizer(model, config.train), config.train, dtype, forward)
+    step = train_step_fn(model, make_optimizer(model, config.train), config.train, dtype, forward, compile, mode)
     rng = np.random.default_rng(seed)
     tokens = torch.from_numpy(rng.integers(0, config.model.vocab_size, (batch_size, config.seq_len + 1))).to(device)
     inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    losses = []
     start = time.perf_counter()
-    for _ in range(2):
-        step(inputs, targets)
+    with _sdpa(sdpa):
+        for _ in range(2):
+            losses.append(step(inputs, targets))
     warmup_s = time.perf_counter() - start
 
     def one_step() -> float:
         start = time.perf_counter()
-        step(inputs, targets)
+        with _sdpa(sdpa):
+            losses.append(step(inputs, targets))
         return time.perf_counter() - start
 
     one_step.warmup_s = warmup_s
+    one_step.losses = losses  # every step's loss, warm-up included (a compiled step must train as eager does)
     return one_step
 
 
-def time_train_steps(config: Config, batch_size: int, steps: int, seed: int = 0) -> list[float]:
+def time_train_steps(config: Config, batch_size: int, steps: int, seed: int = 0, compile: str = "off",
+                     mode: str = "default", sdpa: str = "auto") -> list[float]:  # fmt: skip
     """Seconds per step of ``steps`` steps after two warm-up steps, on random bytes."""
-    one_step = runner(config, batch_size, seed)
+    one_step = runner(config, batch_size, seed, compile=compile, mode=mode, sdpa=sdpa)
     return [one_step() for _ in range(steps)]
 
 
@@ -186,13 +228,21 @@ def main(argv=None) -> int:
     p.add_argument("--config", default=str(REPO / "experiments/configs/shakespeare_char.py"))
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument(
+        "--compile",
+        default="off",
+        choices=COMPILES,
+        help="off; model (torch.compile of the model); step (the whole step: forward, loss, backward, clipping, AdamW)",
+    )
+    p.add_argument("--mode", default="default", choices=MODES, help="torch.compile's mode")
+    p.add_argument("--sdpa", default="auto", choices=SDPA_BACKENDS, help="scaled_dot_product_attention's backend")
     p.add_argument("--json", action="store_true", help="print one JSON line (for benchmarks/vs_torch.py)")
     args = p.parse_args(argv)
     # as qkvjax's side is timed: no dropout, no gradient accumulation
     config = apply_overrides(
         load_config_file(args.config), {"model.dropout_rate": "0.0", "train.grad_accum_steps": "1"}
     )
-    times = time_train_steps(config, args.batch_size, args.steps)
+    times = time_train_steps(config, args.batch_size, args.steps, compile=args.compile, mode=args.mode, sdpa=args.sdpa)
     median = statistics.median(times)
     if args.json:
         print(
@@ -202,6 +252,9 @@ def main(argv=None) -> int:
                     "tokens": args.batch_size * config.seq_len,
                     "torch": torch.__version__,
                     "threads": torch.get_num_threads(),
+                    "compile": args.compile,
+                    "mode": args.mode,
+                    "sdpa": args.sdpa,
                 }
             )
         )

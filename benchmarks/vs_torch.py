@@ -38,11 +38,12 @@ def _run(cmd: list[str]) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def compare(config: str, batch_size: int, steps: int, rounds: int, log=print) -> dict:
-    """Median tokens/s of each side and the median of the per-round ratios (qkvjax over PyTorch)."""
+def compare(config: str, batch_size: int, steps: int, rounds: int, log=print, torch_args: tuple = ()) -> dict:
+    """Median tokens/s of each side and the median of the per-round ratios (qkvjax over PyTorch); ``torch_args``:
+    torch_reference.py's --compile, --mode, --sdpa."""
     common = ["--config", config, "--batch-size", str(batch_size), "--steps", str(steps)]
     ours_cmd = [sys.executable, str(REPO / "benchmarks" / "xla_flags.py"), "--child", *common, "--check-steps", "0"]
-    torch_cmd = [sys.executable, str(REPO / "benchmarks" / "torch_reference.py"), *common, "--json"]
+    torch_cmd = [sys.executable, str(REPO / "benchmarks" / "torch_reference.py"), *common, *torch_args, "--json"]
     ours, theirs, ratios = [], [], []
     for r in range(rounds):
         pair = (ours_cmd, torch_cmd) if r % 2 == 0 else (torch_cmd, ours_cmd)  # who goes first alternates too
@@ -98,13 +99,23 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--json", default=None)
     p.add_argument("--scaling-sizes", default=None, help="comma-separated d_model of experiments/scaling.py's sizes")
+    p.add_argument(
+        "--torch-compile",
+        default="off",
+        choices=("off", "model", "step"),
+        help="the PyTorch side: eager, the model compiled, or the whole step compiled",
+    )
+    p.add_argument("--torch-mode", default="default", help="torch.compile's mode (reduce-overhead, max-autotune)")
+    p.add_argument("--torch-sdpa", default="auto", help="scaled_dot_product_attention's backend, forced")
     args = p.parse_args(argv)
+    torch_args = ("--compile", args.torch_compile, "--mode", args.torch_mode, "--sdpa", args.torch_sdpa)
     if args.scaling_sizes:
         return scaling_sizes([int(x) for x in args.scaling_sizes.split(",")], args.steps, args.rounds, args.json)
     print(f"{time.strftime('%Y-%m-%d %H:%M')} | {args.config} batch {args.batch_size} | {args.rounds} rounds")
-    out = compare(args.config, args.batch_size, args.steps, args.rounds)
+    out = compare(args.config, args.batch_size, args.steps, args.rounds, torch_args=torch_args)
+    how = "eager" if args.torch_compile == "off" else f"compile={args.torch_compile} mode={args.torch_mode}"
     print(
-        f"qkvjax {out['qkvjax_tokens_per_s']:,.0f} tok/s, PyTorch {out['torch']} eager "
+        f"qkvjax {out['qkvjax_tokens_per_s']:,.0f} tok/s, PyTorch {out['torch']} {how} "
         f"{out['torch_tokens_per_s']:,.0f} tok/s: qkvjax x{out['x_torch']:.2f} "
         f"(rounds {out['x_torch_min']:.2f}..{out['x_torch_max']:.2f})"
     )

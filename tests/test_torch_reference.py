@@ -49,3 +49,18 @@ def test_train_steps_are_timed():
     config = apply_overrides(load_config_file(TINY), {"model.max_len": "16"})
     times = torch_reference.time_train_steps(config, batch_size=4, steps=3)
     assert len(times) == 3 and all(t > 0 for t in times)
+
+
+@pytest.mark.slow  # inductor compiles C++ on a CPU: 1-4 min on 2 cores (pytest -m slow tests/test_torch_reference.py)
+def test_the_whole_step_compiled_trains_as_eager_does():
+    """compile='step' (forward and loss in one graph, clipping and AdamW in another) gives eager's losses step for
+    step, with the SDPA backend forced (math on a CPU); a bad mode is refused in one line."""
+    config = apply_overrides(load_config_file(TINY), {"model.max_len": "16", "model.d_model": "32"})
+    eager = torch_reference.runner(config, batch_size=3, seed=5)
+    compiled = torch_reference.runner(config, batch_size=3, seed=5, compile="step", sdpa="math")
+    for _ in range(2):
+        eager(), compiled()
+    np.testing.assert_allclose(compiled.losses, eager.losses, rtol=2e-4)
+    assert len(eager.losses) == 4 and eager.losses[-1] < eager.losses[0]  # it trains
+    with pytest.raises(ValueError, match=r"compile='step', mode='fast'.*allowed"):
+        torch_reference.runner(config, batch_size=3, compile="step", mode="fast")
