@@ -37,6 +37,20 @@ def test_terminal_shows_step_loss_speed_eval_and_eta():
     assert "eta" in last
 
 
+def test_an_evaluation_shows_on_the_live_line_when_it_finishes():
+    """The loop logs a step, then evaluates at it: the line shows that evaluation at once, not one interval later
+    (round 4: the figure lagged one evaluation behind)."""
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=True, width=160, color_system=None)
+    p = TrainProgress(0, 40, live=True, console=console)
+    p.step(20)
+    p.log(_record(20))  # logged first, as the loop's cadences run
+    p.evaluated(20, {"split": "validation", "loss": 2.125, "bits_per_byte": 3.1})
+    text = out.getvalue()
+    p.close()
+    assert "loss 2.5000 @ 20 1,234 tok/s mfu 25.0% | eval 2.1250 @ 20" in text, text  # redrawn with the eval
+
+
 def test_plain_lines_when_not_a_terminal():
     out = io.StringIO()
     p = TrainProgress(0, 7, live=False, console=Console(file=out))

@@ -40,6 +40,7 @@ class TrainProgress:
         self.start, self.total, self.enabled = start, total, enabled
         self.live = enabled and (sys.stdout.isatty() if live is None else live)
         self.last_eval = ""
+        self._status = ""  # the bar's training part, to which an evaluation is added when it finishes
         self._clock: tuple[float, int] | None = None  # (time, step) at which the speed estimate starts
         self._bar = None
         if self.live:
@@ -111,7 +112,8 @@ class TrainProgress:
         speed = (
             f" {record['tokens_per_s']:,.0f} tok/s mfu {100 * record['mfu']:.1f}%" if "tokens_per_s" in record else ""
         )
-        status = f"loss {record['loss']:.4f} @ {record['step']}{speed}{self.last_eval}"
+        self._status = f"loss {record['loss']:.4f} @ {record['step']}{speed}"
+        status = self._status + self.last_eval
         if self._bar is not None:
             eta = self.eta_s(record["step"])
             eta = _duration(eta) if eta is not None else "-:--"
@@ -127,6 +129,9 @@ class TrainProgress:
 
     def evaluated(self, step: int, ev: dict) -> None:
         self.last_eval = f" | eval {ev['loss']:.4f} @ {step}"
+        if self._bar is not None:  # shown now, not at the next logged step (it lagged one evaluation behind)
+            self._bar.update(self._task, status=self._status + self.last_eval)
+            self._bar.refresh()
         self.message(f"step {step} eval {ev['split']} loss {ev['loss']:.4f} bpb {ev['bits_per_byte']:.3f}")
 
     def close(self) -> None:
