@@ -119,6 +119,9 @@ def plot(rows: list[dict], out: Path) -> Path:
         if ref:
             m = statistics.fmean(ref.values())
             ax.axhline(m, color=color, ls="--", lw=1, label=f"{target} from scratch on N")
+    base = cells.get(("base", "separate", 1.0))
+    if base:
+        ax.axhline(statistics.fmean(base.values()), color="gray", ls=":", lw=1.5, label="separate, the base (N)")
     ax.set_xscale("log")
     ax.set_xlabel("uptraining tokens (log)")
     ax.set_ylabel("final validation loss (nats/byte)")
