@@ -206,9 +206,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.budget_s is not None and time.monotonic() - started + run.tokens / args.tokens_per_s > args.budget_s:
             print(f"retrofit: stopping before {run.name}: --budget-s {args.budget_s:g} would be exceeded")
             break
-        if run.stage == "uptrain" and not (args.scratch / Run("base", "separate", run.seed, 1.0, 0).name).exists():
-            print(f"retrofit: skipping {run.name}: its base has not run (stage base first)")
-            continue
+        base = Run("base", "separate", run.seed, 1.0, n)
+        if run.stage == "uptrain" and not (args.scratch / base.name).exists():
+            if base.name not in done:
+                print(f"retrofit: skipping {run.name}: its base has not run (stage base first)")
+                continue
+            # a new machine's scratch: the base's row is kept, its workdir trained again (same seed and data; the
+            # weights may differ from the first in the last bits where XLA's build or the CPU differ)
+            print(f"retrofit: training {base.name} again for its uptraining runs (its row is kept)", flush=True)
+            run_one(base, data, args.scratch, base_steps)
         print(f"--- {run.name}: {run.tokens:,} tokens", flush=True)
         append_rows(args.out / "runs.csv", COLUMNS, [run_one(run, data, args.scratch, base_steps)])
     return 0

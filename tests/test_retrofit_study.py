@@ -3,8 +3,10 @@ converted weights at step 0 and reads the base's window order on, a from-scratch
 rerun that skips what is done."""
 
 import dataclasses
+import shutil
 
 import numpy as np
+import pytest
 
 from experiments import retrofit
 from experiments.rows import read_csv
@@ -13,6 +15,7 @@ from qkvjax.workdir import load_config
 STRICT_DTYPE_PROMOTION = False  # optax inside the training runs
 
 
+@pytest.mark.slow  # eight tiny training runs, 1-3 minutes on 2 cores: `pytest -m slow tests/test_retrofit_study.py`
 def test_the_study_runs_at_a_toy_size_and_resumes(tmp_path, small_text, data_dir, monkeypatch, capsys):
     monkeypatch.setattr(retrofit, "SIZE", 8)
     monkeypatch.setattr(retrofit, "BUDGETS", (0.05,))
@@ -38,6 +41,14 @@ def test_the_study_runs_at_a_toy_size_and_resumes(tmp_path, small_text, data_dir
     assert dataclasses.asdict(config.data)["sampling"] == "disjoint"
     assert retrofit.main(args) == 0  # everything done: nothing runs again
     assert "0 runs left (5 done)" in capsys.readouterr().out and len(read_csv(out / "runs.csv")) == 5
+    # a new machine: the scratch folder is gone and a budget is added; the base is trained again, its row kept
+    shutil.rmtree(scratch)
+    monkeypatch.setattr(retrofit, "BUDGETS", (0.05, 0.1))
+    monkeypatch.setattr(retrofit, "TARGETS", {"gqa2": retrofit.TARGETS["gqa2"]})
+    assert retrofit.main(args + ["--stages", "uptrain"]) == 0
+    assert "training base-separate-b1-seed0 again" in capsys.readouterr().out
+    runs = [r["run"] for r in read_csv(out / "runs.csv")]
+    assert runs[5:] == ["uptrain-gqa2-b0.1-seed0"] and runs.count("base-separate-b1-seed0") == 1
 
 
 def test_the_report_pairs_each_budget_with_its_from_scratch_length_and_answers(tmp_path):
