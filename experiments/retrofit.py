@@ -97,8 +97,9 @@ def _base_config(data, seed: int, tokens: int, variant: str = "separate"):
     return size_config(SIZE, variant, RATE, seed, tokens, data)
 
 
-def _converted(run: Run, data, scratch: Path) -> tuple[Path, float]:
-    """The base of ``run.seed`` converted to ``run.target`` (once per seed and target) and its mean layer error."""
+def _converted(run: Run, data, scratch: Path) -> tuple[Path, float | str]:
+    """The base of ``run.seed`` converted to ``run.target`` (once per seed and target) and its mean layer error ("":
+    none is measured, as for mean-pooled heads)."""
     from qkvjax.convert import LayerError, convert_workdir
 
     base = scratch / Run("base", "separate", run.seed, 1.0, 0).name
@@ -108,10 +109,10 @@ def _converted(run: Run, data, scratch: Path) -> tuple[Path, float]:
         kwargs = TARGETS[run.target][0]
         convert_workdir(str(base), str(out), kwargs.get("to"), kwargs.get("num_kv_heads"), rank=kwargs.get("rank"),
                         errors=errors, latent_norm=kwargs.get("latent_norm", False))  # fmt: skip
-        (out / "conversion_error.txt").write_text(
-            repr(statistics.fmean(e.error for e in errors if isinstance(e, LayerError)) if errors else 0.0)
-        )
-    return out, float((out / "conversion_error.txt").read_text())
+        measured = [e.error for e in errors if isinstance(e, LayerError)]  # none for mean-pooled GQA/MQA heads
+        (out / "conversion_error.txt").write_text(repr(statistics.fmean(measured)) if measured else "")
+    text = (out / "conversion_error.txt").read_text()
+    return out, float(text) if text else ""
 
 
 def _uptrain_workdir(run: Run, data, scratch: Path, base_steps: int) -> tuple[Path, object, float]:
