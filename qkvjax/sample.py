@@ -216,6 +216,28 @@ def _programs(model: DecoderLM, sampling: Sampling, scan_unroll: int) -> tuple:
     return prefill, step, decode_all, decode_until_stop
 
 
+KEPT_IN_PARAM_DTYPE = ("rel_bias",)  # 2-D parameters the model reads in its parameter dtype, not cast to compute
+
+
+def compute_params(model: DecoderLM, params):
+    """``params`` with every weight matrix (two dimensions or more) cast to the model's compute dtype once, as each
+    layer casts it at every call (``astype(dtype)`` of a kernel, an embedding's rows, the unembedding): the same
+    function, bit for bit, and a decoding loop no longer reads float32 weights and converts them per token (a
+    bfloat16 model's matmuls then read half the bytes). Norm scales, biases and other vectors stay as they are:
+    the model computes with them in their own dtype. A model whose compute and parameter dtypes agree is returned
+    unchanged."""
+    dtype = model.config.dtype
+    if dtype == model.config.param_dtype:
+        return params
+
+    def cast(path, leaf):
+        name = str(getattr(path[-1], "key", path[-1]))
+        matrix = getattr(leaf, "ndim", 0) >= 2 and jnp.issubdtype(leaf.dtype, jnp.floating)
+        return leaf.astype(dtype) if matrix and name not in KEPT_IN_PARAM_DTYPE else leaf
+
+    return jax.tree_util.tree_map_with_path(cast, params)
+
+
 def generate_batch(
     model: DecoderLM,
     params,
@@ -284,7 +306,7 @@ def generate_batch(
     seen = _seen(model, prompts, held, cached_tokens) if repetition_penalty is not None else None
     stops = _stop_set(stop_ids)
     shared, lengths, padded = _prefill_layout(model, prompts, held, share_prefix, prompt_bucket)
-    programs = _programs(model, sampling, scan_unroll)
+    programs, params = _programs(model, sampling, scan_unroll), compute_params(model, params)  # weights cast once
     base = jax.random.PRNGKey(seed)
     start = time.perf_counter()
     given = cache is not None

@@ -169,3 +169,38 @@ def test_equal_settings_are_one_key_for_the_compiled_programs():
     """generate_batch keeps its compiled programs per model and Sampling: equal settings must hash alike."""
     assert Sampling(0.7, None, top_p=0.9) == Sampling(temperature=0.7, top_k=None, top_p=0.9)
     assert len({Sampling(0.7, None, top_p=0.9), Sampling(0.7, None, top_p=0.9), Sampling(0.7, None)}) == 2
+
+
+def test_weights_are_cast_to_the_compute_dtype_once_and_the_decode_step_converts_less():
+    """A bfloat16-compute model with float32 parameters: compute_params casts every weight matrix once (vectors and
+    the relative bias stay float32), the logits are the same bit for bit, and the compiled one-token step holds
+    fewer converts than with float32 weights (each layer cast its kernels at every token; issue 98, item 4)."""
+    import flax.linen as nn
+
+    from qkvjax.attention import AttentionConfig
+    from qkvjax.models.lm import DecodeCache, DecoderLM, ModelConfig
+    from qkvjax.sample import compute_params
+
+    att = AttentionConfig(num_heads=3, head_dim=6, num_kv_heads=1, dtype="bfloat16", rope=True, relative_bias=2)
+    model = DecoderLM(ModelConfig(att, vocab_size=37, d_model=15, num_layers=2, mlp_dim=13, max_len=11,
+                                  learned_positions=False))  # fmt: skip
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 37, (2, 7)), jnp.int32)
+    params = nn.meta.unbox(jax.jit(model.init)(jax.random.key(1), tokens)["params"])
+    cast = compute_params(model, params)
+    dtypes = {"/".join(str(getattr(k, "key", k)) for k in path): leaf.dtype
+              for path, leaf in jax.tree_util.tree_flatten_with_path(cast)[0]}  # fmt: skip
+    assert dtypes["block_0/attention/w_q"] == jnp.bfloat16 and dtypes["embed"] == jnp.bfloat16
+    assert dtypes["block_0/attention/rel_bias"] == jnp.float32 and dtypes["ln_final/scale"] == jnp.float32
+    np.testing.assert_array_equal(model.apply({"params": cast}, tokens), model.apply({"params": params}, tokens))
+
+    def step(p, cache, token):
+        return model.apply({"params": p}, token, cache=cache)
+
+    cache, token = DecodeCache.empty(model.config, 2), tokens[:, :1]
+    compiled = {name: jax.jit(step).lower(p, cache, token).compile() for name, p in (("f32", params), ("cast", cast))}
+    hlo = {name: c.as_text() for name, c in compiled.items()}
+    converts = {name: text.count(" convert(") for name, text in hlo.items()}
+    assert converts["cast"] < converts["f32"], converts
+    same = ModelConfig(AttentionConfig(num_heads=3, head_dim=5), vocab_size=37, d_model=15, num_layers=1, max_len=11)
+    plain = nn.meta.unbox(jax.jit(DecoderLM(same).init)(jax.random.key(1), tokens)["params"])
+    assert compute_params(DecoderLM(same), plain) is plain  # float32 compute: nothing to cast
