@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import os
 import sys
+import threading
 
 from qkvjax import checks
 
@@ -51,13 +52,36 @@ def _distributed(args: argparse.Namespace) -> None:
         if not 1 <= args.coordinator_port <= 65535:
             raise ValueError(f"--coordinator-port={args.coordinator_port}; allowed: 1 to 65535")
         os.environ["JAX_COORDINATOR_PORT"] = str(args.coordinator_port)  # read by jax's cluster auto-detection
-    jax.distributed.initialize(
-        coordinator_address=args.coordinator,
-        num_processes=args.num_processes,
-        process_id=args.process_id,
-        initialization_timeout=args.distributed_timeout,  # a coordinator that never answers
-        heartbeat_timeout_seconds=args.distributed_timeout,  # a peer that died mid-run
+    # XLA ends a process whose peers do not all join within the timeout with a C++ abort (exit 134, a stack trace
+    # and "another task died"); just before that, say what to check in one line and exit 2 instead
+    watchdog = threading.Timer(0.95 * args.distributed_timeout, _not_joined, (args,))
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        jax.distributed.initialize(
+            coordinator_address=args.coordinator,
+            num_processes=args.num_processes,
+            process_id=args.process_id,
+            initialization_timeout=args.distributed_timeout,  # a coordinator that never answers
+            heartbeat_timeout_seconds=args.distributed_timeout,  # a peer that died mid-run
+        )
+    finally:
+        watchdog.cancel()
+
+
+def _not_joined(args: argparse.Namespace) -> None:
+    """The one line for a multi-process start that did not join in time (nothing was written to the workdir)."""
+    where = args.coordinator or "the auto-detected coordinator"
+    print(
+        f"qkvjax: error: the {args.num_processes or 'auto-detected number of'} processes did not all join the "
+        f"coordinator {where} within --distributed-timeout={args.distributed_timeout} s (this is process "
+        f"{args.process_id if args.process_id is not None else 'auto-detected'}); check that every process was "
+        "started, each with the same --num-processes and --coordinator and its own --process-id, and that the "
+        "coordinator's port is reachable from every host",
+        file=sys.stderr,
+        flush=True,
     )
+    os._exit(2)
 
 
 def _train(args: argparse.Namespace, overrides: dict[str, str]) -> int:

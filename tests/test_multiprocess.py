@@ -90,3 +90,19 @@ def test_a_killed_peer_stops_the_other_process_within_the_timeout_and_both_resum
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert f"resumed from checkpoint step {saved}" in proc.stdout
     assert metrics(w)[-1]["step"] == saved + 2
+
+
+def test_a_peer_that_never_starts_is_said_in_one_line_and_nothing_is_written(tmp_path, small_text, data_dir):
+    """Process 0 of 2 alone: before XLA's C++ abort at the timeout (exit 134, a stack trace, "another task died"),
+    one line names the coordinator, the process count and id and what to check; exit 2; the workdir is not made."""
+    w = tmp_path / "w"
+    cmd = [sys.executable, "-m", "qkvjax.cli", "train", "--coordinator", f"127.0.0.1:{_free_port()}",
+           "--num-processes", "2", "--process-id", "0", "--cpu-collectives", "--distributed-timeout", "6",
+           *train_args(w, small_text, data_dir)[1:]]  # fmt: skip
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "the 2 processes did not all join the coordinator 127.0.0.1:" in lines[0], lines
+    assert "(this is process 0)" in lines[0] and "--distributed-timeout=6 s" in lines[0]
+    assert not w.exists()
