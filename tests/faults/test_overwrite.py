@@ -5,6 +5,8 @@ an imported model's weights survive it."""
 import os
 import shutil
 
+import pytest
+
 from tests.faults.test_restore_faults import snapshot
 from tests.helpers import metrics, run_in_process, train_args
 
@@ -48,6 +50,8 @@ def test_overwrite_keeps_the_old_run_aside_until_the_first_new_checkpoint(tmp_pa
     assert sorted(os.listdir(w / "checkpoints")) == ["2", "4"] and '"d_model": 48' in (w / "config.json").read_text()
 
 
+@pytest.mark.slow  # a real SIGKILL mid-run, 20-40 s (pytest -m slow tests/faults/test_overwrite.py); the failed
+# attempt in the test above covers the same naming and clean-up in CI
 def test_a_replaced_run_left_by_a_killed_attempt_is_named_at_the_next_start(tmp_path, small_text, data_dir, capsys):
     """A replacing run killed (SIGKILL) before its first checkpoint leaves the replaced run whole; the same command
     again says where it is and how to keep it, and deletes it once the new run has a checkpoint."""
