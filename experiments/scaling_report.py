@@ -594,9 +594,12 @@ def _draw_delta(ax, cells: dict, corpus: str, variant: str, name: str) -> None:
     xs, ys = [p for p, _, _ in pts], [d for _, d, _ in pts]
     err = [[d - ci[0] if ci else 0 for _, d, ci in pts], [ci[1] - d if ci else 0 for _, d, ci in pts]]
     label = f"{name}: seeds {'/'.join(str(e['delta_n']) for e in done)}"  # 1 or 2 seeds: no interval drawn
-    fit = trend([(e["ref_params"], d) for e in done for d in e["diffs"]])
+    points = [(e["ref_params"], d) for e in done for d in e["diffs"]]
+    fit = trend(points)
     if fit and fit["sizes"] >= 3:  # through two sizes the line would only repeat the segment
-        label += f", trend {fit['slope']:+.3f} ± {fit['se']:.3f} per 10x"
+        by_size = trend_by_size(points)  # the verdict's fit (summary.md), beside the drawn per-seed line
+        label += f", per 10x: by size {by_size['slope']:+.3f} ({trend_verdict(by_size)})" if by_size else ""
+        label += f", per seed {fit['slope']:+.3f} ± {fit['se']:.3f}"
         grid = [min(xs) * (max(xs) / min(xs)) ** (k / 40) for k in range(41)]
         line, lo, hi = zip(*(trend_band(fit, math.log10(g)) for g in grid), strict=True)
         ax.plot(grid, line, color=color, ls="--", lw=0.8)
@@ -650,7 +653,8 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
     axes[0][0].set_ylabel("Δ final validation loss vs separate (nats/byte)")
     sizes = len({s for c, s, v in cells if c == corpus and "delta" in (paired(cells, c, s, v) or {})})
     so_far = " so far" if sizes < 3 else ""
-    fits = ("dashed: least-squares trend through every seed's Δ; shaded: its 95% band" if sizes >= 3
+    fits = ("dashed: least-squares trend through every seed's Δ, shaded: its 95% band; legend: slopes by size (the "
+            "verdict, summary.md) and per seed" if sizes >= 3
             else "the least-squares trend is drawn once 3 sizes are in (through two it repeats a segment)")  # fmt: skip
     head = (f"Tying penalty against model size: {title}, {sizes} of 3 sizes{so_far}; mean over seeds with 95% "
             "t intervals (3 or more seeds)")  # fmt: skip
