@@ -19,6 +19,7 @@ from qkvjax.models.lm import kv_cache_bytes_per_row
 from qkvjax.train import checkpoint
 from qkvjax.workdir import (
     chat_template,
+    checkpoint_steps,
     exported_steps,
     load_config,
     params_only,
@@ -45,17 +46,11 @@ def parameter_breakdown(params) -> dict[str, int]:
     return counts
 
 
-def _has_checkpoint(workdir) -> bool:
-    """Whether ``checkpoints/`` holds a committed step (a folder named by its step number)."""
-    folder = path(workdir) / "checkpoints"
-    return folder.is_dir() and any(p.name.isdigit() for p in folder.iterdir())
-
-
 def describe(workdir: str) -> dict:
     """A JSON-able summary of a training run's workdir."""
     if params_only(workdir):  # imported, not trained here yet
         config, folders = load_config(workdir), [path(workdir) / "params" / str(s) for s in exported_steps(workdir)]
-    elif not _has_checkpoint(workdir):  # a run before its first save: its config, plan and progress exist already
+    elif not checkpoint_steps(workdir):  # a run before its first save: its config, plan and progress exist already
         config, folders = load_config(workdir), []
     else:
         config, mngr, _ = resolve_step(workdir, None)

@@ -321,8 +321,7 @@ def run_config(workdir) -> Config:
     restore), read from its JSON without restoring anything; ``config.json`` where there is no checkpoint. A
     ``config.json`` edited by hand so that it disagrees is named in a warning and not used."""
     folder = path(workdir) / "checkpoints"
-    steps = sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit()) if folder.is_dir() else []
-    for step in reversed(steps):
+    for step in reversed(checkpoint_steps(workdir)):
         saved = folder / str(step) / "config" / "metadata"  # orbax's JsonSave of the config, committed with the step
         try:
             config = from_dict(Config, json.loads(saved.read_text()))
@@ -447,10 +446,17 @@ def state_handler():
 
 def exported_steps(workdir) -> list[int]:
     """Steps under ``WORKDIR/params/``, ascending ([] if none)."""
-    folder = path(workdir) / "params"
-    if not folder.is_dir():
-        return []
-    return sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit())
+    return _numbered(path(workdir) / "params")
+
+
+def checkpoint_steps(workdir) -> list[int]:
+    """Step folders under ``WORKDIR/checkpoints/``, ascending ([] if none), from the listing alone (committed or
+    not: :func:`run_config` and the checkpoint manager tell those apart)."""
+    return _numbered(path(workdir) / "checkpoints")
+
+
+def _numbered(folder) -> list[int]:
+    return sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit()) if folder.is_dir() else []
 
 
 def params_only(workdir) -> bool:
