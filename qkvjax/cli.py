@@ -133,8 +133,9 @@ def _eval(args: argparse.Namespace) -> int:
 
     _check_outputs(("--output", args.output, False))
     result = evaluate(
-        args.workdir, args.step, args.split, args.source_path, args.data_dir, args.stride, args.max_batches
-    )
+        args.workdir, args.step, args.split, args.source_path, args.data_dir, args.stride, args.max_batches,
+        batch_size=args.batch_size,
+    )  # fmt: skip
     text = json.dumps(result)
     print(text)
     if args.output:
@@ -514,6 +515,9 @@ def _read_commands() -> tuple[Command, ...]:
             opt("--max-batches", type=int, default=None,
                 help="score this many batches of windows spread evenly over the split instead of all of it (a "
                 "sample, as training's evaluations take: for a large model on a large split)"),
+            opt("--batch-size", type=int, default=None,
+                help="windows scored per call (default: the run's training batch); every target is still scored "
+                "once, so only the speed changes (on a CPU a larger batch is faster)"),
         )),
         Command("sample", _sample, "generate text from a checkpoint with the KV cache", (
             WORKDIR,

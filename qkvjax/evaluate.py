@@ -143,10 +143,15 @@ def evaluate(
     data_dir: str | None = None,
     stride: int | None = None,
     max_batches: int | None = None,
+    batch_size: int | None = None,
 ) -> dict:
     """Loss, bits per byte and perplexity of a checkpoint over a whole split: every target once, in windows of the
     run's ``seq_len`` that do not overlap, or with ``stride`` S < seq_len in windows S apart that each score their
-    last S targets (:func:`qkvjax.data.pipeline.eval_batches`: at least seq_len - S tokens of context each)."""
+    last S targets (:func:`qkvjax.data.pipeline.eval_batches`: at least seq_len - S tokens of context each).
+
+    ``batch_size``: windows per call (default: the run's training batch; rounded up to a multiple of the devices).
+    Every target is scored once whatever it is (the last batch is padded and its padding weighs 0), so it changes
+    only the speed and the order of the float sum; with ``max_batches`` it also sets how many windows are sampled."""
     if split not in SPLITS:
         raise ValueError(f"split={split!r}; allowed: {list(SPLITS)}")
     saved = load_config(workdir)  # refusals before anything is restored or compiled
@@ -157,6 +162,16 @@ def evaluate(
         check_stride(stride, saved.seq_len)
     if max_batches is not None:
         checks.integer_value("max_batches", max_batches, allowed="an integer >= 1 (batches of windows scored)")
+    if batch_size is not None:
+        checks.integer_value("batch_size", batch_size, allowed="an integer >= 1 (windows scored per call)")
+        # refused here, not killed by the OS: a window holds its float32 logits about twice (logits, log-softmax)
+        # and each layer's activations, about 8 D floats a position
+        m = saved.model
+        window = saved.seq_len * 4 * (2 * m.vocab_size + 8 * m.d_model * m.num_layers)
+        if batch_size * window > (memory := checks.available_memory()):
+            raise ValueError(f"batch_size={batch_size:,}: about {batch_size * window / 2**30:,.1f} GiB of logits and "
+                             f"activations, {memory / 2**30:,.1f} GiB available; allowed: at most "
+                             f"{memory // window:,} windows")  # fmt: skip
     if saved.data.prepared is not None:
         if source_path is not None or data_dir is not None:
             raise ValueError("--source-path and --data-dir name a byte corpus; this run read the prepared corpus "
@@ -171,7 +186,7 @@ def evaluate(
     else:
         tokens, tokens_per_byte = _byte_split(workdir, config, split, source_path, data_dir)
     n = jax.device_count()
-    batch_size = -(-config.train.batch_size // n) * n
+    batch_size = -(-(batch_size or config.train.batch_size) // n) * n
     sharding = batch_sharding(mesh)
     eval_step = kernels.falls_back_from_cudnn(jax.jit(make_eval_step(model)), lambda line: print(line, file=sys.stderr))
     loss, count = mean_loss(
@@ -190,6 +205,7 @@ def evaluate(
         "split": split,
         "stride": stride or config.seq_len,  # seq_len: windows that do not overlap
         "max_batches": max_batches,  # None: the whole split
+        "batch_size": batch_size,
         "tokens": count,
         "loss": loss,
         "bits_per_byte": loss / math.log(2) * tokens_per_byte,

@@ -55,6 +55,23 @@ def test_eval_matches_the_evaluation_logged_in_training(run):
         assert result["scheme"] == "separate" and result["split"] == "validation"
 
 
+def test_eval_batch_size_scores_the_same_targets_to_the_same_loss_and_refuses_what_cannot_fit(run):
+    """--batch-size changes the windows per call, not which targets count: the loss of 3 and 7 windows a call is the
+    default's (padding weighs 0); a batch that cannot fit in memory is refused before anything is restored."""
+    import jax
+
+    default, n = evaluate(str(run)), jax.device_count()
+    for size in (3, 29):  # rounded up to the devices' multiple (8 here): 8 and 32 windows a call
+        result = evaluate(str(run), batch_size=size)
+        assert result["tokens"] == default["tokens"] and result["batch_size"] == -(-size // n) * n
+        np.testing.assert_allclose(result["loss"], default["loss"], rtol=1e-6)
+    too_many = r"^batch_size=1,099,511,627,776: about .* GiB .* allowed: at most [0-9,]+ windows$"
+    with pytest.raises(ValueError, match=too_many):
+        evaluate(str(run), batch_size=2**40)
+    with pytest.raises(ValueError, match=r"^batch_size=0; allowed: an integer >= 1"):
+        evaluate(str(run), batch_size=0)
+
+
 def test_strided_eval_is_the_sliding_window_loss_of_a_float64_reference(run):
     """eval --stride S: windows S apart (the last one shorter), each scoring the targets after the previous
     window's end, as Hugging Face's perplexity guide loops; checked against float64 log-softmax of the model's

@@ -42,12 +42,17 @@ class KV:
     ``ring`` W > 0 marks a window-only cache as a call reads it (:func:`update`): its first W slots are a ring in
     which slot j holds the one position congruent to j mod W of the row's last W, and the slots after them, if
     any, this call's fresh tokens; :func:`slot_positions` says which position each slot holds.
+
+    ``key_norm`` (H,): the producing layer's QK-norm key scale, handed on with raw keys (a group that is not
+    key-only, as K = V's ``"kv"``) so that a layer reading them (``kv=``) finishes them as their producer does
+    (Gemma 4's readers of K = V layers). It travels with a call's K/V only; a decode cache never stores it.
     """
 
     tensors: dict[str, Array]
     start: Array | None = None
     layout: str | None = flax.struct.field(pytree_node=False, default=None)
     ring: int = flax.struct.field(pytree_node=False, default=0)
+    key_norm: Array | None = None
 
     def __post_init__(self):
         if self.layout is None:  # KV(tensors) or KV(tensors, start): the layout follows from the start

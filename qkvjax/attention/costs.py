@@ -84,8 +84,8 @@ def attention_cost(config: AttentionConfig, d_model: int, seq_len: int, kv_share
         score_flops += n * seq_len  # one addition per score
     if config.learned_temperature:
         params += n
-    if config.qk_norm:  # q_norm_scale, and k_norm_scale unless the layer reads another layer's finished keys
-        params += h if kv_shared and scheme.keys_finished_at_write else 2 * h
+    if config.qk_norm:  # q_norm_scale, and k_norm_scale unless the layer reads another layer's K/V
+        params += h if kv_shared else 2 * h
     return AttentionCost(
         scheme=scheme.name,
         params=params,

@@ -93,6 +93,10 @@ class Stages:
         """Stage 4's key slots: how ``side`` is read, finished as the scores use it."""
         raise NotImplementedError
 
+    def hand_on(self, side: KV) -> KV:
+        """The K/V a call hands back, with what a reader needs to finish them as this layer does."""
+        return side
+
 
 def run(module: AttentionModule, call: Call, stages: Stages):
     """The five stages of one call: (B, T, D) -> (B, T, D), or ``(y, KV)`` when the call hands K/V back."""
@@ -116,7 +120,7 @@ def run(module: AttentionModule, call: Call, stages: Stages):
     y = core.dense(kernels.mix(inputs), stages.w_o, 2)  # 5. output: BTNU,NUD->BTD
     if stages.b_o is not None:
         y = y + stages.b_o[None, None]
-    return (y, side) if call.hand_back else y
+    return (y, stages.hand_on(side)) if call.hand_back else y
 
 
 def rules(module: AttentionModule, call: Call, side: KV, pos: Positions, stages: Stages) -> kernels.Rules:
@@ -211,14 +215,22 @@ class Tied(Stages):
     def finish_new(self, tensors: dict[str, Array], pos: Array) -> dict[str, Array]:
         if not self.scheme.keys_finished_at_write:
             return tensors
-        return tensors | {"k": self.finish_keys(tensors["k"], pos, 1)}
+        return tensors | {"k": self.finish_keys(tensors["k"], pos, 1, self.p.norm_scale.get("k"))}
 
-    def finish_keys(self, k: Float[Array, "B S K H"] | Float[Array, "B K S H"], pos: Array, seq_axis: int) -> Array:
-        """QK-norm, unit length (Reformer), rotary: k laid out (B, S, K, H) (``seq_axis`` 1) or (B, K, S, H) (2);
-        pos (B|1, S)."""
+    def hand_on(self, side: KV) -> KV:
+        # raw keys (finished on read) go on with this layer's key scale; a reader's side already carries its donor's
+        if self.config.qk_norm and not self.scheme.keys_finished_at_write and "k" in self.p.norm_scale:
+            return side.replace(key_norm=self.p.norm_scale["k"])
+        return side
+
+    def finish_keys(
+        self, k: Float[Array, "B S K H"] | Float[Array, "B K S H"], pos: Array, seq_axis: int, scale: Array | None
+    ) -> Array:
+        """QK-norm (key scale ``scale`` (H,)), unit length (Reformer), rotary: k laid out (B, S, K, H)
+        (``seq_axis`` 1) or (B, K, S, H) (2); pos (B|1, S)."""
         cfg = self.config
         if cfg.qk_norm:
-            k = core.rms_norm(k, self.p.norm_scale["k"], cfg.norm_eps)
+            k = core.rms_norm(k, scale, cfg.norm_eps)
         if self.scheme.normalize_keys:
             k = core.unit_length(k)
         if cfg.rope:
@@ -243,6 +255,14 @@ class Tied(Stages):
 
     def slots(self, side: KV, pos: Positions) -> kernels.Slots:
         cfg, scheme = self.config, self.scheme
+        # the key scale of the layer that made the keys: this layer's, or for a reader (no key scale of its own)
+        # the producer's, handed on with its K/V
+        key_scale = self.p.norm_scale.get("k", side.key_norm)
+        if cfg.qk_norm and key_scale is None and not scheme.keys_finished_at_write and not scheme.bilinear:
+            raise ValueError(
+                "this layer reads raw keys from another layer (kv=) and neither it nor the K/V carries "
+                "a key-norm scale; pass the KV the producing layer handed back (return_kv=True)"
+            )
 
         def read(n: int) -> tuple[Array, Array]:  # key slots 0..n-1 (bilinear: the key side's inputs)
             v = prefix(side.tensors[scheme.group_of("v")], n, side.layout)
@@ -250,7 +270,9 @@ class Tied(Stages):
             if scheme.bilinear:
                 return prefix(side.tensors["x"], n, FRESH), v
             k = prefix(side.tensors[scheme.group_of("k")], n, side.layout)
-            return (k if scheme.keys_finished_at_write else self.finish_keys(k, pos.k[:, :n], side.seq_axis)), v
+            if scheme.keys_finished_at_write:
+                return k, v
+            return self.finish_keys(k, pos.k[:, :n], side.seq_axis, key_scale), v
 
         return kernels.Slots(
             read, side.layout, side.length, pos.index_k, side.start, cfg.kv_heads, cfg.value_dim,
@@ -328,8 +350,9 @@ def tied_projections(cfg: AttentionConfig, d: int, reads_kv: bool, make) -> Proj
     b_o = None
     if cfg.has_output_bias:
         b_o = make.make_param("b_o", (d,), (axes.EMBED,), nn.initializers.zeros).astype(cfg.dtype)
-    # a layer reading another layer's finished keys has no key norm of its own
-    roles = ("q",) + (() if scheme.keys_finished_at_write and reads_kv else ("k",))
+    # a layer reading another layer's K/V has no key norm of its own: the keys are finished as their producer
+    # finishes them (at write, or on read with the scale handed on with them, KV.key_norm)
+    roles = ("q",) if reads_kv else ("q", "k")
     norm_scale = {
         r: make.make_param(f"{r}_norm_scale", (h,), (axes.HEAD_DIM,), nn.initializers.ones)
         for r in (roles if cfg.qk_norm else ())

@@ -12,8 +12,8 @@ Gemma 4 is the real model family whose attention differs most from layer to laye
   ``rms_norm_eps``; scores are not scaled (``scaling = 1``): qkvjax divides by sqrt(H), so the query norm's
   scale is stored times sqrt(H) (``q_norm_scale = sqrt(H) q_norm.weight``), the same function.
 * ``num_kv_shared_layers``: the last layers project no K/V and read those of the last earlier layer of their
-  type -> ``kv_from``. A reader of a K = V layer finishes the keys itself in qkvjax (its cache holds them raw),
-  so it carries its donor's ``k_norm`` scale.
+  type -> ``kv_from``. A reader of a K = V layer finishes the raw keys it reads with its donor's ``k_norm``
+  scale, handed on with them (``KV.key_norm``: one parameter, so training moves both uses together).
 * The block: four norms (``input_layernorm``, ``post_attention_layernorm``, ``pre_feedforward_layernorm``,
   ``post_feedforward_layernorm``: ``norm_position="sandwich"``), a GeGLU MLP (tanh GELU), ``layer_scalar``
   multiplying the stream after the block (``layer_scale``); embeddings times sqrt(D) (``embed_scale``); logits
@@ -148,8 +148,6 @@ def params(t: Tensors, cfg: ModelConfig) -> dict:
                     heads(linear(t, p + "self_attn.k_proj"), k),
                     heads(linear(t, p + "self_attn.v_proj"), k),
                 )
-        elif not layers[layer.kv_from].config.tying.keys_finished_at_write:  # keys finished on read: the donor's norm
-            a["k_norm_scale"] = out[f"block_{layer.kv_from}"]["attention"]["k_norm_scale"]
         out[f"block_{i}"] = {
             "attention": a,
             "ln_attention": {"scale": t.take(p + "input_layernorm.weight")},
@@ -269,13 +267,6 @@ def write(cfg: ModelConfig, params: dict) -> tuple[dict, dict]:
             tensors[p + "self_attn.k_norm.weight"] = a["k_norm_scale"]
             for role in "k" if _k_eq_v(att) else "kv":  # K = V: k_proj only
                 tensors[f"{p}self_attn.{role}_proj.weight"] = a["w_" + att.tying.group_of(role)].reshape(d, -1).T
-        elif "k_norm_scale" in a:  # a reader of a K = V layer: Gemma 4 reads the keys its donor finished
-            donor = params[f"block_{layer.kv_from}"]["attention"]["k_norm_scale"]
-            if not np.array_equal(a["k_norm_scale"], donor):
-                raise ValueError(
-                    f"layer {i}: its key norm differs from layer {layer.kv_from}'s, whose K/V it reads "
-                    "(Gemma 4's reader uses the donor's finished keys); nothing was exported"
-                )
         for theirs, ours in (
             ("input_layernorm", "ln_attention"),
             ("post_attention_layernorm", "ln_attention_out"),
