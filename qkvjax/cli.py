@@ -8,6 +8,7 @@ import dataclasses
 import os
 import sys
 import threading
+import time
 
 from qkvjax import checks
 
@@ -58,6 +59,8 @@ def _distributed(args: argparse.Namespace) -> None:
     watchdog.daemon = True
     watchdog.start()
     try:
+        if args.coordinator:  # qkvjax's own roll call first: XLA aborts every process when an id comes twice
+            _roll_call(args)
         jax.distributed.initialize(
             coordinator_address=args.coordinator,
             num_processes=args.num_processes,
@@ -67,6 +70,27 @@ def _distributed(args: argparse.Namespace) -> None:
         )
     finally:
         watchdog.cancel()
+
+
+def _roll_call(args: argparse.Namespace) -> None:
+    from qkvjax import rollcall
+
+    host, _, port = args.coordinator.rpartition(":")
+    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"--coordinator {args.coordinator}; allowed: HOST:PORT, e.g. 10.0.0.1:1234")
+    if not 1 <= args.num_processes <= 65536 or not 0 <= args.process_id < args.num_processes:
+        raise ValueError(f"--num-processes {args.num_processes} --process-id {args.process_id}; allowed: N >= 1 "
+                         "processes, each with its own id from 0 to N - 1")  # fmt: skip
+    deadline = time.monotonic() + args.distributed_timeout  # the watchdog says it first, at 0.95 of this
+    try:
+        if args.process_id == 0:
+            rollcall.host_roll_call(int(port), args.num_processes, deadline)
+        else:
+            rollcall.join_roll_call(host.strip("[]"), int(port), args.num_processes, args.process_id, deadline)
+    except TimeoutError:
+        _not_joined(args)
+    except rollcall.RollCallError as e:
+        raise ValueError(f"{e} (this is process {args.process_id} of {args.num_processes})") from None
 
 
 def _not_joined(args: argparse.Namespace) -> None:

@@ -1,6 +1,7 @@
 """Two processes of four CPU devices each form one 8-device program (launch/local.sh) and train like one process."""
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -106,3 +107,90 @@ def test_a_peer_that_never_starts_is_said_in_one_line_and_nothing_is_written(tmp
     assert len(lines) == 1 and "the 2 processes did not all join the coordinator 127.0.0.1:" in lines[0], lines
     assert "(this is process 0)" in lines[0] and "--distributed-timeout=6 s" in lines[0]
     assert not w.exists()
+
+
+def _train_process(i, n, port, args, timeout_s=60):
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
+    cmd = [sys.executable, "-m", "qkvjax.cli", "train", "--coordinator", f"127.0.0.1:{port}",
+           "--num-processes", str(n), "--process-id", str(i), "--cpu-collectives",
+           "--distributed-timeout", str(timeout_s), *args]  # fmt: skip
+    return subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_a_process_id_given_twice_is_refused_in_one_line_and_the_run_goes_on(tmp_path, small_text, data_dir):
+    """Round 4's probe: two processes with the same --process-id ended every process of the run in XLA's C++ abort
+    (exit 134, "another task died"), the coordinator's at once. Now, of 3 processes, a second process 1 is refused
+    in one line by qkvjax's roll call (exit 2, nothing written), and the run goes on when process 2 comes; a process
+    1 started again once the run trains is refused too, and the run finishes."""
+    w = tmp_path / "w"
+    steps = {"train.num_steps": 40, "train.checkpoint_every": 40, "train.batch_size": 9}  # 9: 3 processes' batch
+    args = train_args(w, small_text, data_dir, **steps)[1:]
+    port = _free_port()
+    first = [_train_process(i, 3, port, args) for i in (0, 1)]
+    try:
+        time.sleep(2)
+        twice = _train_process(1, 3, port, args)
+        _, err = twice.communicate(timeout=60)
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert twice.returncode == 2 and len(lines) == 1, err[-3000:]
+        assert "--process-id 1 has already checked in (from 127.0.0.1)" in lines[0]
+        assert "(this is process 1 of 3)" in lines[0]
+        assert all(p.poll() is None for p in first)  # still waiting for process 2
+        first.append(_train_process(2, 3, port, args))
+        deadline = time.time() + 120
+        while not (w / "config.json").exists() and time.time() < deadline:  # the run has started
+            time.sleep(0.1)
+        late = _train_process(1, 3, port, args)
+        _, err = late.communicate(timeout=60)
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert late.returncode == 2 and len(lines) == 1, err[-3000:]
+        assert "does not hold a roll call: the run has likely started without this process" in lines[0]
+        for p in first:
+            _, err = p.communicate(timeout=240)
+            assert p.returncode == 0, err[-3000:]
+    finally:
+        for p in first:
+            p.kill()
+    assert metrics(w)[-1]["step"] == 40
+
+
+def test_the_roll_call_refuses_another_count_an_id_out_of_range_or_twice_and_lets_the_right_ones_go():
+    """qkvjax.rollcall over loopback, without jax: each refusal names the bad value and what is allowed."""
+    import threading
+
+    from qkvjax.rollcall import RollCallError, host_roll_call, join_roll_call
+
+    port, deadline = _free_port(), time.monotonic() + 30
+    host = threading.Thread(target=host_roll_call, args=(port, 3, deadline))
+    host.start()
+    for count, i, message in [
+        (4, 1, "--num-processes 4, but process 0 was started with --num-processes 3"),
+        (3, 3, "--process-id 3; allowed: 1 to 2 (0 is the coordinator's)"),
+        (3, 0, "--process-id 0; allowed: 1 to 2 (0 is the coordinator's)"),
+    ]:
+        with pytest.raises(RollCallError, match=re.escape(f"refused this process: {message}") + "$"):
+            join_roll_call("127.0.0.1", port, count, i, deadline)
+    results = {}
+
+    def join(i):
+        try:
+            join_roll_call("127.0.0.1", port, 3, i, deadline)
+            results[i] = "go"
+        except RollCallError as e:
+            results[i] = str(e)
+
+    first = threading.Thread(target=join, args=(1,))
+    first.start()
+    time.sleep(0.5)
+    with pytest.raises(RollCallError, match=r"--process-id 1 has already checked in \(from 127.0.0.1\)"):
+        join_roll_call("127.0.0.1", port, 3, 1, deadline)  # the same id again, while the first waits for process 2
+    join(2)
+    first.join(10)
+    host.join(10)
+    assert results == {1: "go", 2: "go"} and not host.is_alive()
+    with pytest.raises(RollCallError, match="cannot listen on the coordinator's port"):
+        with socket.socket() as taken:
+            taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            taken.bind(("", port))
+            taken.listen()
+            host_roll_call(port, 2, time.monotonic() + 5)
