@@ -2,7 +2,7 @@
 on Tiny Shakespeare and a second corpus; resumable.
 
     python experiments/scaling.py --out experiments/results/scaling_cpu [--stages a,b,...] [--token-scale F]
-        [--sizes 48,96,160] [--seeds 0,1,2] [--corpus FILE] [--second-corpus FILE] [--plan-only]
+        [--sizes 48,96,160] [--seeds 0,1,2] [--corpus FILE] [--second-corpus FILE] [--sampling disjoint] [--plan-only]
 
 Protocol (``size_config``): a GPT-2-style byte-level decoder, 4 layers, 4 heads of width D/4 (``--heads N``: N of
 width D/N), MLP 4D, context 128, batch 16, learned positions (``--positions rope``: rotary ones, no table); AdamW
@@ -274,9 +274,11 @@ def _corpus(path: str, args) -> tuple[str, DataConfig]:
     if not os.path.isfile(path):
         raise ValueError(f"corpus {path} does not exist; allowed: a UTF-8 text file (--corpus / --second-corpus)")
     data_dir = os.path.abspath(os.path.expanduser(args.data_dir))
+    sampling = None if args.sampling == "random" else args.sampling  # None: the byte corpus' default, random
     if Path(path) == SHARED_CORPUS and not args.corpus:
-        return "shakespeare", DataConfig(dataset="tiny_shakespeare", source_path=path, data_dir=data_dir)
-    return Path(path).stem, DataConfig(dataset="text_file", source_path=path, data_dir=data_dir)
+        return "shakespeare", DataConfig(dataset="tiny_shakespeare", source_path=path, data_dir=data_dir,
+                                         sampling=sampling)  # fmt: skip
+    return Path(path).stem, DataConfig(dataset="text_file", source_path=path, data_dir=data_dir, sampling=sampling)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -316,7 +318,8 @@ def check_protocol(sweep: Sweep) -> None:
                 "primary": sweep.corpora["primary"][0], "lr_grid": list(a.lr_grid),
                 "learning_rate": a.learning_rate,
                 "sweep_seeds": None if a.sweep_seeds == [0] else list(a.sweep_seeds),
-                "positions": None if a.positions == "learned" else a.positions}  # fmt: skip
+                "positions": None if a.positions == "learned" else a.positions,
+                "sampling": None if a.sampling == "random" else a.sampling}  # fmt: skip
     path = sweep.out / PROTOCOL_FILE
     if path.exists():
         old = json.loads(path.read_text())["protocol"]  # a field added since then reads as None (its default)
@@ -547,6 +550,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--positions", choices=POSITIONS, default="learned",
                    help="learned: an absolute table (default); rope: rotary positions in every layer, no table, "
                    "a latent's rotary key taken out of its rank")  # fmt: skip
+    p.add_argument("--sampling", choices=("random", "disjoint"), default="random",
+                   help="training windows at random offsets (default; the sweeps before 2026-12-08), or disjoint: "
+                   "each target once per epoch, in a seeded order (data.sampling)")  # fmt: skip
     p.add_argument("--corpus", default=None, help="any UTF-8 text instead of Tiny Shakespeare")
     p.add_argument("--second-corpus", default=None, help=f"default: {SECOND_CORPUS} (build_corpus.py)")
     p.add_argument("--source-path", default=None, help="local Tiny Shakespeare (default: ../shared's copy)")

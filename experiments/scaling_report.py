@@ -233,11 +233,13 @@ def generalisation(cells: dict, train: dict[str, float]) -> list[dict]:
     return out
 
 
-def repetition(cells: dict, train_tokens: dict[str, int], batch: int, context: int) -> list[dict]:
+def repetition(
+    cells: dict, train_tokens: dict[str, int], batch: int, context: int, sampling: str = "random"
+) -> list[dict]:
     """Per (corpus, size): the share of the targets a run trained on that it had trained on before, counted by
-    replaying the run's own window order (:func:`qkvjax.data.pipeline.targets_repeated`, the random offsets every
-    run of these folders drew), mean and range over the seeds of the cell's runs. ``train_tokens``: each corpus'
-    training split length (a corpus whose file is not here is left out)."""
+    replaying the run's own window order (:func:`qkvjax.data.pipeline.targets_repeated`: the ``sampling`` the
+    folder's protocol names, random offsets unless it says disjoint), mean and range over the seeds of the cell's
+    runs. ``train_tokens``: each corpus' training split length (a corpus whose file is not here is left out)."""
     from qkvjax.data.pipeline import targets_repeated
 
     seeds = collections.defaultdict(set)
@@ -253,7 +255,8 @@ def repetition(cells: dict, train_tokens: dict[str, int], batch: int, context: i
             continue
         shares = []
         for seed in sorted(chosen):
-            repeated, trained = targets_repeated(train_tokens[corpus], context, batch, seed, steps[corpus, size])
+            repeated, trained = targets_repeated(train_tokens[corpus], context, batch, seed, steps[corpus, size],
+                                                 sampling)  # fmt: skip
             shares.append(repeated / trained)
         out.append({"corpus": corpus, "size": size, "seeds": len(shares), "steps": steps[corpus, size],
                     "repeated": statistics.fmean(shares), "low": min(shares), "high": max(shares)})  # fmt: skip
@@ -761,7 +764,8 @@ def write_report(out: Path | str, speed: Path | None = SPEED, beside: Path | str
         text += "\n" + "\n".join(beside_markdown(rows, other, out.name, Path(beside).name))
     full = json.loads(protocol.read_text()) if protocol.exists() else {}
     lengths = corpus_train_tokens(full)
-    reps = repetition(finals(rows), lengths, settings.get("batch", 16), settings.get("context", 128))
+    sampling = settings.get("sampling") or "random"
+    reps = repetition(finals(rows), lengths, settings.get("batch", 16), settings.get("context", 128), sampling)
     for name in sorted(set(full.get("corpora", {})) - set(lengths)):  # its repetition cannot be counted here
         print(f"scaling_report: warning: corpus {name!r} is not here with the protocol's sha256 (at its recorded "
               f"path or experiments/corpora/{name}.txt; experiments/build_corpus.py builds it): its repetition is "
@@ -770,8 +774,10 @@ def write_report(out: Path | str, speed: Path | None = SPEED, beside: Path | str
         text += "\n" + "\n".join([
             "## How much of the training text repeats", "",
             "The share of each run's training targets that it had already trained on, counted by replaying its own "
-            "window order (random offsets, reshuffled each epoch: windows overlap, so targets repeat within an "
-            "epoch too), mean and range over the seeds of the size's runs:", "",
+            "window order ("
+            + ("random offsets, reshuffled each epoch: windows overlap, so targets repeat within an epoch too"
+               if sampling == "random" else "disjoint windows, each target once per epoch")
+            + "), mean and range over the seeds of the size's runs:", "",
             "| corpus | d | steps | seeds | repeated | range |", "|---|---|---|---|---|---|",
             *[f"| {r['corpus']} | {r['size']} | {r['steps']:,} | {r['seeds']} | {100 * r['repeated']:.1f}% | "
               f"{100 * r['low']:.1f}-{100 * r['high']:.1f}% |" for r in reps],

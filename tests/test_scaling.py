@@ -869,8 +869,9 @@ def test_the_report_picks_rates_on_the_sweep_seeds_mean_and_counts_their_runs_as
 
 
 def test_a_results_folder_refuses_a_sweep_under_other_positions(tmp_path, small_text):
-    """protocol.json pins the positions: a rotary sweep into a folder of learned-position runs would pair runs of
-    two protocols by name; a folder written before the field existed reads as learned."""
+    """protocol.json pins the positions (and the heads, the window sampling, the corpus' bytes): a rotary sweep
+    into a folder of learned-position runs would pair runs of two protocols by name; a folder written before the
+    field existed reads as learned."""
     argv = ["--out", str(tmp_path), "--corpus", small_text, "--sizes", "8,16,24", "--variants", "separate"]
     learned = scaling.build_parser().parse_args(argv)
     scaling.check_protocol(scaling.Sweep(learned))
@@ -886,6 +887,12 @@ def test_a_results_folder_refuses_a_sweep_under_other_positions(tmp_path, small_
     more = scaling.build_parser().parse_args([*argv, "--heads", "8"])
     with pytest.raises(ValueError, match=r"another protocol \(heads: 4 -> 8\)"):
         scaling.check_protocol(scaling.Sweep(more))
+    # and the sampling: disjoint windows are another protocol, and every run of such a sweep reads them
+    disjoint = scaling.build_parser().parse_args([*argv, "--sampling", "disjoint"])
+    with pytest.raises(ValueError, match=r"another protocol \(sampling: None -> 'disjoint'\)"):
+        scaling.check_protocol(scaling.Sweep(disjoint))
+    assert scaling.Sweep(disjoint).corpora["primary"][1].sampling == "disjoint"
+    assert scaling.Sweep(learned).corpora["primary"][1].window_sampling == "random"
     # the corpus is pinned by its sha256: a resumed sweep (another machine's copy) must read the same text
     copy = tmp_path / "elsewhere" / os.path.basename(small_text)
     copy.parent.mkdir()
