@@ -746,16 +746,60 @@ def beside_markdown(rows: list[dict], other: list[dict], here: str, there: str) 
     return lines + [""] if shared else []
 
 
-def write_report(out: Path | str, speed: Path | None = SPEED, beside: Path | str | None = None) -> Path:
+# protocol fields a lower folder (--lower) may differ in: how rates were swept and how windows were drawn, not the
+# models, their budget or the corpus
+LOWER_MAY_DIFFER = ("lr_grid", "sweep_seeds", "learning_rate", "sampling")
+
+
+def lower_rungs(lower: Path, rows: list[dict], settings: dict) -> tuple[list[dict], list[dict], str]:
+    """The rows and curves of ``lower``'s sizes that ``rows`` do not have, on their corpora, and the line that says
+    where they come from: the smaller rungs of one ladder (the GPU rungs with the CPU ones below them,
+    ``experiments/preregistered/gpu_ladder.md``), analysed together. Refused when the two protocols differ in
+    anything but LOWER_MAY_DIFFER."""
+    theirs = lower / PROTOCOL_FILE
+    if not (lower / "runs.csv").exists() or not theirs.exists():
+        raise ValueError(f"--lower {lower}: no runs.csv and protocol.json there; allowed: a scaling.py results folder")
+    other = json.loads(theirs.read_text())["protocol"]
+    changed = [f"{k}: {other.get(k)!r} there, {settings.get(k)!r} here" for k in sorted(set(other) | set(settings))
+               if k not in LOWER_MAY_DIFFER and other.get(k) != settings.get(k)]  # fmt: skip
+    if changed:
+        raise ValueError(f"--lower {lower}: another protocol ({'; '.join(changed)}); allowed: a folder of the same "
+                         f"ladder, differing only in {', '.join(LOWER_MAY_DIFFER)}")  # fmt: skip
+    own = {(r["corpus"], int(r["size"])) for r in rows}
+    corpora = {c for c, _ in own}
+    picked = [r for r in read_csv(lower / "runs.csv") if r["corpus"] in corpora and (r["corpus"], int(r["size"]))
+              not in own]  # fmt: skip
+    curves = [c for c in read_csv(lower / "curves.csv") if c.get("corpus") in corpora and c.get("size")
+              and (c["corpus"], int(c["size"])) not in own]  # fmt: skip
+    sizes = sorted({int(r["size"]) for r in picked})
+    note = (f"Sizes d={', '.join(map(str, sizes))} are `{lower.name}`'s ({len(picked)} rows, "
+            f"{other.get('sampling') or 'random'} windows; this folder's own: {settings.get('sampling') or 'random'}),"
+            " analysed with this folder's as one ladder.\n")  # fmt: skip
+    return picked, curves, note
+
+
+def write_report(
+    out: Path | str, speed: Path | None = SPEED, beside: Path | str | None = None, lower: Path | str | None = None
+) -> Path:
     """``summary.md`` and the plots of the results folder ``out``; ``beside``: another such folder whose variants
-    the summary sets beside these (:func:`beside_markdown`)."""
+    the summary sets beside these (:func:`beside_markdown`); ``lower``: a folder whose other sizes join these as
+    one ladder (:func:`lower_rungs`: their cells, trends and repetition)."""
     out = Path(out)
     rows = read_csv(out / "runs.csv")
     if not rows:
         raise ValueError(f"{out / 'runs.csv'} has no finished runs yet")
     protocol = out / PROTOCOL_FILE
     settings = json.loads(protocol.read_text())["protocol"] if protocol.exists() else {}
-    text = summary_markdown(rows, read_csv(out / "curves.csv"), settings.get("positions"), settings.get("heads"))
+    curves, own_rows, note, lower_settings = read_csv(out / "curves.csv"), rows, "", {}
+    if lower is not None:
+        lower = Path(lower)
+        picked, lower_curves, note = lower_rungs(lower, rows, settings)
+        rows, curves = picked + rows, lower_curves + curves
+        lower_settings = json.loads((lower / PROTOCOL_FILE).read_text())["protocol"]
+    text = summary_markdown(rows, curves, settings.get("positions"), settings.get("heads"))
+    if note:
+        first, rest = text.split("\n", 1)
+        text = f"{first}\n\n{note}{rest}"
     if beside is not None:
         other = read_csv(Path(beside) / "runs.csv")
         if not other:
@@ -765,7 +809,12 @@ def write_report(out: Path | str, speed: Path | None = SPEED, beside: Path | str
     full = json.loads(protocol.read_text()) if protocol.exists() else {}
     lengths = corpus_train_tokens(full)
     sampling = settings.get("sampling") or "random"
-    reps = repetition(finals(rows), lengths, settings.get("batch", 16), settings.get("context", 128), sampling)
+    batch, context = settings.get("batch", 16), settings.get("context", 128)
+    reps = repetition(finals(own_rows), lengths, batch, context, sampling)
+    if lower is not None:  # the lower rungs' targets, replayed in their own window order
+        low = repetition(finals(rows[: len(rows) - len(own_rows)]), lengths, batch, context,
+                         lower_settings.get("sampling") or "random")  # fmt: skip
+        reps = sorted(low + reps, key=lambda r: (r["corpus"], r["size"]))
     for name in sorted(set(full.get("corpora", {})) - set(lengths)):  # its repetition cannot be counted here
         print(f"scaling_report: warning: corpus {name!r} is not here with the protocol's sha256 (at its recorded "
               f"path or experiments/corpora/{name}.txt; experiments/build_corpus.py builds it): its repetition is "
@@ -777,6 +826,7 @@ def write_report(out: Path | str, speed: Path | None = SPEED, beside: Path | str
             "window order ("
             + ("random offsets, reshuffled each epoch: windows overlap, so targets repeat within an epoch too"
                if sampling == "random" else "disjoint windows, each target once per epoch")
+            + ("; the lower rungs' in their own" if lower is not None else "")
             + "), mean and range over the seeds of the size's runs:", "",
             "| corpus | d | steps | seeds | repeated | range |", "|---|---|---|---|---|---|",
             *[f"| {r['corpus']} | {r['size']} | {r['steps']:,} | {r['seeds']} | {100 * r['repeated']:.1f}% | "
@@ -800,13 +850,15 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="another results folder of experiments/scaling.py: its variants set beside these, size by size",
     )
+    p.add_argument("--lower", type=Path, default=None, help="a results folder of the same ladder whose other "
+                   "sizes join these as one ladder (the GPU rungs over the CPU ones)")  # fmt: skip
     args = p.parse_args(argv)
     if not args.speed.exists():
         print(f"scaling_report: error: --speed {args.speed}: no such file; allowed: a benchmarks/scaling_speed.py "
               "--json file", file=sys.stderr)  # fmt: skip
         return 2
     try:
-        print(write_report(args.out, args.speed, args.beside))
+        print(write_report(args.out, args.speed, args.beside, args.lower))
     except ValueError as e:
         print(f"scaling_report: error: {e}", file=sys.stderr)
         return 2

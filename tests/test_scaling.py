@@ -955,3 +955,46 @@ def test_the_trend_by_size_is_weighted_least_squares_of_the_means_with_welch_sat
     assert fit["sizes"] == 3 and fit["seeds"] == [3, 5, 7]
     assert scaling_report.trend_verdict(fit) == ("shrinks" if fit["ci"][1] < 0 else "not told apart from zero")
     assert scaling_report.trend_by_size([(p, d) for p, d in points if p in params[2:]]) is None  # 7 seeds and 1
+
+
+def test_the_report_joins_a_lower_folders_sizes_as_one_ladder_and_refuses_another_protocol(tmp_path, capsys):
+    """``--lower FOLDER``: the GPU rungs (disjoint windows) with the CPU rungs below them (random windows), one
+    ladder: the lower sizes' cells and the trend through all sizes in the summary, where they come from said; a
+    folder of other models (another context) is refused in one line naming the field."""
+    from experiments import scaling_report
+
+    def rows(sizes: tuple, penalty: dict) -> list[dict]:
+        out = []
+        for size in sizes:
+            for seed in range(3):
+                for variant in ("separate", "shared_kv"):
+                    loss = 2.0 - size / 1000 + (penalty[size] + 0.003 * seed if variant == "shared_kv" else 0.0)
+                    out.append({"stage": "final", "corpus": "linux", "size": str(size), "variant": variant,
+                                "seed": str(seed), "learning_rate": "0.004", "params": str(40 * size * size),
+                                "epochs": "0.5", "tokens": "9", "kv_cache_bytes_per_token": "48",
+                                "final_val_loss": repr(loss), "best_eval_loss": repr(loss),
+                                "last_eval_loss": repr(loss), "run": f"{variant}-{size}-{seed}",
+                                "tokens_per_s": "1"})  # fmt: skip
+        return out
+
+    base = {"layers": 4, "context": 128, "heads": 4, "batch": 16, "tokens_per_param": 10.0, "token_scale": 1.0,
+            "primary": "linux", "lr_grid": [0.001, 0.002], "learning_rate": None, "sweep_seeds": None,
+            "positions": None}  # fmt: skip
+    folders = {"cpu": (rows((48, 96), {48: 0.05, 96: 0.04}), base),
+               "gpu": (rows((160,), {160: 0.03}), base | {"sampling": "disjoint", "sweep_seeds": [0, 1]})}  # fmt: skip
+    for name, (data, protocol) in folders.items():
+        (tmp_path / name).mkdir()
+        append_rows(tmp_path / name / "runs.csv", tuple(data[0]), data)
+        (tmp_path / name / "protocol.json").write_text(json.dumps({"protocol": protocol}))
+    summary = scaling_report.write_report(tmp_path / "gpu", speed=None, lower=tmp_path / "cpu").read_text()
+    assert "Sizes d=48, 96 are `cpu`'s (12 rows, random windows; this folder's own: disjoint)" in summary
+    alone = scaling_report.summary_markdown(folders["gpu"][0])
+    joined = scaling_report.summary_markdown(folders["cpu"][0] + folders["gpu"][0])
+    assert joined.split("\n", 1)[1] in summary and joined != alone  # the three sizes' cells and trend
+    assert scaling_report.trend_by_size([(40 * d * d, p + 0.003 * s) for d, p in ((48, 0.05), (96, 0.04), (160, 0.03))
+                                         for s in range(3)])["slope"] < 0  # fmt: skip
+    other = base | {"context": 256}
+    (tmp_path / "cpu" / "protocol.json").write_text(json.dumps({"protocol": other}))
+    assert scaling_report.main([str(tmp_path / "gpu"), "--lower", str(tmp_path / "cpu")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "another protocol (context: 256 there, 128 here)" in err
