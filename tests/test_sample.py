@@ -204,3 +204,30 @@ def test_weights_are_cast_to_the_compute_dtype_once_and_the_decode_step_converts
     same = ModelConfig(AttentionConfig(num_heads=3, head_dim=5), vocab_size=37, d_model=15, num_layers=1, max_len=11)
     plain = nn.meta.unbox(jax.jit(DecoderLM(same).init)(jax.random.key(1), tokens)["params"])
     assert compute_params(DecoderLM(same), plain) is plain  # float32 compute: nothing to cast
+
+
+def test_the_decode_floor_benchmark_counts_the_bytes_each_variant_reads(tmp_path, capsys):
+    """benchmarks/decode_floor.py on a bfloat16 model: the weights cast once (after) are stored in half the bytes
+    of the float32 matrices the step casts per token (before), the floor follows the bytes, and each row gives the
+    compiled step's kernels per layer (speed itself is a benchmark's, not a test's)."""
+    import importlib.util
+    import json
+
+    from tests.helpers import REPO
+
+    spec = importlib.util.spec_from_file_location("decode_floor", REPO / "benchmarks" / "decode_floor.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "floor.json"
+    argv = ["--config", str(REPO / "experiments/configs/tiny.py"), "--set", "model.attention.dtype=bfloat16",
+            "--batches", "1,3", "--tokens", "3", "--rounds", "1", "--json", str(out)]  # fmt: skip
+    assert module.main(argv) == 0
+    result = json.loads(out.read_text())
+    before, after = result["weight_bytes"]["before"], result["weight_bytes"]["after"]
+    assert after < 0.6 * before  # the matrices in bfloat16; norm scales and biases stay float32
+    rows = {(r["batch"], r["variant"]): r for r in result["rows"]}
+    assert set(rows) == {(b, v) for b in (1, 3) for v in ("before", "after")}
+    for b in (1, 3):
+        assert rows[b, "after"]["floor_ms"] < rows[b, "before"]["floor_ms"]
+        assert rows[b, "before"]["kernels"]["dot"] > 0 and rows[b, "after"]["kernels_per_layer"] > 0
+    assert "kernels/layer" in capsys.readouterr().out
