@@ -81,7 +81,8 @@ def prepare_train(model, config: Config) -> dict:
     b, t = config.train.batch_size, config.seq_len
     tokens = jax.random.randint(jax.random.PRNGKey(1), (b, t + 1), 0, config.model.vocab_size)
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
-    step_fn = jax.jit(make_train_step(model, tx, config.train.grad_accum_steps), donate_argnums=0)
+    step = make_train_step(model, tx, config.train.grad_accum_steps, loss_chunk=config.train.loss_chunk)
+    step_fn = jax.jit(step, donate_argnums=0)
     start = time.perf_counter()
     compiled = step_fn.lower(state, batch).compile()
     compile_s = time.perf_counter() - start

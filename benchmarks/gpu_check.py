@@ -57,7 +57,7 @@ SECTIONS = ("machine", "correctness", "speed", "torch", "train", "sample", "leve
 # seconds per section; correctness: 15-22 s a variant on an H200 (compiles; the first visit's 120 s reached
 # eight, the fourth's two MLA variants took 45 s with the process's start), 12 variants
 LIMITS = {
-    "machine": 60, "correctness": 300, "speed": 300, "torch": 120, "train": 150, "sample": 240, "levers": 300,
+    "machine": 60, "correctness": 300, "speed": 420, "torch": 240, "train": 150, "sample": 240, "levers": 300,
     "decode_levers": 360,
 }  # fmt: skip
 # The levers section: `separate`'s speed row again, each in a process of its own under these XLA_FLAGS (a flag
@@ -76,6 +76,9 @@ SMOKE_LEVERS = {"baseline": ("", None), "batch_4": ("", 4)}
 # conditional (a layer's key prefix) unless they are in the CUDA graph; "+" adds to XLA's default command types.
 # The fourth visit (benchmarks/README.md): 1,010 tok/s at batch 1 as on the first; +WHILE,+CONDITIONAL x0.95,
 # unroll 8 x0.36; the trace: 240 kernels and 0.60 ms of kernel time in a 0.99 ms step.
+# Not here: --xla_gpu_enable_dot_strength_reduction=false (issue 98's batch-1 matvec lever): jaxlib 0.10.2 registers
+# no such XLA_FLAGS flag ("Unknown flag in XLA_FLAGS", fatal at start) and its CPU client refuses the DebugOptions
+# field as a compile option ("No such compile option"), so it cannot be given to a run or tested here.
 # name: (XLA flags, generate_batch's scan_unroll, batch 1 only: an unrolled loop compiles for longer)
 DECODE_LEVERS = {
     "baseline": ("", 1, False),
@@ -87,9 +90,14 @@ DECODE_LEVERS = {
 SAMPLE_ROWS = ("1", "64", "64+eos")
 SMOKE_SAMPLE_ROWS = ("1", "8", "8+eos")
 # most wanted first; "/xla": XLA's attention instead of cuDNN's; "/auto": the implementation left unset, as a user
-# runs it (cuDNN's where jax takes the call); "+rope": MLA's decoupled rotary part
-SPEED_ROWS = ("separate", "separate/auto", "flax", "shared_kv", "gqa", "shared_qk", "mla", "mla+rope", "separate/xla")
-SMOKE_SPEED_ROWS = ("separate", "flax", "mla+rope")
+# runs it (cuDNN's where jax takes the call); "+rope": MLA's decoupled rotary part; "124m:": GPT-2 124M with GPT-2's
+# own vocabulary (experiments/configs/gpt2_124m.py: 50,304 ids, the output layer and loss 256 positions at a time),
+# "/nochunk" the same with the whole sequence's logits at once
+SPEED_ROWS = ("separate", "124m:separate", "124m:separate/nochunk", "124m:shared_kv", "124m:gqa", "124m:mla",
+              "separate/auto", "flax", "shared_kv", "gqa", "shared_qk", "mla", "mla+rope", "separate/xla")  # fmt: skip
+SMOKE_SPEED_ROWS = ("separate", "flax", "mla+rope", "124m:separate", "124m:separate/nochunk")
+# the torch section's shapes: gpt2_small's (bytes) and GPT-2 124M's own vocabulary, each beside its qkvjax rows
+TORCH_ROWS = ("small", "124m")
 SMOKE_VARIANTS = ("separate", "mla+rope", "cla2", "window")  # each module class, a K/V hand-over, a ring
 CORRECTNESS_VARIANTS = {  # name: config overrides on the small LM
     "separate": {},
@@ -443,6 +451,13 @@ def _decode_error(model, rng, DecodeCache) -> float:
 
 def _speed_config(args, row: str):
     over = {"model.dropout_rate": 0.0, "train.grad_accum_steps": 1, "train.batch_size": args.batch_size}
+    real_vocab = row.startswith("124m:")
+    row = row.removeprefix("124m:")
+    if row.endswith("/nochunk"):  # the whole sequence's float32 logits at once: what the chunked loss saves
+        row = row.removesuffix("/nochunk")
+        over["train.loss_chunk"] = "none"
+    elif real_vocab and args.smoke:
+        over["train.loss_chunk"] = 8  # the chunked path on the toy shapes
     scheme = row.split("/")[0]
     if scheme.endswith("+rope"):  # MLA's decoupled rotary part: keys H + P wide, values H (padded for cuDNN)
         scheme = scheme.removesuffix("+rope")
@@ -455,7 +470,12 @@ def _speed_config(args, row: str):
         over["model.attention.implementation"] = "cudnn"
     elif row.endswith("/xla"):
         over["model.attention.implementation"] = "xla"
-    path = "experiments/configs/tiny.py" if args.smoke else "experiments/configs/gpt2_small.py"
+    if real_vocab:
+        over["data.prepared"] = "none"  # a speed row reads random tokens, no corpus
+        if args.smoke:  # the toy model with a vocabulary that needs the chunked loss's path
+            over["model.vocab_size"] = 1024
+    path = "experiments/configs/gpt2_124m.py" if real_vocab and not args.smoke else (
+        "experiments/configs/tiny.py" if args.smoke else "experiments/configs/gpt2_small.py")  # fmt: skip
     return _config(path, over)
 
 
@@ -496,6 +516,8 @@ def section_speed(args) -> dict:
         tps = runner["tokens"] / step_s
         rows[row] = {
             "params": param_count(cfg.model),
+            "vocab_size": cfg.model.vocab_size,
+            "loss_chunk": cfg.train.loss_chunk,
             "implementation": cfg.model.attention.implementation,
             "batch": cfg.train.batch_size,
             "seq_len": cfg.seq_len,
@@ -545,11 +567,23 @@ def _quartiles(times: list[float]) -> dict:
 
 
 def section_torch(args) -> dict:
+    """The PyTorch reference at each of :data:`TORCH_ROWS`' shapes: ``gpt2_small``'s (the result's own fields, as
+    on every visit) and GPT-2 124M's own vocabulary (``real_vocab``), each beside the speed section's rows."""
+    out = _torch_row(args, "separate")
+    _save(args, out)  # kept if the next shape runs out of time
+    if "124m" in TORCH_ROWS:
+        out["real_vocab"] = _torch_row(args, "124m:separate")
+    return out
+
+
+def _torch_row(args, row: str) -> dict:
     import torch
     import torch_reference  # beside this script
 
     cuda = torch.cuda.is_available()
-    cfg = _speed_config(args, "separate")
+    cfg = _speed_config(args, row)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     # the strongest fair reference: the whole step compiled, in each CUDA-graph mode (the faster one is the row),
     # SDPA's backend forced and recorded (cuDNN's flash kernel, as qkvjax's default takes); the CPU smoke: eager
     modes, sdpa = (("reduce-overhead", "max-autotune"), "cudnn") if cuda else (("default",), "auto")
@@ -575,6 +609,7 @@ def section_torch(args) -> dict:
         "sdpa_backend": sdpa,
         "attention": f"scaled_dot_product_attention, backend {sdpa}",
         "dtype": cfg.model.attention.dtype,
+        "vocab_size": cfg.model.vocab_size,
         "batch": args.batch_size,
         "step_s": step_s,
         **_quartiles(times),
@@ -583,7 +618,7 @@ def section_torch(args) -> dict:
         "warmup_and_compile_s": one_step.warmup_s,
         "peak_device_bytes": torch.cuda.max_memory_allocated() if cuda else None,
     }
-    print(f"torch: {tps:,.0f} tok/s (compile + 2 warm-up steps {one_step.warmup_s:.1f} s)", flush=True)
+    print(f"torch ({row}): {tps:,.0f} tok/s (compile + 2 warm-up steps {one_step.warmup_s:.1f} s)", flush=True)
     return out
 
 
@@ -692,19 +727,26 @@ def section_sample(args) -> dict:
 
     from qkvjax.config import apply_overrides
     from qkvjax.models.lm import DecoderLM, kv_cache_bytes_per_token
-    from qkvjax.sample import generate_batch
+    from qkvjax.perf import datasheet_bandwidth
+    from qkvjax.sample import compute_params, generate_batch
 
     bandwidth = _read(args.work, "machine", "copy", "bytes_per_s")
+    sheet, sheet_source = datasheet_bandwidth(jax.devices()[0].device_kind) or (None, None)
     cfg = _speed_config(args, "separate")
     if args.smoke:  # key prefixes of 4, 8, 16 and all 32 slots: the smoke run's rows cross from one to the next
         cfg = apply_overrides(cfg, {"model.attention.causal_block": "4"})
     model = DecoderLM(cfg.model)
     rng = np.random.default_rng(0)
     params = jax.jit(model.init)(jax.random.PRNGKey(0), np.zeros((1, 8), np.int32))["params"]
-    param_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+    # the floor counts the bytes decoding reads: the weights as generate_batch stores them (cast once to the
+    # compute dtype, bf16 here) and the cache in its dtype; the float32 parameters' bytes beside it (the third and
+    # fourth visits' floor counted those)
+    param_bytes = sum(x.nbytes for x in jax.tree.leaves(compute_params(model, params)))
     prompt_len, new = (8, 16) if args.smoke else (32, 128)
     rows = {}
-    result = {"param_bytes": param_bytes, "prompt_len": prompt_len, "new_tokens": new, "rows": rows}
+    result = {"param_bytes": param_bytes, "param_bytes_float32": sum(x.nbytes for x in jax.tree.leaves(params)),
+              "datasheet_bandwidth": sheet, "datasheet_source": sheet_source, "measured_bandwidth": bandwidth,
+              "prompt_len": prompt_len, "new_tokens": new, "rows": rows}  # fmt: skip
     # one program whose layers pick their key prefix per token with a lax.switch, as on every visit
     wanted = args.sample_rows.split(",") if args.sample_rows else SMOKE_SAMPLE_ROWS if args.smoke else SAMPLE_ROWS
     for name in wanted:
@@ -718,11 +760,14 @@ def section_sample(args) -> dict:
         mean_filled = prompt_len + new / 2
         bytes_per_step = param_bytes + batch * mean_filled * kv_cache_bytes_per_token(cfg.model)
         floor = batch * bandwidth / bytes_per_step if bandwidth else None
+        sheet_floor = batch * sheet / bytes_per_step if sheet else None
         rows[name] = {
             "tokens_per_s": stats["tokens_per_s"],
             "bytes_per_step": bytes_per_step,
-            "floor_tokens_per_s": floor,
+            "floor_tokens_per_s": floor,  # at the copy bandwidth the machine section measured
             "fraction_of_floor": stats["tokens_per_s"] / floor if floor else None,
+            "datasheet_floor_tokens_per_s": sheet_floor,  # at the datasheet's memory bandwidth
+            "fraction_of_datasheet_floor": stats["tokens_per_s"] / sheet_floor if sheet_floor else None,
             "prefill_and_compile_s": stats["prefill_and_compile_s"],
             "tokens_sha256": hashlib.sha256(np.asarray(tokens).tobytes()).hexdigest()[:16],  # agree across runs?
             "decode_steps": stats["decode_steps"],
@@ -1008,21 +1053,23 @@ def table(m: dict) -> str:
         lines.append(f"MFU: nanoGPT's/PaLM's FLOP count over {tflops:,.1f} TFLOP/s ({source}){share}; causal: "
                      "qkvjax's causal count over the same peak")  # fmt: skip
         lines.append(
-            f"{'train step':<14} {'tok/s':>10} {'IQR':>6} {'x sep':>6} {'MFU':>6} {'causal':>6} {'compile s':>9} "
+            f"{'train step':<22} {'tok/s':>10} {'IQR':>6} {'x sep':>6} {'MFU':>6} {'causal':>6} {'compile s':>9} "
             f"{'mem GiB':>7}"
         )
-        sep = s.get("separate", {}).get("tokens_per_s")
-        lines += [f"{k:<14} ERROR {r['error']}" for k, r in s.items() if "error" in r]
+        lines += [f"{k:<22} ERROR {r['error']}" for k, r in s.items() if "error" in r]
         s = {k: r for k, r in s.items() if "error" not in r}
         rows = [(k, r, r.get("mfu_flops_per_token"), r["train_flops_per_token"], r["compile_s"], r["xla_memory_bytes"])
                 for k, r in s.items()]  # fmt: skip
-        if "torch" in m:
-            t = m["torch"]
-            label = "torch.compile" if t["compiled"] else "torch eager"
-            first = next(iter(s.values())) if s else {}
-            rows.append((label, t, first.get("mfu_flops_per_token"), first.get("train_flops_per_token"),
-                         t["warmup_and_compile_s"], t["peak_device_bytes"]))  # fmt: skip
+        if "torch" in m:  # each torch shape beside its own `separate` row, with that row's FLOP count
+            for t, prefix in ((m["torch"], ""), (m["torch"].get("real_vocab"), "124m:")):
+                if not t or "tokens_per_s" not in t:
+                    continue
+                label = prefix + ("torch.compile" if t["compiled"] else "torch eager")
+                ref = s.get(prefix + "separate", {})
+                rows.append((label, t, ref.get("mfu_flops_per_token"), ref.get("train_flops_per_token"),
+                             t["warmup_and_compile_s"], t["peak_device_bytes"]))  # fmt: skip
         for name, r, flops, causal, compile_s, mem in rows:
+            sep = s.get(("124m:" if name.startswith("124m:") else "") + "separate", {}).get("tokens_per_s")
             tps = r["tokens_per_s"]
             mfu = f"{100 * tps * flops / peak:.1f}%" if peak and flops else "n/a"
             mfu_causal = f"{100 * tps * causal / peak:.1f}%" if peak and causal else "n/a"
@@ -1032,7 +1079,7 @@ def table(m: dict) -> str:
             iqr = f"{50 * (r['step_s_q3'] - r['step_s_q1']) / r['step_s']:.1f}%" if "step_s_q1" in r else "n/a"
             fused = f" cuDNN x{r['cudnn_attention_calls']}" if r.get("cudnn_attention_calls") else ""
             cells = f"{tps:>10,.0f} {iqr:>6} {ratio:>6} {mfu:>6} {mfu_causal:>6} {compile_s:>9.1f} {mem:>7}"
-            lines.append(f"{name:<14} {cells}{fused}")
+            lines.append(f"{name:<22} {cells}{fused}")
     if "train" in m:
         t = m["train"]
         lines.append(
@@ -1044,6 +1091,8 @@ def table(m: dict) -> str:
     if "sample" in m:
         for b, r in m["sample"]["rows"].items():
             frac = f"{100 * r['fraction_of_floor']:.0f}% of floor" if r.get("fraction_of_floor") else ""
+            if r.get("fraction_of_datasheet_floor"):
+                frac += f" ({100 * r['fraction_of_datasheet_floor']:.0f}% at the datasheet's bandwidth)"
             twin = f", x{r['x_scan']:.2f} the scan, same tokens: {r['same_tokens']}" if "x_scan" in r else ""
             lines.append(f"sample b{b}: {r['tokens_per_s']:,.0f} tok/s {frac}{twin}")
     for name, r in m.get("levers", {}).get("rows", {}).items():

@@ -31,8 +31,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _run(cmd: list[str]) -> dict:
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO)
+    # each side on the machine's own device (a GPU where there is one): the environment as the caller set it
+    proc = subprocess.run(cmd, env=dict(os.environ), capture_output=True, text=True, cwd=REPO)
     if proc.returncode:
         raise SystemExit(f"vs_torch: {' '.join(cmd[1:3])} failed: {proc.stderr.strip().splitlines()[-1:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -42,7 +42,8 @@ def compare(config: str, batch_size: int, steps: int, rounds: int, log=print, to
     """Median tokens/s of each side and the median of the per-round ratios (qkvjax over PyTorch); ``torch_args``:
     torch_reference.py's --compile, --mode, --sdpa."""
     common = ["--config", config, "--batch-size", str(batch_size), "--steps", str(steps)]
-    ours_cmd = [sys.executable, str(REPO / "benchmarks" / "xla_flags.py"), "--child", *common, "--check-steps", "0"]
+    ours_cmd = [sys.executable, str(REPO / "benchmarks" / "levers" / "xla_flags.py"), "--child", *common,
+                "--check-steps", "0"]  # fmt: skip
     torch_cmd = [sys.executable, str(REPO / "benchmarks" / "torch_reference.py"), *common, *torch_args, "--json"]
     ours, theirs, ratios = [], [], []
     for r in range(rounds):

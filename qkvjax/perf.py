@@ -29,6 +29,28 @@ DATASHEET: tuple[tuple[str, str, dict[str, float]], ...] = (
 )
 
 
+# Memory bandwidth per chip, bytes/s, from the same datasheets (HBM): the floor a decode step that must read every
+# weight and the filled cache once is set against, beside the copy bandwidth a visit measures.
+DATASHEET_BANDWIDTH: tuple[tuple[str, str, float], ...] = (
+    ("H100 PCIe", "NVIDIA H100 PCIe datasheet", 2.0e12),
+    ("H100", "NVIDIA H100 SXM datasheet", 3.35e12),
+    ("H200", "NVIDIA H200 SXM datasheet", 4.8e12),
+    ("A100", "NVIDIA A100 80GB SXM datasheet", 2.039e12),
+    ("TPU v4", "Google Cloud TPU v4", 1.2e12),
+    ("TPU v5 lite", "Google Cloud TPU v5e", 0.819e12),
+    ("TPU v5", "Google Cloud TPU v5p", 2.765e12),
+    ("TPU v6 lite", "Google Cloud TPU v6e (Trillium)", 1.64e12),
+)
+
+
+def datasheet_bandwidth(device_kind: str) -> tuple[float, str] | None:
+    """``(bytes/s, source)`` of one chip's memory from :data:`DATASHEET_BANDWIDTH`, or None (a CPU)."""
+    for piece, source, bandwidth in DATASHEET_BANDWIDTH:
+        if piece in device_kind:
+            return bandwidth, f"{source}, memory bandwidth"
+    return None
+
+
 def datasheet_peak(device_kind: str, dtype: str) -> tuple[float, str] | None:
     """``(FLOP/s, source)`` of one chip of ``device_kind`` in ``dtype`` from :data:`DATASHEET`, or None."""
     for piece, source, peaks in DATASHEET:

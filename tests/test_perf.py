@@ -63,3 +63,10 @@ def test_the_datasheet_peak_is_named_for_known_devices_and_absent_for_a_cpu():
     assert perf.datasheet_peak("NVIDIA H100 PCIe", "bfloat16")[0] == 756e12
     assert perf.datasheet_peak("NVIDIA H200", "bfloat16")[0] == 989.4e12
     assert perf.datasheet_peak("cpu", "float32") is None
+
+
+def test_the_datasheet_bandwidth_is_named_for_known_devices_and_absent_for_a_cpu():
+    assert perf.datasheet_bandwidth("NVIDIA H100 80GB HBM3") == (3.35e12, "NVIDIA H100 SXM datasheet, memory bandwidth")
+    assert perf.datasheet_bandwidth("NVIDIA H100 PCIe")[0] == 2.0e12
+    assert perf.datasheet_bandwidth("NVIDIA H200")[0] == 4.8e12
+    assert perf.datasheet_bandwidth("cpu") is None

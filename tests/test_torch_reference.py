@@ -64,3 +64,20 @@ def test_the_whole_step_compiled_trains_as_eager_does():
     assert len(eager.losses) == 4 and eager.losses[-1] < eager.losses[0]  # it trains
     with pytest.raises(ValueError, match=r"compile='step', mode='fast'.*allowed"):
         torch_reference.runner(config, batch_size=3, compile="step", mode="fast")
+
+
+def test_vs_torch_alternates_the_two_sides_in_processes_on_the_machines_own_device():
+    """benchmarks/vs_torch.py: qkvjax's side (benchmarks/levers/xla_flags.py's child) and torch_reference.py take
+    turns, each in a process of its own, and the ratio is theirs (it named a moved script and forced jax onto the
+    CPU, so on a GPU machine qkvjax would have run on the CPU beside torch on the GPU)."""
+    import sys
+
+    from tests.helpers import REPO
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import vs_torch
+
+    lines = []
+    out = vs_torch.compare(TINY, 2, 2, 2, log=lines.append)
+    assert out["rounds"] == 2 and len(lines) == 2 and out["x_torch"] > 0
+    assert out["x_torch_min"] <= out["x_torch"] <= out["x_torch_max"]

@@ -75,7 +75,8 @@ def child(args) -> None:
     tokens = jax.random.randint(jax.random.PRNGKey(1), (b, t + 1), 0, cfg.model.vocab_size)
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
     start = time.perf_counter()
-    step = jax.jit(make_train_step(model, tx, 1), donate_argnums=0).lower(state, batch).compile()
+    step = make_train_step(model, tx, 1, loss_chunk=cfg.train.loss_chunk)  # the config's own loss (chunked or not)
+    step = jax.jit(step, donate_argnums=0).lower(state, batch).compile()
     compile_s = time.perf_counter() - start
     losses = []
     for _ in range(args.check_steps):
