@@ -123,7 +123,7 @@ def test_a_process_id_given_twice_is_refused_in_one_line_and_the_run_goes_on(tmp
     in one line by qkvjax's roll call (exit 2, nothing written), and the run goes on when process 2 comes; a process
     1 started again once the run trains is refused too, and the run finishes."""
     w = tmp_path / "w"
-    steps = {"train.num_steps": 40, "train.checkpoint_every": 40, "train.batch_size": 9}  # 9: 3 processes' batch
+    steps = {"train.num_steps": 24, "train.checkpoint_every": 24, "train.batch_size": 9}  # 9: 3 processes' batch
     args = train_args(w, small_text, data_dir, **steps)[1:]
     port = _free_port()
     first = [_train_process(i, 3, port, args) for i in (0, 1)]
@@ -151,7 +151,7 @@ def test_a_process_id_given_twice_is_refused_in_one_line_and_the_run_goes_on(tmp
     finally:
         for p in first:
             p.kill()
-    assert metrics(w)[-1]["step"] == 40
+    assert metrics(w)[-1]["step"] == 24
 
 
 def test_the_roll_call_refuses_another_count_an_id_out_of_range_or_twice_and_lets_the_right_ones_go():
