@@ -110,10 +110,11 @@ def main(argv=None) -> int:
           f"after {mib['after']:.1f} MiB | read bandwidth {bandwidth / 1e9:.1f} GB/s | {n} tokens | "
           f"{time.strftime('%Y-%m-%d %H:%M')}", flush=True)  # fmt: skip
     step = make_step(model)
-    kernels = {}
-    for name, params in variants.items():
-        tok = jnp.zeros((1, 1), jnp.int32)
-        kernels[name] = kernel_counts(step, params, DecodeCache.empty(cfg.model, 1), tok)
+    kernels = {  # per batch: XLA compiles each batch size on its own (a batch-1 product is another kernel)
+        (b, name): kernel_counts(step, params, DecodeCache.empty(cfg.model, b), jnp.zeros((b, 1), jnp.int32))
+        for b in batches
+        for name, params in variants.items()
+    }
     print(f"{'batch':>5} {'variant':>7} {'kernels/layer':>13} {'tok/s':>9} {'ms/token':>8} {'floor ms':>8} "
           f"{'of floor':>8} {'after/before':>12}")  # fmt: skip
     rows = []
@@ -128,8 +129,8 @@ def main(argv=None) -> int:
             step_s = b / tps
             floor_s = (weight_bytes[name] + b * filled * cache_per_token) / bandwidth
             row = {
-                "batch": b, "variant": name, "kernels": kernels[name],
-                "kernels_per_layer": sum(kernels[name].values()) / layers, "tokens_per_s": tps,
+                "batch": b, "variant": name, "kernels": kernels[b, name],
+                "kernels_per_layer": sum(kernels[b, name].values()) / layers, "tokens_per_s": tps,
                 "tokens_per_s_rounds": speeds[name], "ms_per_step": 1e3 * step_s, "floor_ms": 1e3 * floor_s,
                 "of_floor": floor_s / step_s,
                 "after_over_before": tps / statistics.median(speeds["before"]),
@@ -138,8 +139,8 @@ def main(argv=None) -> int:
             print(f"{b:>5} {name:>7} {row['kernels_per_layer']:>13.1f} {tps:>9,.0f} {row['ms_per_step']:>8.2f} "
                   f"{row['floor_ms']:>8.2f} {100 * row['of_floor']:>7.1f}% {row['after_over_before']:>11.2f}x",
                   flush=True)  # fmt: skip
-    for name in variants:
-        print(f"{name}: {dict(kernels[name])} over {layers} layers")
+    for (b, name), counts in kernels.items():
+        print(f"batch {b}, {name}: {counts} over {layers} layers")
     if args.json:
         meta = {
             "command": "python " + " ".join(["benchmarks/decode_floor.py", *(argv or sys.argv[1:])]),
