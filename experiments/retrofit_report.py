@@ -9,8 +9,8 @@ from-scratch reference at the same total tokens (budgets of 1% and 3% against th
 detectable difference as pre-registered (t_0.975,n-1 x sd / sqrt(n) of the paired gaps; the 80%-power one of the
 other reports beside it), and per target the answer:
 the smallest budget whose gap's upper bound is below that difference ("not within 30%" otherwise; "open" while a
-budget lacks seeds). And ``loss_vs_uptrain_tokens.png``: loss against uptraining tokens per target, the
-from-scratch references as horizontal bands.
+budget lacks seeds). And ``loss_vs_uptrain_tokens.png``: loss against uptraining tokens, a panel per target, the
+from-scratch reference each budget is read against as a band over its seeds.
 """
 
 from __future__ import annotations
@@ -102,32 +102,49 @@ def summary_markdown(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], out: Path) -> Path:
-    import matplotlib
+    """One panel per target: the loss after each uptraining budget (mean over seeds, the seeds' range as error
+    bars) against the uptraining tokens, beside the from-scratch reference each budget is read against (N, 1.1 N or
+    1.3 N, REFERENCE_SCALE) as a band from its lowest to its highest seed, and the base's mean."""
+    from experiments import report
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = report.pyplot()
     cells = losses(rows)
-    n = next((int(r["tokens"]) for r in rows if r["stage"] == "base"), None)
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for i, target in enumerate(dict.fromkeys(r["target"] for r in rows if r["stage"] == "uptrain")):
-        color = f"C{i}"
-        pts = sorted((b * (n or 1), statistics.fmean(v)) for (s, t, b), v in
-                     ((k, v.values()) for k, v in cells.items()) if s == "uptrain" and t == target)  # fmt: skip
-        ax.plot(*zip(*pts, strict=True), "o-", color=color, label=f"{target}, uptrained")
-        ref = cells.get(("scratch", target, 1.0))
-        if ref:
-            m = statistics.fmean(ref.values())
-            ax.axhline(m, color=color, ls="--", lw=1, label=f"{target} from scratch on N")
+    n = next((int(r["tokens"]) for r in rows if r["stage"] == "base"), None) or 1
+    targets = list(dict.fromkeys(r["target"] for r in rows if r["stage"] == "uptrain"))
+    cols = min(3, len(targets))
+    nrows = -(-len(targets) // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(4.6 * cols, 3.6 * nrows), sharey=True, squeeze=False)
     base = cells.get(("base", "separate", 1.0))
-    if base:
-        ax.axhline(statistics.fmean(base.values()), color="gray", ls=":", lw=1.5, label="separate, the base (N)")
-    ax.set_xscale("log")
-    ax.set_xlabel("uptraining tokens (log)")
-    ax.set_ylabel("final validation loss (nats/byte)")
-    ax.set_title("Retrofit from separate, d=96, Linux: loss against uptraining tokens (mean over seeds)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    for ax, target in zip(axes.flat, targets, strict=False):  # the panels past the targets stay empty
+        budgets = sorted(b for (s, t, b) in cells if s == "uptrain" and t == target)
+        x = [b * n for b in budgets]
+        ups = [list(cells["uptrain", target, b].values()) for b in budgets]
+        mean = [statistics.fmean(v) for v in ups]
+        spread = [
+            [m - min(v) for m, v in zip(mean, ups, strict=True)],
+            [max(v) - m for m, v in zip(mean, ups, strict=True)],
+        ]
+        ax.errorbar(x, mean, yerr=spread, fmt="o-", color="C0", capsize=3, label="uptrained (mean, seed range)")
+        refs = [cells.get(("scratch", target, REFERENCE_SCALE[b])) for b in budgets]
+        have = [(xi, list(r.values())) for xi, r in zip(x, refs, strict=True) if r]
+        if have:
+            rx = [xi for xi, _ in have]
+            ax.fill_between(rx, [min(v) for _, v in have], [max(v) for _, v in have], color="C1", alpha=0.25,
+                            step="mid", label="from scratch, same total tokens (seed range)")  # fmt: skip
+            ax.plot(rx, [statistics.fmean(v) for _, v in have], "s--", color="C1", ms=4, lw=1)
+        if base:
+            ax.axhline(statistics.fmean(base.values()), color="gray", ls=":", lw=1.5, label="separate, the base (N)")
+        seeds = sorted({s for v in cells.items() if v[0][1] == target for s in v[1]})
+        ax.set_title(f"{target} (seeds {', '.join(map(str, seeds))})", fontsize=10)
+        ax.set_xscale("log")
+        ax.set_xlabel("uptraining tokens (log)")
+        ax.grid(alpha=0.3)
+    for ax in axes.flat[len(targets) :]:
+        ax.axis("off")
+    for ax in axes[:, 0]:
+        ax.set_ylabel("final validation loss (nats/byte)")
+    axes.flat[0].legend(fontsize=7, loc="upper right")
+    fig.suptitle("Retrofit from separate, d=96, Linux: loss against uptraining tokens, per target", fontsize=11)
     fig.tight_layout()
     path = out / "loss_vs_uptrain_tokens.png"
     fig.savefig(path, dpi=120)
