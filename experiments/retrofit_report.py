@@ -76,6 +76,22 @@ def answer(entries: list[dict], seeds: int = 3) -> dict[str, str]:
     return out
 
 
+def fourth_seed_due(entries: list[dict], answers: dict[str, str]) -> dict[str, list[float]]:
+    """Per decided target, the budgets on which its answer turns (the pre-registration's rule for a fourth seed):
+    those up to the answer's budget (every budget for "not within 30%") whose gap's interval holds the detectable
+    difference, so that more seeds could move the answer."""
+    out = {}
+    for target, said in answers.items():
+        if said.startswith("open"):
+            continue
+        mine = sorted((e for e in entries if e["target"] == target and "ci" in e), key=lambda e: e["budget"])
+        last = float(said.split("%")[0]) / 100 if said[0].isdigit() else 1.0
+        turns = [e["budget"] for e in mine if e["budget"] <= last + 1e-9 and e["ci"][0] < e["d"] < e["ci"][1]]
+        if turns:
+            out[target] = turns
+    return out
+
+
 def summary_markdown(rows: list[dict]) -> str:
     cells = losses(rows)
     base = cells.get(("base", "separate", 1.0), {})
@@ -97,7 +113,14 @@ def summary_markdown(rows: list[dict]) -> str:
         lines.append(f"| {e['target']} | {e['budget']:.0%} | {e['n']} | {e['loss']:.4f} | {ref} | {gap} | "
                      f"{e['pairs']} |")  # fmt: skip
     lines += ["", "## The answer so far", ""]
-    lines += [f"- {t}: {a}" for t, a in answer(entries).items()] or ["- no uptraining result yet"]
+    answers = answer(entries)
+    due = fourth_seed_due(entries, answers)
+    for t, a in answers.items():
+        turns = ", ".join(f"{b:.0%}" for b in due.get(t, ()))
+        lines.append(f"- {t}: {a}" + (f" (with 3 seeds; a fourth seed is due: the gap's interval at {turns} holds "
+                                      "its detectable difference)" if turns else ""))  # fmt: skip
+    if not answers:
+        lines.append("- no uptraining result yet")
     return "\n".join(lines) + "\n"
 
 

@@ -83,6 +83,11 @@ def test_the_report_pairs_each_budget_with_its_from_scratch_length_and_answers(t
     assert ten["ref"] == np.mean([1.78, 1.781, 1.782])  # 10% is read against 1.1 N
     answers = retrofit_report.answer(entries)
     assert answers["mqa"] == "10% of the base's tokens" and answers["gqa2"].startswith("open")
+    assert retrofit_report.fourth_seed_due(entries, answers) == {}  # 3%'s interval is far above its d
+    # a budget whose interval holds its d could pass with a fourth seed: the answer turns on it
+    wide = [dict(e, ci=(e["d"] - 0.01, e["d"] + 0.01)) if e["budget"] == 0.03 else e for e in entries]
+    assert retrofit_report.fourth_seed_due(wide, answers) == {"mqa": [0.03]}
+    assert retrofit_report.fourth_seed_due(wide, {"mqa": "not within 30%"}) == {"mqa": [0.03]}
     out = tmp_path / "r"
     out.mkdir()
     append_rows(out / "runs.csv", tuple(rows[0]), rows)
