@@ -117,8 +117,9 @@ def summary_markdown(rows: list[dict]) -> str:
     due = fourth_seed_due(entries, answers)
     for t, a in answers.items():
         turns = ", ".join(f"{b:.0%}" for b in due.get(t, ()))
-        lines.append(f"- {t}: {a}" + (f" (with 3 seeds; a fourth seed is due: the gap's interval at {turns} holds "
-                                      "its detectable difference)" if turns else ""))  # fmt: skip
+        pairs = min(e["pairs"] for e in entries if e["target"] == t)
+        lines.append(f"- {t}: {a}" + (f" (with {pairs} paired seeds; another seed is due: the gap's interval at "
+                                      f"{turns} holds its detectable difference)" if turns else ""))  # fmt: skip
     if not answers:
         lines.append("- no uptraining result yet")
     return "\n".join(lines) + "\n"
