@@ -33,6 +33,7 @@ if __package__ in (None, ""):  # run as a script: make the repository (or this f
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import bench_decode  # noqa: E402
 from decode_roofline import read_bandwidth  # noqa: E402
 
 from qkvjax.config import apply_overrides, load_config_file  # noqa: E402
@@ -58,18 +59,6 @@ def kernel_counts(step, params, cache, tok) -> dict[str, int]:
     entry = text[text.index("ENTRY") :]
     ops = collections.Counter(re.findall(r"= \S+ ([\w-]+)\(", entry))
     return {k: ops[k] for k in KERNELS if ops[k]}
-
-
-def tokens_per_s(step, params, config, batch: int, n: int) -> float:
-    cache, tok = step(params, DecodeCache.empty(config.model, batch), jnp.zeros((batch, 1), jnp.int32))
-    jax.block_until_ready(tok)  # compiled
-    cache, tok = DecodeCache.empty(config.model, batch), jnp.zeros((batch, 1), jnp.int32)
-    jax.block_until_ready(cache)
-    start = time.perf_counter()
-    for _ in range(n):
-        cache, tok = step(params, cache, tok)
-    jax.block_until_ready(tok)
-    return batch * n / (time.perf_counter() - start)
 
 
 def main(argv=None) -> int:
@@ -122,7 +111,7 @@ def main(argv=None) -> int:
         speeds = {name: [] for name in variants}
         for _ in range(args.rounds):  # alternate, so the machine's drift hits both alike
             for name, params in variants.items():
-                speeds[name].append(tokens_per_s(step, params, cfg, b, n))
+                speeds[name].append(bench_decode(model, params, cfg, b, n))  # the cache donated, median of 3
         filled = (n + 1) / 2  # positions in the cache, averaged over the run
         for name in variants:
             tps = statistics.median(speeds[name])

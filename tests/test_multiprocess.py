@@ -117,6 +117,14 @@ def _train_process(i, n, port, args, timeout_s=60):
     return subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+def _refused_in_one_line(proc) -> str:
+    """The one line a refused process printed (exit 2, nothing else on stderr)."""
+    _, err = proc.communicate(timeout=60)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, err[-3000:]
+    return lines[0]
+
+
 def test_a_process_id_given_twice_is_refused_in_one_line_and_the_run_goes_on(tmp_path, small_text, data_dir):
     """Round 4's probe: two processes with the same --process-id ended every process of the run in XLA's C++ abort
     (exit 134, "another task died"), the coordinator's at once. Now, of 3 processes, a second process 1 is refused
@@ -129,22 +137,15 @@ def test_a_process_id_given_twice_is_refused_in_one_line_and_the_run_goes_on(tmp
     first = [_train_process(i, 3, port, args) for i in (0, 1)]
     try:
         time.sleep(2)
-        twice = _train_process(1, 3, port, args)
-        _, err = twice.communicate(timeout=60)
-        lines = [line for line in err.splitlines() if line.strip()]
-        assert twice.returncode == 2 and len(lines) == 1, err[-3000:]
-        assert "--process-id 1 has already checked in (from 127.0.0.1)" in lines[0]
-        assert "(this is process 1 of 3)" in lines[0]
+        line = _refused_in_one_line(_train_process(1, 3, port, args))
+        assert "--process-id 1 has already checked in (from 127.0.0.1)" in line and "(this is process 1 of 3)" in line
         assert all(p.poll() is None for p in first)  # still waiting for process 2
         first.append(_train_process(2, 3, port, args))
         deadline = time.time() + 120
         while not (w / "config.json").exists() and time.time() < deadline:  # the run has started
             time.sleep(0.1)
-        late = _train_process(1, 3, port, args)
-        _, err = late.communicate(timeout=60)
-        lines = [line for line in err.splitlines() if line.strip()]
-        assert late.returncode == 2 and len(lines) == 1, err[-3000:]
-        assert "does not hold a roll call: the run has likely started without this process" in lines[0]
+        line = _refused_in_one_line(_train_process(1, 3, port, args))
+        assert "does not hold a roll call: the run has likely started without this process" in line
         for p in first:
             _, err = p.communicate(timeout=240)
             assert p.returncode == 0, err[-3000:]
